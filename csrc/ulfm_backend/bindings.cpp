@@ -1,0 +1,64 @@
+// Python bindings of the ulfm backend (module megatron_recover.collective._ulfm_backend).
+// torch.distributed must be imported first: the classes below derive from its Work and Backend.
+#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "ulfm_backend.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ULFM fault-tolerant torch.distributed backend (see ulfm_backend.hpp)";
+
+  py::class_<ulfm::FailureRecord>(m, "FailureRecord")
+      .def_readonly("failed_ranks", &ulfm::FailureRecord::failed_ranks)
+      .def_readonly("size", &ulfm::FailureRecord::size)
+      .def_readonly("rank", &ulfm::FailureRecord::rank)
+      .def_readonly("epoch", &ulfm::FailureRecord::epoch)
+      .def_readonly("repaired", &ulfm::FailureRecord::repaired)
+      .def_readonly("census", &ulfm::FailureRecord::census);
+
+  py::class_<ulfm::WorkULFM, c10d::Work, c10::intrusive_ptr<ulfm::WorkULFM>>(m, "WorkULFM")
+      .def("has_failure", &ulfm::WorkULFM::has_failure)
+      .def("record", &ulfm::WorkULFM::record);
+
+  using PG = ulfm::ProcessGroupULFM;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<PG, c10d::Backend, c10::intrusive_ptr<PG>>(m, "ProcessGroupULFM")
+      .def(py::init([](std::vector<int64_t> world_ranks, std::string name, double timeout_s) {
+             ulfm::GroupOptions options;
+             options.world_ranks = std::move(world_ranks);
+             options.name = std::move(name);
+             options.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
+             return c10::make_intrusive<PG>(std::move(options));
+           }),
+           py::arg("world_ranks"), py::arg("name"), py::arg("timeout_s"), nogil)
+      .def("set_agree_each_op", &PG::set_agree_each_op, py::arg("on"))
+      .def("allreduce_sum", &PG::allreduce_sum, py::arg("tensor"), nogil)
+      .def("broadcast_from", &PG::broadcast_from, py::arg("tensor"), py::arg("root_world_rank"),
+           nogil)
+      .def("allgather_into", &PG::allgather_into, py::arg("output"), py::arg("input"), nogil)
+      .def("barrier_ft", &PG::barrier_ft, nogil)
+      .def("consensus", &PG::consensus, py::arg("census"), nogil)
+      .def("epoch", &PG::epoch)
+      .def("current_size", &PG::current_size)
+      .def("current_rank", &PG::current_rank)
+      .def("members", &PG::members)
+      .def("arm_fault",
+           [](PG& pg, std::string point, int64_t occurrence, std::string action, double delay_s,
+              std::string marker_path) {
+             pg.arm_fault({std::move(point), occurrence, std::move(action), delay_s,
+                           std::move(marker_path)});
+           },
+           py::arg("point"), py::arg("occurrence"), py::arg("action"), py::arg("delay_s"),
+           py::arg("marker_path"));
+
+  m.def("fault_tolerance_enabled", &ulfm::fault_tolerance_enabled);
+  m.def("cuda_staging_compiled", [] {
+#ifdef ULFM_CUDA_STAGING
+    return true;
+#else
+    return false;
+#endif
+  });
+}

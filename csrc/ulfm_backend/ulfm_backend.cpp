@@ -1,0 +1,646 @@
+// ProcessGroupULFM implementation. See ulfm_backend.hpp for the contract; ULFM-NOTES.md in the
+// design folder for the measured MPI behaviour every branch below is written against.
+#include "ulfm_backend.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <mpi-ext.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <csignal>
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace ulfm {
+namespace {
+
+// Largest element count handed to one MPI call (counts are C ints).
+constexpr int64_t kMaxChunk = int64_t(1) << 30;
+// A repair that cannot produce a validated communicator within this many shrinks is a bug or an
+// MPI we do not understand: fail the operation loudly rather than loop.
+constexpr int kMaxShrinkAttempts = 64;
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(system_clock::now().time_since_epoch()).count();
+}
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+template <typename T>
+void sum_as_float(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    b[i] = T(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  }
+}
+
+// MPI has no 16-bit float types or sums: one 2-byte type and a user op per format, created once.
+struct HalfTypes {
+  MPI_Datatype type16 = MPI_DATATYPE_NULL;
+  MPI_Op sum_bf16 = MPI_OP_NULL;
+  MPI_Op sum_fp16 = MPI_OP_NULL;
+};
+
+const HalfTypes& half_types() {
+  static HalfTypes types = [] {
+    HalfTypes t;
+    MPI_Type_contiguous(2, MPI_BYTE, &t.type16);
+    MPI_Type_commit(&t.type16);
+    MPI_Op_create(&sum_as_float<c10::BFloat16>, /*commute=*/1, &t.sum_bf16);
+    MPI_Op_create(&sum_as_float<c10::Half>, /*commute=*/1, &t.sum_fp16);
+    return t;
+  }();
+  return types;
+}
+
+struct SumSpec {
+  MPI_Datatype type;
+  MPI_Op op;
+};
+
+SumSpec sum_spec(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return {MPI_FLOAT, MPI_SUM};
+    case at::kDouble: return {MPI_DOUBLE, MPI_SUM};
+    case at::kInt: return {MPI_INT32_T, MPI_SUM};
+    case at::kLong: return {MPI_INT64_T, MPI_SUM};
+    case at::kBFloat16: return {half_types().type16, half_types().sum_bf16};
+    case at::kHalf: return {half_types().type16, half_types().sum_fp16};
+    default:
+      TORCH_CHECK_VALUE(false, "ulfm: all-reduce does not support dtype ", dtype,
+                        " (supported: float32, float64, bfloat16, float16, int32, int64)");
+  }
+}
+
+// The tensor MPI reads and writes: the caller's own storage when it is a contiguous CPU tensor,
+// otherwise a contiguous host copy that is written back only when the operation succeeded.
+struct Staged {
+  at::Tensor user;
+  at::Tensor host;
+  bool copied;
+
+  static Staged of(const at::Tensor& t) {
+#ifdef ULFM_CUDA_STAGING
+    // Untested on the development machines (no GPU): device-to-host copy on the caller's
+    // stream, synchronised by .to(); the write-back happens on the worker thread.
+    if (t.is_cuda()) return {t, t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true), true};
+#endif
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "ulfm: tensors must be on the CPU", 
+#ifdef ULFM_CUDA_STAGING
+                      " or CUDA",
+#endif
+                      " (got ", t.device(), ")");
+    if (t.is_contiguous()) return {t, t, false};
+    return {t, t.contiguous(), true};
+  }
+
+  void write_back() {
+    if (copied) user.copy_(host);
+  }
+};
+
+std::vector<int64_t> minus(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  std::vector<int64_t> out;
+  for (int64_t x : a) {
+    if (std::find(b.begin(), b.end(), x) == b.end()) out.push_back(x);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+bool fault_tolerance_enabled() {
+  // Open MPI's runtime switch for ULFM is the MCA parameter mpi_ft_enable, which
+  // `mpirun --with-ft ulfm` turns on; read it through the MPI tool interface.
+  int provided = 0;
+  if (MPI_T_init_thread(MPI_THREAD_SINGLE, &provided) != MPI_SUCCESS) return false;
+  int index = -1;
+  int enabled = 0;
+  if (MPI_T_cvar_get_index("mpi_ft_enable", &index) == MPI_SUCCESS) {
+    MPI_T_cvar_handle handle;
+    int count = 0;
+    if (MPI_T_cvar_handle_alloc(index, nullptr, &handle, &count) == MPI_SUCCESS) {
+      MPI_T_cvar_read(handle, &enabled);
+      MPI_T_cvar_handle_free(&handle);
+    }
+  }
+  MPI_T_finalize();
+  return enabled != 0;
+}
+
+// ------------------------------------------------------------------------------------ WorkULFM
+
+WorkULFM::WorkULFM(c10d::OpType type, std::vector<at::Tensor> outputs,
+                   std::chrono::milliseconds timeout)
+    : c10d::Work(-1, type),
+      outputs_(std::move(outputs)),
+      default_timeout_(timeout),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+bool WorkULFM::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_;
+}
+
+bool WorkULFM::isSuccess() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ && !exception_ && !failed_;
+}
+
+bool WorkULFM::wait(std::chrono::milliseconds timeout) {
+  const auto limit = timeout == kNoTimeout ? default_timeout_ : timeout;
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!cv_.wait_for(lock, limit, [&] { return completed_; })) {
+    // The operation is still running on the worker thread; the group cannot be used until the
+    // peer that stalls it is declared failed.
+    C10_THROW_ERROR(DistBackendError,
+                    "ulfm: " + c10d::opTypeToString(opType_) + " did not complete within " +
+                        std::to_string(limit.count()) + " ms");
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+std::vector<at::Tensor> WorkULFM::result() {
+  return outputs_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkULFM::getFuture() {
+  return future_;
+}
+
+bool WorkULFM::has_failure() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failed_;
+}
+
+FailureRecord WorkULFM::record() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return record_;
+}
+
+void WorkULFM::complete(const FailureRecord* record, std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (record != nullptr) {
+      record_ = *record;
+      failed_ = record->repaired || !record->failed_ranks.empty();
+    }
+    exception_ = error;
+    completed_ = true;
+  }
+  cv_.notify_all();
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+// ---------------------------------------------------------------------------- ProcessGroupULFM
+
+ProcessGroupULFM::ProcessGroupULFM(GroupOptions options)
+    : c10d::Backend(
+          [&] {
+            auto it = std::find(options.world_ranks.begin(), options.world_ranks.end(),
+                                world_rank());
+            TORCH_CHECK(it != options.world_ranks.end(), "ulfm: this rank is not a member");
+            return int(it - options.world_ranks.begin());
+          }(),
+          int(options.world_ranks.size())),
+      options_(std::move(options)) {
+  TORCH_CHECK(fault_tolerance_enabled(),
+              "ulfm: MPI fault tolerance is off. Launch with `mpirun --with-ft ulfm ...` "
+              "(or `megatron-recover launch`), using an Open MPI 5 built with ULFM.");
+  MPI_Group world_group, group;
+  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+  std::vector<int> ranks(options_.world_ranks.begin(), options_.world_ranks.end());
+  MPI_Group_incl(world_group, int(ranks.size()), ranks.data(), &group);
+  // Collective over the members only; members create their groups in the same order, so a tag
+  // derived from the group's name keeps concurrent creations of disjoint groups apart.
+  const int tag = int(std::hash<std::string>{}(options_.name) % 32768);
+  int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &comm_);
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  TORCH_CHECK(rc == MPI_SUCCESS && comm_ != MPI_COMM_NULL,
+              "ulfm: MPI_Comm_create_group failed for group ", options_.name);
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    refresh_members_locked();
+    members_at_consensus_ = members_;
+  }
+  worker_ = std::thread(&ProcessGroupULFM::worker_loop, this);
+}
+
+ProcessGroupULFM::~ProcessGroupULFM() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  // The communicator is not freed: after a failure MPI_Comm_free may wait on dead peers, and
+  // groups live until the process exits anyway.
+}
+
+int64_t ProcessGroupULFM::epoch() const {
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  return epoch_;
+}
+
+int64_t ProcessGroupULFM::current_size() const {
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  return int64_t(members_.size());
+}
+
+int64_t ProcessGroupULFM::current_rank() const {
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  return rank_in_comm_;
+}
+
+std::vector<int64_t> ProcessGroupULFM::members() const {
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  return members_;
+}
+
+void ProcessGroupULFM::refresh_members_locked() {
+  MPI_Group group, world_group;
+  MPI_Comm_group(comm_, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+  int n = 0;
+  MPI_Group_size(group, &n);
+  std::vector<int> local(n), global(n);
+  for (int i = 0; i < n; ++i) local[i] = i;
+  MPI_Group_translate_ranks(group, n, local.data(), world_group, global.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  members_.assign(global.begin(), global.end());
+  int r = 0;
+  MPI_Comm_rank(comm_, &r);
+  rank_in_comm_ = r;
+}
+
+void ProcessGroupULFM::fill_membership(FailureRecord* record) {
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  record->size = int64_t(members_.size());
+  record->rank = rank_in_comm_;
+  record->epoch = epoch_;
+}
+
+// ------------------------------------------------------------------------------------- worker
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue(
+    c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void(FailureRecord*)> run) {
+  auto work = c10::make_intrusive<WorkULFM>(type, std::move(outputs), options_.timeout);
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    TORCH_CHECK(!stopping_, "ulfm: group ", options_.name, " is shut down");
+    queue_.push_back(Task{work, std::move(run)});
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
+void ProcessGroupULFM::worker_loop() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mutex_);
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    FailureRecord record;
+    std::exception_ptr error;
+    try {
+      task.run(&record);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    fill_membership(&record);
+    task.work->complete(&record, error);
+  }
+}
+
+void ProcessGroupULFM::run_data_op(const char* point, const Body& body, FailureRecord* record) {
+  fault_enter(point);
+  int rc = body(comm_);
+  if (agree_each_op_) {
+    // Agreement is uniform: every survivor takes the same branch below, so all of them report
+    // the failure from this very operation.
+    int flag = rc == MPI_SUCCESS ? 1 : 0;
+    int arc = MPIX_Comm_agree(comm_, &flag);
+    if (arc != MPI_SUCCESS || flag == 0) rc = arc != MPI_SUCCESS ? arc : MPI_ERR_OTHER;
+  }
+  if (rc != MPI_SUCCESS) repair(record);
+}
+
+void ProcessGroupULFM::repair(FailureRecord* record) {
+  std::vector<int64_t> before;
+  {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    before = members_;
+  }
+  MPIX_Comm_revoke(comm_);
+  int acked = 0;
+  MPIX_Comm_ack_failed(comm_, int(before.size()), &acked);
+  for (int attempt = 0;; ++attempt) {
+    TORCH_CHECK(attempt < kMaxShrinkAttempts, "ulfm: group ", options_.name,
+                " could not be repaired after ", kMaxShrinkAttempts, " shrinks");
+    fault_enter("shrink");
+    MPI_Comm shrunk = MPI_COMM_NULL;
+    int rc = MPIX_Comm_shrink(comm_, &shrunk);
+    if (rc != MPI_SUCCESS || shrunk == MPI_COMM_NULL) continue;
+    MPI_Comm_set_errhandler(shrunk, MPI_ERRORS_RETURN);
+    // The previous communicator is revoked and abandoned (see the destructor on freeing).
+    comm_ = shrunk;
+    // Shrink can return a communicator that still holds a rank that died during the shrink.
+    if (validate(comm_)) break;
+    MPIX_Comm_revoke(comm_);
+  }
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  refresh_members_locked();
+  epoch_ += 1;
+  record->failed_ranks = minus(before, members_);
+  record->repaired = true;
+}
+
+bool ProcessGroupULFM::validate(MPI_Comm comm) {
+  int flag = 1;
+  if (MPIX_Comm_agree(comm, &flag) != MPI_SUCCESS) return false;
+  int size = 0, one = 1;
+  MPI_Comm_size(comm, &size);
+  int rc = MPI_Allreduce(MPI_IN_PLACE, &one, 1, MPI_INT, MPI_SUM, comm);
+  flag = (rc == MPI_SUCCESS && one == size) ? 1 : 0;
+  // Agreement makes the verdict uniform: no survivor keeps a communicator another one rejects.
+  return MPIX_Comm_agree(comm, &flag) == MPI_SUCCESS && flag == 1;
+}
+
+void ProcessGroupULFM::run_consensus(std::vector<int64_t>& census, FailureRecord* record) {
+  const std::vector<int64_t> contribution = census;
+  int64_t max_epoch = 0;
+  for (;;) {
+    fault_enter("consensus");
+    int flag = 1;
+    int rc;
+    if (kill_pending_at("consensus")) {
+      MPI_Request request;
+      rc = MPIX_Comm_iagree(comm_, &flag, &request);
+      fault_posted("consensus");
+      if (rc == MPI_SUCCESS) rc = MPI_Wait(&request, MPI_STATUS_IGNORE);
+    } else {
+      rc = MPIX_Comm_agree(comm_, &flag);
+    }
+    if (rc != MPI_SUCCESS) {
+      repair(record);
+      continue;
+    }
+    census = contribution;
+    max_epoch = epoch();
+    int rc_sum = census.empty() ? MPI_SUCCESS
+                                : MPI_Allreduce(MPI_IN_PLACE, census.data(), int(census.size()),
+                                                MPI_INT64_T, MPI_SUM, comm_);
+    int rc_max = MPI_Allreduce(MPI_IN_PLACE, &max_epoch, 1, MPI_INT64_T, MPI_MAX, comm_);
+    flag = (rc_sum == MPI_SUCCESS && rc_max == MPI_SUCCESS) ? 1 : 0;
+    rc = MPIX_Comm_agree(comm_, &flag);
+    if (rc == MPI_SUCCESS && flag == 1) break;
+    repair(record);
+  }
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  // Survivors may have repaired a different number of times when outcomes were not uniform;
+  // the agreed epoch is the largest, so every survivor leaves the consensus with the same one.
+  epoch_ = std::max(epoch_, max_epoch);
+  record->failed_ranks = minus(members_at_consensus_, members_);
+  record->census = census;
+  members_at_consensus_ = members_;
+}
+
+// --------------------------------------------------------------------------------- operations
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allreduce_sum(at::Tensor tensor) {
+  const SumSpec spec = sum_spec(tensor.scalar_type());
+  auto staged = std::make_shared<Staged>(Staged::of(tensor));
+  return enqueue(c10d::OpType::ALLREDUCE, {tensor}, [this, staged, spec](FailureRecord* record) {
+    char* data = static_cast<char*>(staged->host.data_ptr());
+    const int64_t numel = staged->host.numel();
+    const int64_t itemsize = staged->host.element_size();
+    run_data_op("reduce", [&](MPI_Comm comm) {
+      const bool inject = kill_pending_at("reduce");
+      for (int64_t offset = 0; offset < numel; offset += kMaxChunk) {
+        const int count = int(std::min(kMaxChunk, numel - offset));
+        void* chunk = data + offset * itemsize;
+        int rc;
+        if (inject) {
+          MPI_Request request;
+          rc = MPI_Iallreduce(MPI_IN_PLACE, chunk, count, spec.type, spec.op, comm, &request);
+          fault_posted("reduce");
+          if (rc == MPI_SUCCESS) rc = MPI_Wait(&request, MPI_STATUS_IGNORE);
+        } else {
+          rc = MPI_Allreduce(MPI_IN_PLACE, chunk, count, spec.type, spec.op, comm);
+        }
+        if (rc != MPI_SUCCESS) return rc;
+      }
+      return MPI_SUCCESS;
+    }, record);
+    if (!record->repaired) staged->write_back();
+  });
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::broadcast_from(at::Tensor tensor,
+                                                             int64_t root_world_rank) {
+  auto staged = std::make_shared<Staged>(Staged::of(tensor));
+  return enqueue(c10d::OpType::BROADCAST, {tensor},
+                 [this, staged, root_world_rank](FailureRecord* record) {
+    const auto current = members();
+    auto it = std::find(current.begin(), current.end(), root_world_rank);
+    TORCH_CHECK_VALUE(it != current.end(), "ulfm: broadcast root ", root_world_rank,
+                      " is not a live member of group ", options_.name);
+    const int root = int(it - current.begin());
+    const int64_t nbytes = staged->host.nbytes();
+    TORCH_CHECK_VALUE(nbytes <= kMaxChunk, "ulfm: broadcast of ", nbytes, " bytes is too large");
+    run_data_op("broadcast", [&](MPI_Comm comm) {
+      return MPI_Bcast(staged->host.data_ptr(), int(nbytes), MPI_BYTE, root, comm);
+    }, record);
+    if (!record->repaired) staged->write_back();
+  });
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allgather_into(at::Tensor output,
+                                                             at::Tensor input) {
+  TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
+                    "ulfm: all-gather output and input dtypes differ");
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * current_size(),
+                    "ulfm: all-gather output must hold size() x input elements (size() = ",
+                    current_size(), ")");
+  auto in = std::make_shared<Staged>(Staged::of(input));
+  auto out = std::make_shared<Staged>(Staged::of(output));
+  return enqueue(c10d::OpType::ALLGATHER, {output}, [this, in, out](FailureRecord* record) {
+    const int64_t nbytes = in->host.nbytes();
+    TORCH_CHECK_VALUE(nbytes * current_size() <= kMaxChunk, "ulfm: all-gather is too large");
+    run_data_op("allgather", [&](MPI_Comm comm) {
+      int size = 0;
+      MPI_Comm_size(comm, &size);
+      if (int64_t(size) * nbytes != out->host.nbytes()) return int(MPI_ERR_SIZE);
+      return MPI_Allgather(in->host.data_ptr(), int(nbytes), MPI_BYTE, out->host.data_ptr(),
+                           int(nbytes), MPI_BYTE, comm);
+    }, record);
+    if (!record->repaired) out->write_back();
+  });
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::barrier_ft() {
+  return enqueue(c10d::OpType::BARRIER, {}, [this](FailureRecord* record) {
+    run_data_op("barrier", [](MPI_Comm comm) { return MPI_Barrier(comm); }, record);
+  });
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::consensus(std::vector<int64_t> census) {
+  auto shared = std::make_shared<std::vector<int64_t>>(std::move(census));
+  return enqueue(c10d::OpType::UNKNOWN, {}, [this, shared](FailureRecord* record) {
+    run_consensus(*shared, record);
+  });
+}
+
+// The torch.distributed entry points map onto the typed ones.
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ulfm: all-reduce takes exactly one tensor");
+  TORCH_CHECK_VALUE(opts.reduceOp == c10d::ReduceOp::SUM,
+                    "ulfm: all-reduce supports only ReduceOp.SUM (got ",
+                    int(opts.reduceOp.op_), ")");
+  return allreduce_sum(tensors[0]);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ulfm: broadcast takes exactly one tensor");
+  // torch passes the root as a rank of the group as created; members keep their world ranks.
+  return broadcast_from(tensors[0], options_.world_ranks.at(opts.rootRank));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1,
+                    "ulfm: all-gather takes one input tensor and one output list");
+  auto& targets = outputs[0];
+  TORCH_CHECK_VALUE(int64_t(targets.size()) == current_size(),
+                    "ulfm: all-gather output list must have one tensor per live member (",
+                    current_size(), ")");
+  at::Tensor flat = at::empty({current_size() * inputs[0].numel()},
+                              inputs[0].options().device(at::kCPU));
+  auto work = allgather_into(flat, inputs[0]);
+  // Completion callback copies the gathered rows into the caller's tensors.
+  auto targets_copy = targets;
+  work->getFuture()->addCallback([flat, targets_copy](c10::ivalue::Future& future) mutable {
+    if (future.hasError()) return;
+    auto rows = flat.chunk(int64_t(targets_copy.size()));
+    for (size_t i = 0; i < targets_copy.size(); ++i) {
+      targets_copy[i].copy_(rows[i].view(targets_copy[i].sizes()));
+    }
+  });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::barrier(const c10d::BarrierOptions&) {
+  return barrier_ft();
+}
+
+// ------------------------------------------------------------------------------ fault injection
+
+void ProcessGroupULFM::arm_fault(FaultArm arm) {
+  TORCH_CHECK_VALUE(arm.point == "reduce" || arm.point == "consensus" || arm.point == "shrink" ||
+                        arm.point == "barrier" || arm.point == "broadcast" ||
+                        arm.point == "allgather",
+                    "ulfm: unknown fault point '", arm.point, "'");
+  TORCH_CHECK_VALUE(arm.action == "kill" || arm.action == "delay", "ulfm: unknown fault action '",
+                    arm.action, "'");
+  TORCH_CHECK_VALUE(arm.point != "shrink" || arm.action == "delay" || arm.delay_s > 0,
+                    "ulfm: a kill inside shrink needs delay_s > 0 (it fires from a timer)");
+  std::lock_guard<std::mutex> lock(fault_mutex_);
+  arms_.push_back(std::move(arm));
+}
+
+namespace {
+
+[[noreturn]] void die_with_marker(const FaultArm& arm) {
+  char line[256];
+  const int n = std::snprintf(line, sizeof(line),
+                              "{\"point\": \"%s\", \"rank\": %d, \"time\": %.6f}\n",
+                              arm.point.c_str(), world_rank(), now_s());
+  const int fd = ::open(arm.marker_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd >= 0) {
+    ssize_t written = ::write(fd, line, size_t(n));
+    (void)written;
+    ::fsync(fd);
+    ::close(fd);
+  }
+  ::kill(::getpid(), SIGKILL);
+  for (;;) ::pause();
+}
+
+}  // namespace
+
+bool ProcessGroupULFM::kill_pending_at(const std::string& point) {
+  // Only the armed occurrence posts the non-blocking variant: blocking and non-blocking
+  // collectives never match each other, so every other call must stay blocking like the peers'.
+  std::lock_guard<std::mutex> lock(fault_mutex_);
+  return has_pending_kill_ && pending_kill_.point == point;
+}
+
+void ProcessGroupULFM::fault_enter(const std::string& point) {
+  std::vector<FaultArm> due;
+  {
+    std::lock_guard<std::mutex> lock(fault_mutex_);
+    if (arms_.empty()) return;
+    const int64_t count = ++hits_[point];
+    for (const auto& arm : arms_) {
+      if (arm.point == point && arm.occurrence == count) due.push_back(arm);
+    }
+  }
+  for (const auto& arm : due) {
+    if (arm.action == "delay") {
+      std::this_thread::sleep_for(std::chrono::duration<double>(arm.delay_s));
+    } else if (point == "shrink") {
+      // Shrink is blocking: a timer thread kills us while this thread is inside it.
+      std::thread([arm] {
+        std::this_thread::sleep_for(std::chrono::duration<double>(arm.delay_s));
+        die_with_marker(arm);
+      }).detach();
+    } else if (point == "reduce" || point == "consensus") {
+      // Killed by fault_posted(), once the non-blocking call is in flight.
+      std::lock_guard<std::mutex> lock(fault_mutex_);
+      pending_kill_ = arm;
+      has_pending_kill_ = true;
+    } else {
+      die_with_marker(arm);  // blocking calls without a non-blocking twin: die on entry
+    }
+  }
+}
+
+void ProcessGroupULFM::fault_posted(const std::string& point) {
+  FaultArm arm;
+  {
+    std::lock_guard<std::mutex> lock(fault_mutex_);
+    if (!has_pending_kill_ || pending_kill_.point != point) return;
+    arm = pending_kill_;
+  }
+  if (arm.delay_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(arm.delay_s));
+  die_with_marker(arm);
+}
+
+}  // namespace ulfm

@@ -1,0 +1,169 @@
+// ProcessGroupULFM: a torch.distributed backend whose collectives survive the death of peers.
+//
+// Contract (every operation: allreduce, broadcast, allgather, barrier, consensus):
+//  * An operation either completes over the current membership, or completes with a
+//    FailureRecord. It never throws because of an MPI error and never blocks forever on a dead
+//    peer: any error on the communicator (not only PROC_FAILED/REVOKED) is treated as a possible
+//    failure. Before the Work completes with a record the communicator has been revoked,
+//    acknowledged, shrunk to the survivors and validated, and the epoch advanced by exactly one.
+//  * A Work with a record carries no result the caller may trust (an in-place buffer may hold a
+//    partial reduction); the caller rewinds from its own snapshot and tries again.
+//  * Outcomes of one operation may differ across survivors. consensus(census) turns them into one
+//    agreed record: every survivor receives the same failed ranks (since the last consensus), the
+//    same size and epoch, and the element-wise sum of the callers' census vectors.
+//  * Operations run in submission order on one worker thread per group, so Python can overlap
+//    them with compute; Work.wait(timeout) raises instead of blocking past the timeout.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <mpi.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ulfm {
+
+struct FailureRecord {
+  std::vector<int64_t> failed_ranks;  // world ranks, ascending
+  int64_t size = 0;                   // membership after the operation
+  int64_t rank = 0;                   // this process's rank in it
+  int64_t epoch = 0;                  // group epoch after the operation
+  bool repaired = false;              // this operation revoked and shrank the communicator
+  std::vector<int64_t> census;        // consensus only: element-wise sum over survivors
+};
+
+// Test-only fault injection: SIGKILL this process (or delay it) at a named point of an operation.
+// "reduce"/"consensus": after the non-blocking MPI call was posted; "shrink": while the shrink is
+// in progress (from a timer thread, the call being blocking). The victim appends a JSON marker
+// line to `marker_path` right before it dies, so tests count kills that really happened.
+struct FaultArm {
+  std::string point;
+  int64_t occurrence = 1;  // 1 = the first time the point is reached
+  std::string action;      // "kill" or "delay"
+  double delay_s = 0.0;    // kill: time after posting; delay: sleep before entering
+  std::string marker_path;
+};
+
+class WorkULFM : public c10d::Work {
+ public:
+  WorkULFM(c10d::OpType type, std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  std::vector<at::Tensor> result() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+  bool has_failure() const;
+  FailureRecord record() const;  // valid once completed
+
+  void complete(const FailureRecord* record, std::exception_ptr error);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  std::chrono::milliseconds default_timeout_;
+  bool failed_ = false;
+  FailureRecord record_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+struct GroupOptions {
+  std::vector<int64_t> world_ranks;  // members, in group-rank order
+  std::string name;
+  std::chrono::milliseconds timeout;
+};
+
+class ProcessGroupULFM : public c10d::Backend {
+ public:
+  explicit ProcessGroupULFM(GroupOptions options);
+  ~ProcessGroupULFM() override;
+
+  const std::string getBackendName() const override { return "ulfm"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Typed entry points for megatron_recover.collective (they return WorkULFM).
+  c10::intrusive_ptr<WorkULFM> allreduce_sum(at::Tensor tensor);
+  c10::intrusive_ptr<WorkULFM> broadcast_from(at::Tensor tensor, int64_t root_world_rank);
+  c10::intrusive_ptr<WorkULFM> allgather_into(at::Tensor output, at::Tensor input);
+  c10::intrusive_ptr<WorkULFM> barrier_ft();
+  c10::intrusive_ptr<WorkULFM> consensus(std::vector<int64_t> census);
+
+  int64_t epoch() const;
+  int64_t current_size() const;
+  int64_t current_rank() const;
+  std::vector<int64_t> members() const;  // world ranks of the current membership
+
+  // Follow every data operation with an agreement on its outcome, so all survivors report a
+  // failure from the same operation. Costs one MPIX_Comm_agree per call; off by default, when
+  // the per-iteration consensus makes outcomes uniform instead. Set it on every member alike.
+  void set_agree_each_op(bool on) { agree_each_op_ = on; }
+
+  void arm_fault(FaultArm arm);
+
+ private:
+  using Body = std::function<int(MPI_Comm)>;
+  struct Task {
+    c10::intrusive_ptr<WorkULFM> work;
+    std::function<void(FailureRecord*)> run;
+  };
+
+  c10::intrusive_ptr<WorkULFM> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                       std::function<void(FailureRecord*)> run);
+  void worker_loop();
+
+  // Runs `body` on the communicator; on any error repairs and fills `record`.
+  void run_data_op(const char* point, const Body& body, FailureRecord* record);
+  void run_consensus(std::vector<int64_t>& census, FailureRecord* record);
+  void repair(FailureRecord* record);
+  bool validate(MPI_Comm comm);
+  void refresh_members_locked();
+  void fill_membership(FailureRecord* record);
+
+  bool kill_pending_at(const std::string& point);
+  void fault_enter(const std::string& point);
+  void fault_posted(const std::string& point);
+
+  GroupOptions options_;
+  std::atomic<bool> agree_each_op_{false};
+  MPI_Comm comm_ = MPI_COMM_NULL;  // touched only by the worker thread after construction
+
+  mutable std::mutex state_mutex_;   // guards the membership fields below
+  std::vector<int64_t> members_;
+  std::vector<int64_t> members_at_consensus_;
+  int64_t epoch_ = 0;
+  int64_t rank_in_comm_ = 0;
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+
+  std::mutex fault_mutex_;
+  std::vector<FaultArm> arms_;
+  std::map<std::string, int64_t> hits_;
+  bool has_pending_kill_ = false;
+  FaultArm pending_kill_;
+};
+
+// True when this MPI job runs with fault tolerance on (mpirun --with-ft ulfm).
+bool fault_tolerance_enabled();
+
+}  // namespace ulfm

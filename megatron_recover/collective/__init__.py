@@ -1,0 +1,13 @@
+"""Layer 1: fault-tolerant collectives on the `ulfm` torch.distributed backend."""
+
+from megatron_recover.collective.backend import ULFMGroup, ULFMWork, new_group, register
+from megatron_recover.collective.records import (
+    BackendUnavailable,
+    CollectiveTimeout,
+    FailureRecord,
+)
+
+__all__ = [
+    "BackendUnavailable", "CollectiveTimeout", "FailureRecord",
+    "ULFMGroup", "ULFMWork", "new_group", "register",
+]

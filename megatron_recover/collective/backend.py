@@ -1,0 +1,165 @@
+"""Python side of the `ulfm` torch.distributed backend (layer 1).
+
+`register()` makes "ulfm" a torch.distributed backend name; `new_group(ranks)` creates a group on
+it and returns a `ULFMGroup`, the handle the recovery layer uses. Collectives go through the
+handle (`allreduce`, `broadcast`, `allgather`, `barrier`, `consensus`), each returning a Work whose
+`wait()` yields a `FailureRecord` — or through plain `torch.distributed` calls on `group.process_group`,
+which behave the same but leave the record on the Work (`work.record()`).
+"""
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_recover.collective.records import (
+    BackendUnavailable,
+    CollectiveTimeout,
+    FailureRecord,
+)
+
+BACKEND_NAME = "ulfm"
+DEFAULT_TIMEOUT_S = 600.0
+
+_native = None
+_backends = {}  # group name -> native ProcessGroupULFM, filled by the creator below
+
+
+def native_module():
+    """The compiled extension; raises BackendUnavailable with the fix when it is missing."""
+    global _native
+    if _native is None:
+        try:
+            from megatron_recover.collective import _ulfm_backend
+        except ImportError as error:
+            raise BackendUnavailable(
+                "the ulfm backend is not built; run `make build` in the megatron-recover checkout"
+            ) from error
+        _native = _ulfm_backend
+    return _native
+
+
+def _create_backend(dist_opts, backend_options):
+    native = native_module()
+    if not native.fault_tolerance_enabled():
+        raise BackendUnavailable(
+            "MPI fault tolerance is off: relaunch with `mpirun --with-ft ulfm ...` "
+            "(or `megatron-recover launch`), with an Open MPI 5 that has ULFM"
+        )
+    ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
+    timeout_s = dist_opts.timeout.total_seconds()
+    backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)
+    _backends[dist_opts.group_id] = backend
+    return backend
+
+
+def register() -> None:
+    """Register "ulfm" with torch.distributed (idempotent)."""
+    native_module()
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
+        )
+
+
+@dataclass
+class ULFMWork:
+    """An operation in flight. `wait()` returns its FailureRecord (has_failure False on success)."""
+
+    native: object
+    timeout_s: float | None = None
+
+    def wait(self, timeout_s: float | None = None) -> FailureRecord:
+        limit = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            if limit is None:
+                self.native.wait()
+            else:
+                self.native.wait(datetime.timedelta(seconds=limit))
+        except dist.DistBackendError as error:
+            if "did not complete within" in str(error):
+                raise CollectiveTimeout(str(error)) from error
+            raise
+        return FailureRecord.from_native(self.native.record())
+
+    def is_completed(self) -> bool:
+        return self.native.is_completed()
+
+
+class ULFMGroup:
+    """A fault-tolerant group over a fixed set of world ranks.
+
+    Every member must call the same operations in the same order. Operations are asynchronous:
+    they return a ULFMWork at once and run on the group's worker thread.
+    """
+
+    def __init__(self, process_group, native):
+        self.process_group = process_group
+        self._native = native
+
+    @property
+    def epoch(self) -> int:
+        """Bumped once per repair; equal on all survivors after a consensus."""
+        return self._native.epoch()
+
+    @property
+    def size(self) -> int:
+        """Live members (the torch group's own size stays the size at creation)."""
+        return self._native.current_size()
+
+    @property
+    def rank(self) -> int:
+        return self._native.current_rank()
+
+    @property
+    def members(self) -> list[int]:
+        """World ranks of the live members, in rank order."""
+        return list(self._native.members())
+
+    def set_agree_each_op(self, on: bool) -> None:
+        """Make each data operation's failure verdict uniform (one agreement per call)."""
+        self._native.set_agree_each_op(on)
+
+    def allreduce(self, tensor: torch.Tensor) -> ULFMWork:
+        """In-place SUM. On failure the tensor's contents are not to be trusted."""
+        return ULFMWork(self._native.allreduce_sum(tensor))
+
+    def broadcast(self, tensor: torch.Tensor, src_world_rank: int) -> ULFMWork:
+        return ULFMWork(self._native.broadcast_from(tensor, src_world_rank))
+
+    def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> ULFMWork:
+        """Gather `tensor` from every live member into `output` (size x numel elements)."""
+        return ULFMWork(self._native.allgather_into(output, tensor))
+
+    def barrier(self) -> ULFMWork:
+        return ULFMWork(self._native.barrier_ft())
+
+    def consensus(self, census: list[int] | tuple[int, ...] = ()) -> ULFMWork:
+        """Fault-aware barrier: every survivor gets the same record.
+
+        The record lists the world ranks lost since the previous consensus, the agreed epoch and
+        the element-wise sum of the survivors' census vectors (all must pass the same length).
+        """
+        return ULFMWork(self._native.consensus([int(c) for c in census]))
+
+    def arm_fault(self, point: str, occurrence: int, action: str, delay_s: float,
+                  marker_path: str) -> None:
+        """Test hook; see megatron_recover.faults."""
+        self._native.arm_fault(point, occurrence, action, delay_s, marker_path)
+
+
+def new_group(ranks: list[int], timeout_s: float = DEFAULT_TIMEOUT_S) -> ULFMGroup | None:
+    """Create a ulfm group over `ranks` (world ranks); None on ranks outside it.
+
+    Like torch.distributed.new_group, every rank calls it for every group, in the same order;
+    the MPI communicator is built by the members only.
+    """
+    register()
+    pg = dist.new_group(
+        ranks=sorted(ranks), backend=BACKEND_NAME,
+        timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True,
+    )
+    if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    return ULFMGroup(pg, _backends[pg.group_name])

@@ -1,0 +1,137 @@
+"""Process life cycle of a ULFM run: MPI start, torch.distributed rendezvous, and how a rank leaves.
+
+ULFM-NOTES.md measured two ways a rank's exit hangs every survivor: exiting with a non-zero
+status (never reported as a failure) and calling MPI_Finalize after a failure. So a rank of ours
+leaves only by `os._exit(0)` or by SIGKILL to itself, and never calls MPI_Finalize: whether any
+rank of the job saw a failure is not something a rank can know without asking the dead, and
+under `--with-ft ulfm` an exit without Finalize is an ordinary departure. Failure status goes to
+the rank's status file and log, never to the exit code.
+
+Nothing here runs on import; `init_distributed()` installs the exit discipline.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+_state = {"status_path": None, "groups": [], "installed": False}
+FINAL_CONSENSUS_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """What `init_distributed` set up for this rank."""
+
+    rank: int
+    world_size: int
+    status_path: Path | None
+
+
+def _mpi():
+    import mpi4py
+
+    # Our exit path decides whether MPI_Finalize is safe; mpi4py must not call it at exit.
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return MPI
+
+
+def write_status(state: str, **fields) -> None:
+    """Record this rank's state (`running`, `completed`, `error`) for the launcher to judge."""
+    path = _state["status_path"]
+    if path is None:
+        return
+    record = {"state": state, "time": time.time(), **fields}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+def _die_on_uncaught(exc_type, exc, tb) -> None:
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    write_status("error", error=text[-4000:])
+    # A signal death is what ULFM detects; a non-zero exit would leave the peers waiting.
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_exit_discipline(status_path: Path | None) -> None:
+    """Uncaught exceptions (any thread) kill the rank by SIGKILL after logging them."""
+    _state["status_path"] = status_path
+    if _state["installed"]:
+        return
+    sys.excepthook = _die_on_uncaught
+    threading.excepthook = lambda args: _die_on_uncaught(args.exc_type, args.exc_value,
+                                                         args.exc_traceback)
+    _state["installed"] = True
+
+
+def track_group(group) -> None:
+    """ulfm groups on which `finish()` holds a last consensus before the rank leaves."""
+    _state["groups"].append(group)
+
+
+def init_distributed(status_dir: Path | None = None, backend: str = "gloo") -> DistributedContext:
+    """Start MPI and torch.distributed for this rank of an `mpirun --with-ft ulfm` job.
+
+    The TCP store lives in world rank 0 only for start-up: it is created without waiting for
+    workers, its port travels over MPI, and after `init_process_group` nothing reads it again
+    (ulfm groups are built from MPI communicators), so rank 0 may die later like any other.
+    """
+    MPI = _mpi()
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    status_path = None
+    if status_dir is not None:
+        status_dir = Path(status_dir)
+        status_dir.mkdir(parents=True, exist_ok=True)
+        status_path = status_dir / f"rank-{rank}.json"
+    install_exit_discipline(status_path)
+    write_status("running", pid=os.getpid())
+
+    import torch
+    import torch.distributed as dist
+
+    store = None
+    port = 0
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+        port = store.port
+    port = world.bcast(port, root=0)
+    if rank != 0:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+
+    from megatron_recover import collective
+
+    collective.register()
+    return DistributedContext(rank=rank, world_size=size, status_path=status_path)
+
+
+def finish(**fields) -> None:
+    """Leave the run: a last consensus on every tracked group, record `completed`, `os._exit(0)`.
+
+    Never returns. The consensus keeps a fast rank from leaving while its peers still need it in
+    a collective; a peer that is gone by then is simply reported and ignored.
+    """
+    epochs = {}
+    for group in _state["groups"]:
+        try:
+            record = group.consensus().wait(FINAL_CONSENSUS_TIMEOUT_S)
+            epochs[len(epochs)] = record.epoch
+        except Exception as error:  # leaving anyway: the status file says what went wrong
+            epochs[len(epochs)] = repr(error)
+    write_status("completed", group_epochs=epochs, **fields)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,96 @@
+"""One rank of a ulfm collective scenario, run under mpirun by tests/test_collective_faults.py.
+
+Usage (mpirun --with-ft ulfm -np N python collective_worker.py SCENARIO OUT_DIR MARKER [FAULT...]).
+Each rank writes OUT_DIR/result-RANK.json with every operation's record, the final consensus
+record and the verification all-reduce, so the test judges the run from what survivors wrote.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_recover import collective, runtime
+from megatron_recover.faults import Fault, FaultInjector
+
+MIB = 1 << 20
+
+
+def record_dict(op: str, record) -> dict:
+    return {"op": op, "failed": record.has_failure, "failed_ranks": list(record.failed_ranks),
+            "epoch": record.epoch, "size": record.size, "repaired": record.repaired,
+            "census": list(record.census)}
+
+
+def verify(group, rank) -> dict:
+    """All-reduce (world rank + 1) over the live members: the exact sum is known."""
+    t = torch.full((1024,), float(rank + 1))
+    record = group.allreduce(t).wait()
+    expected = float(sum(r + 1 for r in group.members))
+    return {"record": record_dict("verify", record), "value": t[0].item(),
+            "expected": expected, "exact": bool(torch.all(t == expected))}
+
+
+def scenario_ops(scenario: str) -> tuple[str, int]:
+    """(kind of the operation that is hit, payload elements)."""
+    return {
+        "allreduce": ("allreduce", 256),
+        "consensus": ("consensus", 0),
+        "allreduce64m": ("allreduce", 64 * MIB // 4),
+        "disjoint": ("allreduce", 256),
+    }[scenario]
+
+
+def main() -> None:
+    scenario, out_dir, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    faults = [Fault.parse(spec) for spec in sys.argv[4:] if spec != "--fast"]
+    uniform = "--fast" not in sys.argv[4:]
+    ctx = runtime.init_distributed(status_dir=out_dir / "status")
+    rank, world = ctx.rank, ctx.world_size
+    if scenario == "disjoint":
+        half = world // 2
+        members = list(range(half)) if rank < half else list(range(half, world))
+        # Both groups are created by all ranks in the same order (torch requires it).
+        groups = [collective.new_group(list(range(half))), collective.new_group(list(range(half, world)))]
+        group = groups[0] if rank < half else groups[1]
+    else:
+        members = list(range(world))
+        group = collective.new_group(members)
+    group.set_agree_each_op(uniform)
+    runtime.track_group(group)
+    injector = FaultInjector(faults, rank, marker)
+
+    kind, numel = scenario_ops(scenario)
+    ops = []
+    warm = torch.ones(max(numel, 1))
+    ops.append(record_dict("warmup", group.allreduce(warm).wait()))
+    injector.arm(group)
+    injector.before()
+    if kind == "allreduce":
+        hit = torch.full((numel,), float(rank + 1))
+        ops.append(record_dict("hit", group.allreduce(hit).wait()))
+    else:
+        ops.append(record_dict("hit", group.consensus([1, rank]).wait()))
+    agreed = group.consensus([1, rank]).wait()
+    result = {
+        "rank": rank, "members": members, "ops": ops,
+        "consensus": record_dict("consensus", agreed),
+        "verify": verify(group, rank),
+        "epoch": group.epoch,
+    }
+    if scenario == "allreduce64m":
+        big = torch.full((numel,), float(rank + 1))
+        big_record = group.allreduce(big).wait()
+        expected = float(sum(r + 1 for r in group.members))
+        result["verify64m"] = {"record": record_dict("verify64m", big_record),
+                               "exact": bool(torch.all(big == expected))}
+    tmp = out_dir / f"result-{rank}.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out_dir / f"result-{rank}.json")
+    runtime.finish()
+
+
+if __name__ == "__main__":
+    main()

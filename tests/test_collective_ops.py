@@ -1,0 +1,41 @@
+"""Every ulfm operation and dtype without faults, at size 1 and 4; and the refusal without ULFM.
+
+Run: `make test`. CPU only; launches mpirun with a hard timeout.
+"""
+
+import sys
+
+import pytest
+
+from megatron_recover.launch import LaunchConfig, launch_env, mpirun_command, run_bounded
+from tests.mpirun_harness import WORKERS, run_worker
+
+pytestmark = pytest.mark.mpi
+TIMEOUT_S = 120
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_operations(tmp_path, num_ranks):
+    run = run_worker(tmp_path, "ops_worker.py", num_ranks, ["ops"], TIMEOUT_S)
+    assert not run.timed_out, run.output[-3000:]
+    assert sorted(run.results) == list(range(num_ranks)), run.output[-3000:]
+    for rank, result in run.results.items():
+        failed = [name for name, ok in result["checks"].items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+    if num_ranks > 1:
+        assert "wait_timeout_raises" in run.results[0]["checks"]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_refuses_without_fault_tolerance(tmp_path):
+    """mpirun without --with-ft ulfm: group creation stops with a message saying how to relaunch."""
+    cfg = LaunchConfig(1, [sys.executable, str(WORKERS / "ops_worker.py"), "no-ft", str(tmp_path),
+                           str(tmp_path / "markers")], tmp_path / "status")
+    cmd = mpirun_command(cfg)
+    cmd.remove("--with-ft")
+    cmd.remove("ulfm")
+    rc, output, _ = run_bounded(cmd, launch_env(cfg), TIMEOUT_S)
+    assert rc is not None, output
+    result = (tmp_path / "result-0.json").read_text()
+    assert "--with-ft ulfm" in result, output
