@@ -480,6 +480,12 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::broadcast_from(at::Tensor tensor,
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allgather_into(at::Tensor output,
                                                              at::Tensor input) {
+  return enqueue_allgather(std::move(output), std::move(input), {});
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor output,
+                                                                at::Tensor input,
+                                                                std::vector<at::Tensor> rows) {
   TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
                     "ulfm: all-gather output and input dtypes differ");
   TORCH_CHECK_VALUE(output.numel() == input.numel() * current_size(),
@@ -487,7 +493,7 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allgather_into(at::Tensor output,
                     current_size(), ")");
   auto in = std::make_shared<Staged>(Staged::of(input));
   auto out = std::make_shared<Staged>(Staged::of(output));
-  return enqueue(c10d::OpType::ALLGATHER, {output}, [this, in, out](FailureRecord* record) {
+  return enqueue(c10d::OpType::ALLGATHER, {output}, [this, in, out, rows](FailureRecord* record) {
     const int64_t nbytes = in->host.nbytes();
     TORCH_CHECK_VALUE(nbytes * current_size() <= kMaxChunk, "ulfm: all-gather is too large");
     run_data_op("allgather", [&](MPI_Comm comm) {
@@ -497,7 +503,11 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allgather_into(at::Tensor output,
       return MPI_Allgather(in->host.data_ptr(), int(nbytes), MPI_BYTE, out->host.data_ptr(),
                            int(nbytes), MPI_BYTE, comm);
     }, record);
-    if (!record->repaired) out->write_back();
+    if (record->repaired) return;
+    out->write_back();
+    // torch's list form: split the gathered rows into the caller's tensors before completion.
+    auto chunks = out->host.chunk(int64_t(rows.size() == 0 ? 1 : rows.size()));
+    for (size_t i = 0; i < rows.size(); ++i) rows[i].copy_(chunks[i].view(rows[i].sizes()));
   });
 }
 
@@ -537,23 +547,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allgather(
     const c10d::AllgatherOptions&) {
   TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1,
                     "ulfm: all-gather takes one input tensor and one output list");
-  auto& targets = outputs[0];
-  TORCH_CHECK_VALUE(int64_t(targets.size()) == current_size(),
+  TORCH_CHECK_VALUE(int64_t(outputs[0].size()) == current_size(),
                     "ulfm: all-gather output list must have one tensor per live member (",
                     current_size(), ")");
   at::Tensor flat = at::empty({current_size() * inputs[0].numel()},
                               inputs[0].options().device(at::kCPU));
-  auto work = allgather_into(flat, inputs[0]);
-  // Completion callback copies the gathered rows into the caller's tensors.
-  auto targets_copy = targets;
-  work->getFuture()->addCallback([flat, targets_copy](c10::ivalue::Future& future) mutable {
-    if (future.hasError()) return;
-    auto rows = flat.chunk(int64_t(targets_copy.size()));
-    for (size_t i = 0; i < targets_copy.size(); ++i) {
-      targets_copy[i].copy_(rows[i].view(targets_copy[i].sizes()));
-    }
-  });
-  return work;
+  return enqueue_allgather(flat, inputs[0], outputs[0]);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::barrier(const c10d::BarrierOptions&) {

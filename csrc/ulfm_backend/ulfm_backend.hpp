@@ -124,6 +124,8 @@ class ProcessGroupULFM : public c10d::Backend {
     std::function<void(FailureRecord*)> run;
   };
 
+  c10::intrusive_ptr<WorkULFM> enqueue_allgather(at::Tensor output, at::Tensor input,
+                                                 std::vector<at::Tensor> rows);
   c10::intrusive_ptr<WorkULFM> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
                                        std::function<void(FailureRecord*)> run);
   void worker_loop();
