@@ -1,0 +1,80 @@
+"""Layer 3: the versatile-workload policy and exact microbatch assignment. Pure Python.
+
+No torch, no MPI: every function here is a deterministic function of the launch configuration and
+the agreed failure records, so each survivor computes the same roles and ids on its own, and the
+whole layer can be tested exhaustively.
+
+Files, in reading order:
+  idset.py      IdSet: microbatch ids as sorted intervals (cheap for B up to thousands)
+  layout.py     roles, PolicyConfig, the steady-state Layout, Algorithm 7 (advance_layout)
+  records.py    ReplicaWork, IterationState, PolicyDecision, IterationResult, RankWork
+  static.py     the static policy: promotions, pool, extension rounds (Algorithm 6), commit
+  adaptive.py   the adaptive policy: drop-and-go (Algorithm 8), the comparison baseline
+  workload.py   WorkloadPolicy (what the glue holds) and the megatron-style microbatch calculator
+  simulator.py  simulate a run under a failure schedule (FailureEvent, parse_failure)
+  plan_cli.py   `megatron-recover plan`
+"""
+
+from megatron_recover.policy.idset import IdSet
+from megatron_recover.policy.layout import (
+    ADAPTIVE,
+    BOUNDARY_MINOR,
+    EXACT,
+    MAJOR,
+    MAJOR_SPARE,
+    MINOR,
+    MINOR_SPARE,
+    RESERVE,
+    ROLES,
+    STATIC,
+    Layout,
+    PolicyConfig,
+    advance_layout,
+    initial_layout,
+)
+from megatron_recover.policy.records import (
+    BLOCKING,
+    NON_BLOCKING,
+    IterationResult,
+    IterationState,
+    NoSurvivorsError,
+    PolicyDecision,
+    RankWork,
+    ReplicaWork,
+    rank_work,
+)
+from megatron_recover.policy.simulator import FailureEvent, IterationReport, parse_failure, simulate
+from megatron_recover.policy.workload import PolicyNumMicroBatchesCalculator, WorkloadPolicy
+
+__all__ = [
+    "ADAPTIVE",
+    "BLOCKING",
+    "BOUNDARY_MINOR",
+    "EXACT",
+    "MAJOR",
+    "MAJOR_SPARE",
+    "MINOR",
+    "MINOR_SPARE",
+    "NON_BLOCKING",
+    "RESERVE",
+    "ROLES",
+    "STATIC",
+    "FailureEvent",
+    "IdSet",
+    "IterationReport",
+    "IterationResult",
+    "IterationState",
+    "Layout",
+    "NoSurvivorsError",
+    "PolicyConfig",
+    "PolicyDecision",
+    "PolicyNumMicroBatchesCalculator",
+    "RankWork",
+    "ReplicaWork",
+    "WorkloadPolicy",
+    "advance_layout",
+    "initial_layout",
+    "parse_failure",
+    "rank_work",
+    "simulate",
+]

@@ -1,0 +1,134 @@
+"""`WorkloadPolicy`: the stateful face of a policy that the recovery layer and schedules hold.
+
+Every rank of every replica holds one, built from the same `PolicyConfig`. Driven identically —
+`begin` at the start of an iteration, `on_failure` with each agreed failure record, `commit` after
+the optimizer step — all instances stay equal without exchanging a message, because each method is
+a pure function of the state and the record (see `static` and `adaptive`).
+
+Typical use by the glue, per iteration:
+
+    policy.begin(iteration)
+    work = policy.work(my_replica)                # first-pass ids; contributes?
+    ... run work.first_pass, reduce ...
+    while the consensus reports a failure record:
+        decision = policy.on_failure(record.failed)
+        ... restore (decision.restore_mode); if decision.boundary run policy.work(me).extension ...
+    result = policy.commit()                      # result.divisor scales the gradient
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from megatron_recover.policy import adaptive, static
+from megatron_recover.policy.layout import ADAPTIVE, PolicyConfig
+from megatron_recover.policy.records import (
+    IterationResult,
+    IterationState,
+    PolicyDecision,
+    RankWork,
+    rank_work,
+)
+
+
+class WorkloadPolicy:
+    """The policy of one run: its current layout and the iteration in progress.
+
+    Not thread-safe; one instance per process. Raises ValueError when driven out of order
+    (begin twice, commit without begin) or with a record naming a replica that is not live.
+    """
+
+    def __init__(self, config: PolicyConfig):
+        self.config = config
+        self._impl = adaptive if config.policy == ADAPTIVE else static
+        self.layout = self._impl.initial_layout(config)
+        self.last_committed = 0
+        self._reserve_next = 0
+        self._state: IterationState | None = None
+
+    @property
+    def state(self) -> IterationState:
+        """The iteration in progress."""
+        if self._state is None:
+            raise ValueError("no iteration in progress: call begin() first")
+        return self._state
+
+    @property
+    def in_iteration(self) -> bool:
+        return self._state is not None
+
+    def begin(self, iteration: int | None = None) -> IterationState:
+        """Start `iteration` (default: the one after the last commit) from the current layout."""
+        if self._state is not None:
+            raise ValueError(f"iteration {self._state.iteration} is still in progress")
+        iteration = self.last_committed + 1 if iteration is None else iteration
+        if iteration <= self.last_committed:
+            raise ValueError(f"iteration {iteration} was already committed")
+        self._state = self._impl.begin_iteration(
+            self.config, self.layout, iteration, self._reserve_next
+        )
+        return self._state
+
+    def on_failure(self, failed: Iterable[int]) -> PolicyDecision:
+        """Apply one agreed failure record (the replicas that died since the last record)."""
+        self._state, decision = self._impl.apply_failure(self.state, failed)
+        return decision
+
+    def work(self, replica: int) -> RankWork:
+        """What `replica` runs and contributes in the iteration in progress."""
+        return rank_work(self.state, replica)
+
+    def num_microbatches(self, replica: int) -> int:
+        """First-pass microbatches of `replica` in the iteration in progress, or, between
+        iterations, in the next one."""
+        if self._state is None:
+            return len(self.layout.first_pass_ids(replica))
+        return self.work(replica).num_microbatches
+
+    def commit(self) -> IterationResult:
+        """Close the iteration in progress and install the next layout."""
+        result = self._impl.commit_iteration(self.state)
+        self.layout = result.next_layout
+        self._reserve_next = result.next_reserve
+        self.last_committed = result.iteration
+        self._state = None
+        return result
+
+
+class PolicyNumMicroBatchesCalculator:
+    """A microbatch calculator with megatron-core 0.16.1's interface, answered from the policy.
+
+    Duck-types `megatron.core.num_microbatches_calculator.NumMicroBatchesCalculator` (get,
+    get_current_global_batch_size, get_micro_batch_size, get_current_running_global_batch_size,
+    update) without importing megatron. `get()` is the local replica's first-pass count, which
+    changes with roles, not with consumed samples, so `update` does nothing. The global batch size
+    is B micro-batches; the running one is what the policy commits in a failure-free iteration
+    (B for the static policy, the survivors' slices for the adaptive one).
+    """
+
+    def __init__(self, policy: WorkloadPolicy, replica: int, micro_batch_size: int):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if not 0 <= replica < policy.config.w_init:
+            raise ValueError(f"replica {replica} does not exist (0..{policy.config.w_init - 1})")
+        self.policy = policy
+        self.replica = replica
+        self.micro_batch_size = micro_batch_size
+
+    def get(self) -> int:
+        return self.policy.num_microbatches(self.replica)
+
+    def get_current_global_batch_size(self) -> int:
+        return self.policy.config.b * self.micro_batch_size
+
+    def get_micro_batch_size(self) -> int:
+        return self.micro_batch_size
+
+    def get_current_running_global_batch_size(self) -> int:
+        if self.policy.config.policy == ADAPTIVE:
+            layout = self.policy.layout
+            return len(layout.replicas) * layout.g_cur * self.micro_batch_size
+        return self.get_current_global_batch_size()
+
+    def update(self, consumed_samples, consistency_check, verbose=False) -> None:
+        """Nothing to do: the policy moves on at commit, not with consumed samples."""

@@ -1,0 +1,152 @@
+"""All-reduce time of the ulfm backend vs torch's gloo, and time from a kill to a repaired group.
+
+Usage: .venv/bin/python scripts/bench_collective.py [--json] [--reps-scale X]
+Both backends run in the same processes, alternating per repetition (this machine is noisy), and
+the table reports medians and the ulfm/gloo ratio. Repair time: one rank SIGKILLs itself after a
+barrier; the survivors' all-reduce returns a failure record once the group is repaired; we report
+the largest survivor time from the victim's marker to that return.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 1 << 20
+SIZES_MIB = (1, 16, 128)
+BANDWIDTH_RANKS = (2, 4)
+REPAIR_RANKS = (2, 4, 8, 16)
+
+
+def reps_for(size_mib: int, scale: float) -> int:
+    return max(3, int({1: 30, 16: 8, 128: 4}[size_mib] * scale))
+
+
+def worker_bandwidth(out: Path, scale: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_recover import collective, runtime
+
+    ctx = runtime.init_distributed()
+    ulfm = collective.new_group(list(range(ctx.world_size)))
+    runtime.track_group(ulfm)
+    gloo = dist.new_group(list(range(ctx.world_size)), backend="gloo")
+    rows = []
+    for size_mib in SIZES_MIB:
+        t = torch.ones(size_mib * MIB // 4)
+        times = {"ulfm": [], "gloo": []}
+        for rep in range(reps_for(size_mib, scale) + 1):  # +1: the first round warms up
+            for name in ("ulfm", "gloo"):
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                if name == "ulfm":
+                    assert not ulfm.allreduce(t).wait().has_failure
+                else:
+                    dist.all_reduce(t, group=gloo)
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+        # Every rank's time counts: the slowest rank decides when the reduce is done.
+        med = torch.tensor([statistics.median(times["ulfm"]), statistics.median(times["gloo"])],
+                           dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX, group=gloo)
+        rows.append({"ranks": ctx.world_size, "size_mib": size_mib,
+                     "ulfm_ms": med[0].item() * 1e3, "gloo_ms": med[1].item() * 1e3,
+                     "ratio_ulfm_over_gloo": med[0].item() / med[1].item()})
+    if ctx.rank == 0:
+        out.write_text(json.dumps(rows))
+    runtime.finish()
+
+
+def worker_repair(out: Path) -> None:
+    import torch
+
+    from megatron_recover import collective, runtime
+    from megatron_recover.faults import write_marker
+
+    ctx = runtime.init_distributed()
+    group = collective.new_group(list(range(ctx.world_size)))
+    group.set_agree_each_op(True)
+    runtime.track_group(group)
+    t = torch.ones(256)
+    for _ in range(3):
+        group.allreduce(t).wait()
+    group.barrier().wait()
+    victim = ctx.world_size - 1
+    if ctx.rank == victim:
+        write_marker(out.with_suffix(".marker"), "before", ctx.rank)
+        os.kill(os.getpid(), 9)
+    record = group.allreduce(t).wait()
+    done = time.time()
+    (out.parent / f"{out.name}.{ctx.rank}").write_text(
+        json.dumps({"done": done, "failed": list(record.failed_ranks), "size": record.size}))
+    runtime.finish()
+
+
+def launch_worker(mode: str, num_ranks: int, out: Path, scale: float, timeout_s: float):
+    from megatron_recover.launch import LaunchConfig, launch
+
+    cfg = LaunchConfig(num_ranks, [sys.executable, os.path.abspath(__file__), "--worker", mode,
+                                   "--out", str(out), "--reps-scale", str(scale)],
+                       out.parent / f"status-{mode}-{num_ranks}", timeout_s)
+    result = launch(cfg)
+    if result.timed_out:
+        raise SystemExit(f"{mode} benchmark at {num_ranks} ranks timed out\n{result.output[-2000:]}")
+    return result
+
+
+def repair_row(num_ranks: int, tmp: Path) -> dict:
+    out = tmp / f"repair-{num_ranks}"
+    launch_worker("repair", num_ranks, out, 1.0, 300)
+    marker = json.loads(out.with_suffix(".marker").read_text().splitlines()[0])
+    survivors = [json.loads(p.read_text()) for p in tmp.glob(f"repair-{num_ranks}.*")
+                 if not p.name.endswith(".marker")]
+    assert len(survivors) == num_ranks - 1, f"{num_ranks} ranks: {len(survivors)} survivors wrote"
+    assert all(s["failed"] == [num_ranks - 1] for s in survivors), survivors
+    worst = max(s["done"] for s in survivors) - marker["time"]
+    return {"ranks": num_ranks, "kill_to_repaired_ms": worst * 1e3}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--reps-scale", type=float, default=1.0, help="scale repetition counts")
+    parser.add_argument("--worker", choices=["bandwidth", "repair"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "bandwidth":
+        return worker_bandwidth(args.out, args.reps_scale)
+    if args.worker == "repair":
+        return worker_repair(args.out)
+
+    with tempfile.TemporaryDirectory(prefix="bench-collective-") as tmp:
+        tmp = Path(tmp)
+        allreduce_rows = []
+        for n in BANDWIDTH_RANKS:
+            out = tmp / f"bandwidth-{n}.json"
+            launch_worker("bandwidth", n, out, args.reps_scale, 900)
+            allreduce_rows += json.loads(out.read_text())
+            if not args.json:
+                print(f"  measured all-reduce at {n} ranks", file=sys.stderr)
+        repair_rows = [repair_row(n, tmp) for n in REPAIR_RANKS]
+    report = {"machine_cores": os.cpu_count(), "allreduce": allreduce_rows, "repair": repair_rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"all-reduce, median per call (slowest rank), {os.cpu_count()} cores, oversubscribed:")
+    print(f"{'ranks':>5} {'MiB':>5} {'ulfm ms':>10} {'gloo ms':>10} {'ulfm/gloo':>10}")
+    for r in allreduce_rows:
+        print(f"{r['ranks']:>5} {r['size_mib']:>5} {r['ulfm_ms']:>10.2f} {r['gloo_ms']:>10.2f} "
+              f"{r['ratio_ulfm_over_gloo']:>10.2f}")
+    print("kill -> repaired group (worst survivor):")
+    for r in repair_rows:
+        print(f"{r['ranks']:>5} ranks {r['kill_to_repaired_ms']:>10.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
