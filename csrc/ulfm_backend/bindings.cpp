@@ -51,7 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            std::move(marker_path)});
            },
            py::arg("point"), py::arg("occurrence"), py::arg("action"), py::arg("delay_s"),
-           py::arg("marker_path"));
+           py::arg("marker_path"))
+      .def("fault_hits", &PG::fault_hits, py::arg("point"));
 
   m.def("fault_tolerance_enabled", &ulfm::fault_tolerance_enabled);
   m.def("cuda_staging_compiled", [] {

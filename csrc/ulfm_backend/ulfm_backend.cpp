@@ -574,6 +574,12 @@ void ProcessGroupULFM::arm_fault(FaultArm arm) {
   arms_.push_back(std::move(arm));
 }
 
+int64_t ProcessGroupULFM::fault_hits(const std::string& point) {
+  std::lock_guard<std::mutex> lock(fault_mutex_);
+  auto it = hits_.find(point);
+  return it == hits_.end() ? 0 : it->second;
+}
+
 namespace {
 
 [[noreturn]] void die_with_marker(const FaultArm& arm) {
@@ -605,8 +611,8 @@ void ProcessGroupULFM::fault_enter(const std::string& point) {
   std::vector<FaultArm> due;
   {
     std::lock_guard<std::mutex> lock(fault_mutex_);
-    if (arms_.empty()) return;
     const int64_t count = ++hits_[point];
+    if (arms_.empty()) return;
     for (const auto& arm : arms_) {
       if (arm.point == point && arm.occurrence == count) due.push_back(arm);
     }

@@ -116,6 +116,7 @@ class ProcessGroupULFM : public c10d::Backend {
   void set_agree_each_op(bool on) { agree_each_op_ = on; }
 
   void arm_fault(FaultArm arm);
+  int64_t fault_hits(const std::string& point);  // times `point` was reached so far
 
  private:
   using Body = std::function<int(MPI_Comm)>;

@@ -148,6 +148,10 @@ class ULFMGroup:
         """Test hook; see megatron_recover.faults."""
         self._native.arm_fault(point, occurrence, action, delay_s, marker_path)
 
+    def fault_hits(self, point: str) -> int:
+        """How many times this rank reached fault point `point` (arm relative to it)."""
+        return self._native.fault_hits(point)
+
 
 def new_group(ranks: list[int], timeout_s: float = DEFAULT_TIMEOUT_S) -> ULFMGroup | None:
     """Create a ulfm group over `ranks` (world ranks); None on ranks outside it.
