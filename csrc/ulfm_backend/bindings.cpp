@@ -46,12 +46,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("members", &PG::members)
       .def("arm_fault",
            [](PG& pg, std::string point, int64_t occurrence, std::string action, double delay_s,
-              std::string marker_path) {
+              std::string marker_path, std::string marker_fields) {
              pg.arm_fault({std::move(point), occurrence, std::move(action), delay_s,
-                           std::move(marker_path)});
+                           std::move(marker_path), std::move(marker_fields)});
            },
            py::arg("point"), py::arg("occurrence"), py::arg("action"), py::arg("delay_s"),
-           py::arg("marker_path"))
+           py::arg("marker_path"), py::arg("marker_fields") = "")
       .def("fault_hits", &PG::fault_hits, py::arg("point"));
 
   m.def("fault_tolerance_enabled", &ulfm::fault_tolerance_enabled);

@@ -583,10 +583,11 @@ int64_t ProcessGroupULFM::fault_hits(const std::string& point) {
 namespace {
 
 [[noreturn]] void die_with_marker(const FaultArm& arm) {
-  char line[256];
+  char line[512];
   const int n = std::snprintf(line, sizeof(line),
-                              "{\"point\": \"%s\", \"rank\": %d, \"time\": %.6f}\n",
-                              arm.point.c_str(), world_rank(), now_s());
+                              "{\"point\": \"%s\", \"rank\": %d, \"time\": %.6f%s%s}\n",
+                              arm.point.c_str(), world_rank(), now_s(),
+                              arm.marker_fields.empty() ? "" : ", ", arm.marker_fields.c_str());
   const int fd = ::open(arm.marker_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
   if (fd >= 0) {
     ssize_t written = ::write(fd, line, size_t(n));

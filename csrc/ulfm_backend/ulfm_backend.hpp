@@ -51,6 +51,7 @@ struct FaultArm {
   std::string action;      // "kill" or "delay"
   double delay_s = 0.0;    // kill: time after posting; delay: sleep before entering
   std::string marker_path;
+  std::string marker_fields;  // extra JSON members for the marker, e.g. "\"iteration\": 3"
 };
 
 class WorkULFM : public c10d::Work {

@@ -8,6 +8,7 @@ which behave the same but leave the record on the Work (`work.record()`).
 """
 
 import datetime
+import json
 from dataclasses import dataclass
 
 import torch
@@ -144,9 +145,10 @@ class ULFMGroup:
         return ULFMWork(self._native.consensus([int(c) for c in census]))
 
     def arm_fault(self, point: str, occurrence: int, action: str, delay_s: float,
-                  marker_path: str) -> None:
-        """Test hook; see megatron_recover.faults."""
-        self._native.arm_fault(point, occurrence, action, delay_s, marker_path)
+                  marker_path: str, marker_fields: dict | None = None) -> None:
+        """Test hook; see megatron_recover.faults. `marker_fields` join the victim's marker."""
+        extra = json.dumps(marker_fields or {})[1:-1]
+        self._native.arm_fault(point, occurrence, action, delay_s, marker_path, extra)
 
     def fault_hits(self, point: str) -> int:
         """How many times this rank reached fault point `point` (arm relative to it)."""
