@@ -1,0 +1,1068 @@
+"""Megatron's GPT arguments for `pretrain_gpt_recover.py`: parse, validate, derive, build configs.
+
+Users keep their Megatron-LM command lines, so every argument here has Megatron-LM's name,
+meaning and default (megatron/training/arguments.py at core_v0.16.1). What we add is the
+`--recover*` family. Three kinds of Megatron argument reach us:
+
+  implemented   parsed into `TrainConfig` and honoured by the entry point;
+  ignored       accepted so job scripts start, never read: they do not change the training math
+                (logging sinks, evaluation, fusion switches for kernels we never enable). The flags
+                a user actually gave are listed in `TrainConfig.ignored_args`, printed once;
+  refused       parsed only to stop at start-up with a message saying what to change: they would
+                change the math or break the invariant that every committed iteration sums exactly
+                B microbatch gradients (context / expert parallelism, batch ramp-up, per-token loss,
+                virtual pipeline stages, sample-based schedules, precisions the device cannot do).
+Any other argument is an argparse error (exit status 2), as in Megatron-LM.
+
+`parse_args` raises `ValueError` for every user mistake it can see, all of them in one message,
+one line each. The `to_*` helpers build megatron-core 0.16.1's config objects from a TrainConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# The tokenizers that load offline from files the user names (DESIGN.md, issue 4).
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+# Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).
+LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+DEFAULT_HANG_TIMEOUT_S = 300.0
+
+# Accepted and not implemented; none changes the training math. (flag, number of values):
+# 0 = a switch, 1 = one value, "*" = any number of values.
+IGNORED_ARGS = (
+    ("--tensorboard-dir", 1), ("--tensorboard-log-interval", 1), ("--tensorboard-queue-size", 1),
+    ("--log-timers-to-tensorboard", 0), ("--log-validation-ppl-to-tensorboard", 0),
+    ("--log-memory-to-tensorboard", 0), ("--log-world-size-to-tensorboard", 0),
+    ("--no-log-loss-scale-to-tensorboard", 0),
+    ("--wandb-project", 1), ("--wandb-entity", 1), ("--wandb-exp-name", 1), ("--wandb-save-dir", 1),
+    ("--log-throughput", 0), ("--log-params-norm", 0), ("--log-num-zeros-in-grad", 0),
+    ("--timing-log-level", 1), ("--timing-log-option", 1),
+    ("--eval-interval", 1), ("--eval-iters", 1),
+    ("--exit-duration-in-mins", 1),
+    ("--use-flash-attn", 0), ("--attention-backend", 1),
+    ("--distributed-backend", 1), ("--distributed-timeout-minutes", 1),
+    # We build every megatron-core config with these fusions off (see to_transformer_config),
+    # so the switches that turn them off ask for what already happens.
+    ("--no-masked-softmax-fusion", 0), ("--no-bias-dropout-fusion", 0),
+    ("--no-bias-gelu-fusion", 0), ("--no-bias-swiglu-fusion", 0), ("--no-rope-fusion", 0),
+    ("--no-persist-layer-norm", 0),
+    ("--no-check-for-nan-in-loss-and-grad", 0),
+    ("--no-async-tensor-model-parallel-allreduce", 0), ("--use-mcore-models", 0),
+    ("--num-workers", 1), ("--no-mmap-bin-files", 0),
+    ("--manual-gc", 0), ("--manual-gc-interval", 1), ("--empty-unused-memory-level", 1),
+    ("--ckpt-format", 1),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT model (megatron-core GPTModel + TransformerConfig)."""
+
+    num_layers: int
+    """Number of transformer layers (--num-layers)."""
+    hidden_size: int
+    """Transformer hidden size (--hidden-size)."""
+    ffn_hidden_size: int
+    """MLP hidden size (--ffn-hidden-size); default 4*hidden, or int(4*hidden*2/3 / 64)*64 with
+    --swiglu (Megatron's rule: two fc1 projections, same parameter count, a multiple of 64)."""
+    num_attention_heads: int
+    """Attention heads (--num-attention-heads)."""
+    kv_channels: int
+    """Per-head projection size: hidden_size // num_attention_heads (Megatron's default)."""
+    num_query_groups: int | None
+    """Query groups with --group-query-attention (--num-query-groups), None otherwise."""
+    seq_length: int
+    """Tokens per sample (--seq-length)."""
+    max_position_embeddings: int
+    """Size of the learned position table (--max-position-embeddings); defaults to seq_length
+    (Megatron-LM requires it; we accept its absence because rope models do not use it)."""
+    position_embedding_type: str
+    """"learned_absolute" (default) or "rope" (--position-embedding-type)."""
+    rotary_base: int
+    """RoPE base (--rotary-base, default 10000)."""
+    rotary_percent: float
+    """Fraction of each head's channels that RoPE rotates (--rotary-percent, default 1.0)."""
+    normalization: str
+    """"LayerNorm" (default) or "RMSNorm" (--normalization)."""
+    norm_epsilon: float
+    """Epsilon of every LayerNorm/RMSNorm (--norm-epsilon, default 1e-5)."""
+    swiglu: bool
+    """Gated linear unit with SiLU instead of GeLU in the MLP (--swiglu)."""
+    untie_embeddings_and_output_weights: bool
+    """Separate output layer instead of reusing the word embeddings (--untie-...)."""
+    add_bias_linear: bool
+    """Bias in every linear layer; --disable-bias-linear turns it off."""
+    init_method_std: float
+    """Std of the normal weight initialization (--init-method-std, default 0.02)."""
+    hidden_dropout: float
+    """Dropout on hidden states (--hidden-dropout, default 0.1)."""
+    attention_dropout: float
+    """Dropout on attention probabilities (--attention-dropout, default 0.1)."""
+    make_vocab_size_divisible_by: int
+    """The vocabulary is padded to a multiple of this times TP (default 128)."""
+    transformer_impl: str | None
+    """--transformer-impl "local" or "transformer_engine"; None (not given): the entry point uses
+    Transformer Engine's layer spec when it is installed, the local spec otherwise."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam and its learning-rate schedule (OptimizerConfig + OptimizerParamScheduler).
+
+    Megatron's scheduler counts steps in samples and is stepped by the global batch size once per
+    iteration; `to_scheduler_kwargs` converts the iteration counts here exactly as Megatron-LM does.
+    """
+
+    lr: float
+    """Peak learning rate (--lr); required."""
+    min_lr: float
+    """Learning rate floor (--min-lr, default 0.0)."""
+    lr_decay_style: str
+    """constant | linear (default) | cosine | inverse-square-root | WSD (--lr-decay-style)."""
+    lr_decay_iters: int
+    """Iterations over which the learning rate decays (--lr-decay-iters, default --train-iters)."""
+    lr_warmup_iters: int
+    """Linear warmup length in iterations (--lr-warmup-iters, default 0); see warmup_iters."""
+    lr_warmup_fraction: float | None
+    """Warmup as a fraction of lr_decay_iters (--lr-warmup-fraction); excludes lr_warmup_iters."""
+    lr_warmup_init: float
+    """Learning rate at the start of warmup (--lr-warmup-init, default 0.0)."""
+    lr_wsd_decay_style: str
+    """Annealing shape of the WSD schedule (--lr-wsd-decay-style, default exponential)."""
+    lr_wsd_decay_iters: int | None
+    """Iterations of WSD's annealing phase (--lr-wsd-decay-iters); required for WSD."""
+    weight_decay: float
+    """Decoupled weight decay, constant over the run (--weight-decay, default 0.01)."""
+    clip_grad: float
+    """Global L2 gradient-norm clip (--clip-grad, default 1.0)."""
+    adam_beta1: float
+    """Adam beta1 (--adam-beta1, default 0.9)."""
+    adam_beta2: float
+    """Adam beta2 (--adam-beta2, default 0.999)."""
+    adam_eps: float
+    """Adam epsilon (--adam-eps, default 1e-8)."""
+
+    @property
+    def warmup_iters(self) -> float:
+        """Warmup length in iterations, resolved from --lr-warmup-fraction when it was given
+        (fraction x lr_decay_iters; may be fractional, as Megatron's scheduler allows)."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * self.lr_decay_iters
+        return float(self.lr_warmup_iters)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Parameter precision and loss scaling (--fp16 / --bf16; fp32 when neither)."""
+
+    fp16: bool
+    """Parameters and compute in float16, with loss scaling (--fp16); needs CUDA."""
+    bf16: bool
+    """Parameters and compute in bfloat16 (--bf16); needs CUDA."""
+    loss_scale: float | None
+    """Static loss scale for fp16 (--loss-scale); None: dynamic scaling."""
+    initial_loss_scale: float
+    """Initial dynamic loss scale (--initial-loss-scale, default 2**32)."""
+    min_loss_scale: float
+    """Smallest dynamic loss scale (--min-loss-scale, default 1.0)."""
+    loss_scale_window: float
+    """Iterations between dynamic loss-scale raises (--loss-scale-window, default 1000)."""
+    hysteresis: int
+    """Dynamic loss-scale hysteresis (--hysteresis, default 2)."""
+    accumulate_allreduce_grads_in_fp32: bool
+    """Gradient buffers and their reduction in fp32 (--accumulate-allreduce-grads-in-fp32);
+    forced on with --bf16, as Megatron-LM does."""
+    attention_softmax_in_fp32: bool
+    """Attention masking and softmax in fp32 (--attention-softmax-in-fp32, default off as in
+    Megatron-LM; megatron-core's own default is on)."""
+
+    @property
+    def params_dtype(self):
+        """torch dtype of the parameters: float16, bfloat16 or float32."""
+        import torch
+
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is cut into TP x PP model-parallel groups, data-parallel ranks and replicas.
+
+    A replica is the unit of survival: the TP x PP ranks of one data-parallel rank, or, with
+    distributed-optimizer instances, one instance = dp_ranks_per_replica data-parallel ranks
+    (optimizer state is sharded inside it and all-reduced across replicas).
+    """
+
+    world_size: int
+    """Ranks at launch (from MPI, not an argument)."""
+    tensor_model_parallel_size: int
+    """TP degree (--tensor-model-parallel-size, default 1)."""
+    pipeline_model_parallel_size: int
+    """PP degree (--pipeline-model-parallel-size, default 1)."""
+    use_distributed_optimizer: bool
+    """Shard optimizer state (--use-distributed-optimizer); with --recover only within a replica."""
+    num_distributed_optimizer_instances: int
+    """Optimizer-state copies across the data-parallel group (--num-distributed-optimizer-instances,
+    default 1); each instance shards the state over data_parallel_size // this ranks."""
+    overlap_grad_reduce: bool
+    """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
+    ddp_bucket_size: int | None
+    """Max parameters per gradient bucket (--ddp-bucket-size); None: megatron-core's default,
+    max(40M, 1M x dp)."""
+    sequence_parallel: bool
+    """Sequence parallelism inside TP groups (--sequence-parallel); off when TP == 1."""
+    use_cpu_initialization: bool
+    """Initialize full weights on the CPU and scatter them (--use-cpu-initialization)."""
+    gradient_accumulation_fusion: bool
+    """Fuse weight-gradient accumulation into the GEMM (Megatron's default on CUDA; off on CPU,
+    where the kernel does not exist). --no-gradient-accumulation-fusion turns it off."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: TP x PP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: world_size // (TP x PP)."""
+        return self.world_size // self.model_parallel_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas at launch (W_init): the distributed-optimizer instances when the optimizer is
+        distributed, else the data-parallel ranks."""
+        if self.use_distributed_optimizer:
+            return self.num_distributed_optimizer_instances
+        return self.data_parallel_size
+
+    @property
+    def dp_ranks_per_replica(self) -> int:
+        """Data-parallel ranks inside one replica (1 unless distributed-optimizer instances)."""
+        return self.data_parallel_size // self.num_replicas
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Processes in one replica: dp_ranks_per_replica x TP x PP."""
+        return self.dp_ranks_per_replica * self.model_parallel_size
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples and tokens come from (megatron-core GPTDataset + tokenizer)."""
+
+    data_path: str | None
+    """The one indexed dataset prefix (PREFIX.bin / PREFIX.idx) of --data-path; None with
+    --mock-data. Megatron's blend syntax is accepted for a single dataset only."""
+    mock_data: bool
+    """Synthetic samples from megatron-core's MockGPTDataset (--mock-data)."""
+    split: str | None
+    """Train/valid/test proportions (--split); Megatron's legacy "969, 30, 1" when --data-path
+    is given without it; None with --mock-data (megatron-core then splits evenly)."""
+    data_cache_path: str | None
+    """Directory for the dataset's cached index files (--data-cache-path)."""
+    reset_position_ids: bool
+    """Restart position ids after each end-of-document token (--reset-position-ids)."""
+    reset_attention_mask: bool
+    """Block attention across end-of-document tokens (--reset-attention-mask)."""
+    eod_mask_loss: bool
+    """Exclude end-of-document tokens from the loss (--eod-mask-loss)."""
+    tokenizer_type: str
+    """GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer (--tokenizer-type); inferred as
+    GPT2BPETokenizer from --vocab-file + --merge-file, NullTokenizer from --vocab-size alone."""
+    vocab_file: str | None
+    """GPT-2 vocab.json (--vocab-file)."""
+    merge_file: str | None
+    """GPT-2 merges.txt (--merge-file)."""
+    tokenizer_model: str | None
+    """Local HuggingFace tokenizer directory or file (--tokenizer-model)."""
+    vocab_size: int | None
+    """Vocabulary size for NullTokenizer (--vocab-size)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints (written by the lowest live replica)."""
+
+    save: str | None
+    """Directory to save checkpoints to (--save)."""
+    load: str | None
+    """Directory to resume from (--load)."""
+    save_interval: int | None
+    """Iterations between saves (--save-interval); required with --save, as in Megatron-LM."""
+
+
+@dataclass(frozen=True)
+class RecoverConfig:
+    """In-step recovery (our flags). With enabled False the job is stock Megatron."""
+
+    enabled: bool
+    """--recover: survive replica failures in-step."""
+    policy: str
+    """--recover-policy: "static" (default; the batch stays B) or "adaptive" (drop-and-go)."""
+    mode: str
+    """--recover-mode: "exact" (default; failure-free microbatch ids) or "reserve" (the paper's)."""
+    failure_schedule: Path | None
+    """--recover-failure-schedule: YAML of faults to inject (tests, demo)."""
+    log: Path | None
+    """--recover-log: per-iteration JSONL records."""
+    hang_timeout_s: float
+    """--recover-hang-timeout: seconds before the watchdog turns a hang into a failure."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `pretrain_gpt_recover.py` needs, validated; one per rank, equal on all ranks."""
+
+    model: ModelConfig
+    optim: OptimConfig
+    precision: PrecisionConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    recover: RecoverConfig
+    micro_batch_size: int
+    """Samples per microbatch on one data-parallel rank (--micro-batch-size)."""
+    global_batch_size: int
+    """Samples per iteration, all ranks together (--global-batch-size, default mbs x dp)."""
+    train_iters: int
+    """Iterations to train, counted from 1 (--train-iters)."""
+    seed: int
+    """Base random seed (--seed, default 1234)."""
+    log_interval: int
+    """Iterations between console lines (--log-interval, default 100)."""
+    ignored_args: tuple[str, ...]
+    """Flags the user gave that are accepted but not implemented, in command-line order; the
+    entry point prints them once at start-up."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks at launch."""
+        return self.parallel.data_parallel_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas at launch (W_init)."""
+        return self.parallel.num_replicas
+
+    @property
+    def dp_ranks_per_replica(self) -> int:
+        """Data-parallel ranks in one replica."""
+        return self.parallel.dp_ranks_per_replica
+
+    @property
+    def b(self) -> int:
+        """B: microbatches per iteration over all data-parallel ranks, GBS // mbs. Fixed for the
+        run; a microbatch id names one data-parallel rank's micro-batch (DESIGN.md)."""
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def num_microbatches_per_dp_rank(self) -> int:
+        """Megatron's num_microbatches at launch: GBS // (mbs x dp)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def num_microbatches_per_replica(self) -> int:
+        """G_init: microbatch ids one replica contributes per iteration at launch (B // W_init)."""
+        return self.b // self.num_replicas
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope"])
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"])
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--num-experts", type=int)  # refused
+    g.add_argument("--use-cpu-initialization", action="store_true")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int)
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-decay-iters", type=int)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    g.add_argument("--lr-wsd-decay-iters", type=int)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    # Refused (see _refusals): they change which samples an iteration sums or how it divides.
+    g.add_argument("--rampup-batch-size", nargs="*")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--train-samples", type=int)
+    g.add_argument("--lr-decay-samples", type=int)
+    g.add_argument("--lr-warmup-samples", type=int)
+    g.add_argument("--lr-wsd-decay-samples", type=int)
+
+
+def _add_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int)
+    # Megatron-LM only has the negative switch (fusion on by default); we add the positive one so
+    # a script can ask for it explicitly. Both write one value; None = the device's default.
+    g.add_argument("--gradient-accumulation-fusion", action="store_true", default=None)
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion")
+    # Refused (see _refusals).
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int)
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--split")
+    g.add_argument("--data-cache-path")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--tokenizer-type")
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-size", type=int)
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
+
+
+def _add_recover_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("recovery (megatron-recover)")
+    g.add_argument("--recover", action="store_true",
+                   help="survive replica failures in-step (launch with mpirun --with-ft ulfm)")
+    # Defaults are None so that _refusals can tell "given without --recover" from "not given".
+    g.add_argument("--recover-policy", choices=["static", "adaptive"],
+                   help="static (default): the batch stays B; adaptive: drop-and-go")
+    g.add_argument("--recover-mode", choices=["exact", "reserve"],
+                   help="exact (default): failure-free microbatch ids; reserve: the paper's")
+    g.add_argument("--recover-failure-schedule", metavar="PATH", help="YAML faults to inject")
+    g.add_argument("--recover-log", metavar="PATH", help="per-iteration JSONL records")
+    g.add_argument("--recover-hang-timeout", type=float, metavar="SECONDS",
+                   help=f"hang watchdog limit (default {DEFAULT_HANG_TIMEOUT_S:g})")
+
+
+def _add_ignored_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("accepted for compatibility, not implemented (listed at start)")
+    for flag, nargs in IGNORED_ARGS:
+        # SUPPRESS: an ignored flag appears in the namespace only if given; nothing reads it.
+        if nargs == 0:
+            g.add_argument(flag, action="store_true", default=argparse.SUPPRESS)
+        else:
+            g.add_argument(flag, nargs=None if nargs == 1 else nargs, default=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `pretrain_gpt_recover.py` (Megatron-LM names, meanings, defaults)."""
+    # allow_abbrev=False as in Megatron-LM: "--recover" must never match "--recover-log".
+    parser = argparse.ArgumentParser(prog="pretrain_gpt_recover.py", allow_abbrev=False,
+                                     description="Megatron GPT pre-training that survives "
+                                     "replica failures (megatron-recover).")
+    for add in (_add_model_args, _add_training_args, _add_precision_args, _add_parallel_args,
+                _add_data_args, _add_checkpoint_args, _add_recover_args, _add_ignored_args):
+        add(parser)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: each check returns the problems it sees, as lines that say what to change.
+# ---------------------------------------------------------------------------------------------
+
+
+def _required(ns) -> list[str]:
+    missing = [flag for flag in ("--num-layers", "--hidden-size", "--num-attention-heads",
+                                 "--seq-length", "--micro-batch-size", "--train-iters", "--lr")
+               if getattr(ns, flag[2:].replace("-", "_")) is None]
+    if missing:
+        return [f"missing required arguments: pass {', '.join(missing)}"]
+    return []
+
+
+def _positive(ns) -> list[str]:
+    problems = []
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--micro-batch-size", "--train-iters", "--tensor-model-parallel-size",
+                 "--pipeline-model-parallel-size", "--num-distributed-optimizer-instances",
+                 "--log-interval", "--global-batch-size", "--ffn-hidden-size",
+                 "--max-position-embeddings", "--save-interval", "--lr-decay-iters",
+                 "--ddp-bucket-size", "--vocab-size", "--num-query-groups",
+                 "--make-vocab-size-divisible-by"):
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            problems.append(f"{flag} must be a positive integer, got {value}")
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if not 0.0 <= value < 1.0:
+            problems.append(f"{flag} must be in [0, 1), got {value}")
+    return problems
+
+
+def _refusals(ns, cuda_available: bool) -> list[str]:
+    """Arguments that would change the training math or break the B-microbatch invariant."""
+    problems = []
+    if ns.context_parallel_size != 1:
+        problems.append("--context-parallel-size > 1 is not supported: context parallelism splits "
+                        "a microbatch across ranks that a replica failure would cut apart; "
+                        "drop it (use --context-parallel-size 1)")
+    if ns.expert_model_parallel_size != 1 or ns.num_experts not in (None, 0):
+        problems.append("mixture-of-experts is not supported: drop --num-experts and "
+                        "--expert-model-parallel-size (expert parallelism spans replicas)")
+    if ns.rampup_batch_size is not None:
+        problems.append("--rampup-batch-size is not supported: B, the microbatches per iteration, "
+                        "is fixed for the run; drop it and set --global-batch-size")
+    if ns.decrease_batch_size_if_needed:
+        problems.append("--decrease-batch-size-if-needed is not supported: the batch stays B after "
+                        "failures by design; drop the flag")
+    if ns.calculate_per_token_loss:
+        problems.append("--calculate-per-token-loss is not supported: a committed iteration "
+                        "divides the gradient sum by B microbatches, not by a token count; "
+                        "drop the flag")
+    for flag in ("--num-layers-per-virtual-pipeline-stage",
+                 "--num-virtual-stages-per-pipeline-rank",
+                 "--virtual-pipeline-model-parallel-size"):
+        if getattr(ns, flag[2:].replace("-", "_")) is not None:
+            problems.append(f"{flag}: virtual pipeline stages (the interleaved schedule) are not "
+                            "supported, its extension pass cannot be shorter than the pipeline "
+                            f"depth; drop {flag}")
+    for flag, instead in (("--train-samples", "--train-iters"),
+                          ("--lr-decay-samples", "--lr-decay-iters"),
+                          ("--lr-warmup-samples", "--lr-warmup-iters or --lr-warmup-fraction"),
+                          ("--lr-wsd-decay-samples", "--lr-wsd-decay-iters")):
+        if getattr(ns, flag[2:].replace("-", "_")) is not None:
+            problems.append(f"{flag}: only iteration-based training is supported; use {instead} "
+                            "(samples / global batch size)")
+    return problems + _device_refusals(ns, cuda_available)
+
+
+def _device_refusals(ns, cuda_available: bool) -> list[str]:
+    """Precisions and kernels the device cannot run."""
+    if cuda_available:
+        return []
+    problems = []
+    if ns.fp16:
+        problems.append("--fp16 needs a CUDA device (no fp16 training on CPU): drop --fp16 to "
+                        "train in fp32 on this machine")
+    if ns.bf16:
+        problems.append("--bf16 needs a CUDA device (megatron-core's bf16 path, Float16Module with "
+                        "fp32 main grads, is not run on CPU here): drop --bf16 to train in fp32")
+    if ns.gradient_accumulation_fusion:
+        problems.append("--gradient-accumulation-fusion needs the CUDA kernel of Apex or "
+                        "Transformer Engine: drop it (or pass --no-gradient-accumulation-fusion)")
+    if ns.transformer_impl == "transformer_engine":
+        problems.append("--transformer-impl transformer_engine needs CUDA: use "
+                        "--transformer-impl local on CPU")
+    if ns.sequence_parallel and ns.tensor_model_parallel_size > 1:
+        problems.append("--sequence-parallel needs Transformer Engine's layer norm (CUDA); "
+                        "megatron-core's local norm cannot split the sequence: drop it on CPU")
+    return problems
+
+
+def _precision(ns) -> list[str]:
+    if ns.fp16 and ns.bf16:
+        return ["--fp16 and --bf16 were both given: pass one of them (or neither for fp32)"]
+    return []
+
+
+def _model_shape(ns) -> list[str]:
+    problems = []
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if ns.hidden_size % ns.num_attention_heads:
+        problems.append(f"--hidden-size {ns.hidden_size} is not divisible by "
+                        f"--num-attention-heads {ns.num_attention_heads}: change one so that "
+                        "hidden = heads x head size")
+    if ns.num_attention_heads % tp:
+        problems.append(f"--num-attention-heads {ns.num_attention_heads} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}: each TP rank holds whole heads")
+    if ns.group_query_attention and (ns.num_attention_heads % ns.num_query_groups
+                                     or ns.num_query_groups % tp):
+        problems.append(f"--num-query-groups {ns.num_query_groups} must divide "
+                        f"--num-attention-heads {ns.num_attention_heads} and be a multiple of "
+                        f"--tensor-model-parallel-size {tp}")
+    if ns.num_layers % pp:
+        problems.append(f"--num-layers {ns.num_layers} is not divisible by "
+                        f"--pipeline-model-parallel-size {pp}: each stage holds the same number "
+                        "of layers")
+    if ns.position_embedding_type == "learned_absolute" and ns.max_position_embeddings is not None \
+            and ns.seq_length > ns.max_position_embeddings:
+        problems.append(f"--seq-length {ns.seq_length} exceeds --max-position-embeddings "
+                        f"{ns.max_position_embeddings} with learned_absolute position embeddings: "
+                        "raise --max-position-embeddings or shorten --seq-length")
+    if _ffn_hidden_size(ns) < 1:
+        problems.append(f"--swiglu with --hidden-size {ns.hidden_size} gives Megatron's default "
+                        "ffn size int(4*h*2/3/64)*64 = 0: pass --ffn-hidden-size")
+    return problems
+
+
+def _parallel_layout(ns, world_size: int) -> list[str]:
+    """Divisibility of world, batch and optimizer instances; the distributed-optimizer rule."""
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        return [f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                f"--pipeline-model-parallel-size {pp}: launch a multiple of {tp * pp} processes "
+                "or change TP/PP"]
+    dp, mbs = world_size // (tp * pp), ns.micro_batch_size
+    gbs = ns.global_batch_size if ns.global_batch_size is not None else mbs * dp
+    problems = []
+    if gbs % (mbs * dp):
+        problems.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+                        f"data-parallel size {dp}: use a multiple of {mbs * dp}")
+    k = ns.num_distributed_optimizer_instances
+    if k > 1 and not ns.use_distributed_optimizer:
+        problems.append(f"--num-distributed-optimizer-instances {k} needs "
+                        "--use-distributed-optimizer: add it or drop the instances")
+    elif dp % k:
+        problems.append(f"data-parallel size {dp} is not divisible by "
+                        f"--num-distributed-optimizer-instances {k}: use a divisor of {dp}")
+    elif ns.recover and ns.use_distributed_optimizer and k == 1 and dp > 1:
+        problems.append("--use-distributed-optimizer with --recover shards optimizer state across "
+                        "replicas, and a dead replica would take its shard with it: pass "
+                        f"--num-distributed-optimizer-instances {dp} (one instance per replica, "
+                        "sharded within it) or drop --use-distributed-optimizer")
+    return problems
+
+
+def _schedule(ns) -> list[str]:
+    problems = []
+    if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters != 0:
+        problems.append("--lr-warmup-iters and --lr-warmup-fraction were both given: keep one")
+    if ns.min_lr > ns.lr:
+        problems.append(f"--min-lr {ns.min_lr} exceeds --lr {ns.lr}: lower --min-lr")
+    if ns.lr_warmup_init > ns.lr:
+        problems.append(f"--lr-warmup-init {ns.lr_warmup_init} exceeds --lr {ns.lr}")
+    decay_iters = ns.lr_decay_iters if ns.lr_decay_iters is not None else ns.train_iters
+    warmup = (ns.lr_warmup_fraction * decay_iters if ns.lr_warmup_fraction is not None
+              else ns.lr_warmup_iters)
+    if not 0 <= warmup < decay_iters:
+        problems.append(f"warmup of {warmup:g} iterations must be shorter than the "
+                        f"{decay_iters} decay iterations (--lr-decay-iters, default "
+                        "--train-iters): shorten the warmup or lengthen the decay")
+    if ns.lr_decay_style == "WSD" and ns.lr_wsd_decay_iters is None:
+        problems.append("--lr-decay-style WSD needs --lr-wsd-decay-iters (its annealing phase)")
+    return problems
+
+
+def _data(ns) -> list[str]:
+    if ns.data_path is not None and ns.mock_data:
+        return ["--data-path and --mock-data were both given: pass one of them"]
+    if ns.data_path is None and not ns.mock_data:
+        return ["no training data: pass --data-path PREFIX (an indexed .bin/.idx dataset from "
+                "scripts/preprocess_data.py) or --mock-data"]
+    problems = []
+    if ns.data_path is not None:
+        prefix, problem = _single_prefix(ns.data_path)
+        if problem:
+            problems.append(problem)
+        else:
+            problems += _dataset_files(prefix)
+    if ns.split is not None:
+        problems += _split(ns.split)
+    return problems
+
+
+def _single_prefix(values: list[str]) -> tuple[str | None, str | None]:
+    """The one dataset prefix in Megatron's --data-path syntax, or a problem line."""
+    if len(values) == 1:
+        return values[0], None
+    if len(values) == 2 and _is_number(values[0]):
+        return values[1], None  # "weight prefix": a blend of one
+    if not values:
+        return None, "--data-path needs a dataset prefix"
+    return None, (f"--data-path names a blend of several datasets ({' '.join(values)}); only a "
+                  "single dataset prefix is supported: preprocess the corpora into one dataset "
+                  "(scripts/preprocess_data.py) and pass its prefix")
+
+
+def _dataset_files(prefix: str) -> list[str]:
+    missing = [p for p in (f"{prefix}.bin", f"{prefix}.idx") if not Path(p).is_file()]
+    if not missing:
+        return []
+    hint = ""
+    if prefix.endswith((".bin", ".idx")):
+        hint = f"; pass the prefix without the suffix: --data-path {prefix[:-4]}"
+    return [f"--data-path {prefix}: {', '.join(missing)} not found{hint}"]
+
+
+def _split(split: str) -> list[str]:
+    # The same reading as megatron-core's parse_and_normalize_split.
+    weights = [float(x) for x in re.findall(r"[.0-9]+", split) if x != "."]
+    if not 1 <= len(weights) <= 3 or weights[0] <= 0:
+        return [f"--split {split!r}: give up to three non-negative proportions "
+                "train,valid,test with a positive train share, e.g. --split 969,30,1"]
+    return []
+
+
+def _tokenizer(ns) -> list[str]:
+    kind = _tokenizer_type(ns)
+    if kind is None:
+        return ["no tokenizer: pass --tokenizer-type GPT2BPETokenizer with --vocab-file and "
+                "--merge-file, HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer "
+                "with --vocab-size"]
+    if kind not in TOKENIZER_TYPES:
+        return [f"--tokenizer-type {kind} is not supported: use one of "
+                f"{', '.join(TOKENIZER_TYPES)} (they load offline from local files)"]
+    needs = {"GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+             "HuggingFaceTokenizer": ("--tokenizer-model",),
+             "NullTokenizer": ()}[kind]
+    problems = []
+    for flag in needs:
+        path = getattr(ns, flag[2:].replace("-", "_"))
+        if path is None:
+            problems.append(f"--tokenizer-type {kind} needs {flag}")
+        elif not Path(path).exists():
+            problems.append(f"{flag} {path}: no such file or directory")
+    if kind == "NullTokenizer" and ns.vocab_size is None:
+        problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    return problems
+
+
+def _checkpointing(ns) -> list[str]:
+    if ns.save is not None and ns.save_interval is None:
+        return ["--save needs --save-interval (iterations between checkpoints), as in Megatron-LM"]
+    return []
+
+
+def _recover(ns) -> list[str]:
+    given = [flag for flag in ("--recover-policy", "--recover-mode", "--recover-failure-schedule",
+                               "--recover-log", "--recover-hang-timeout")
+             if getattr(ns, flag[2:].replace("-", "_")) is not None]
+    if given and not ns.recover:
+        return [f"{', '.join(given)} given without --recover: add --recover or drop them"]
+    problems = []
+    if ns.recover_mode == "reserve" and ns.recover_policy == "adaptive":
+        problems.append("--recover-mode reserve applies to the static policy only (the adaptive "
+                        "policy has no spares): drop --recover-mode or use --recover-policy static")
+    schedule = ns.recover_failure_schedule
+    if schedule is not None and not Path(schedule).is_file():
+        problems.append(f"--recover-failure-schedule {schedule}: no such file")
+    if ns.recover_hang_timeout is not None and ns.recover_hang_timeout <= 0:
+        problems.append(f"--recover-hang-timeout must be positive seconds, got "
+                        f"{ns.recover_hang_timeout}")
+    return problems
+
+
+def _validate(ns, world_size: int, cuda_available: bool) -> None:
+    """Raise one ValueError listing every problem found, or return."""
+    problems = _required(ns)
+    if not problems:  # the shape checks below read the required values
+        problems = _positive(ns)
+    if not problems:
+        problems = (_model_shape(ns) + _parallel_layout(ns, world_size) + _schedule(ns))
+    problems += (_refusals(ns, cuda_available) + _precision(ns) + _data(ns) + _tokenizer(ns)
+                 + _checkpointing(ns) + _recover(ns))
+    if problems:
+        raise ValueError("pretrain_gpt_recover.py: invalid arguments:\n  "
+                         + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the TrainConfig
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _ffn_hidden_size(ns) -> int:
+    if ns.ffn_hidden_size is not None:
+        return ns.ffn_hidden_size
+    if ns.swiglu:
+        return int((4 * ns.hidden_size * 2 / 3) / 64) * 64
+    return 4 * ns.hidden_size
+
+
+def _tokenizer_type(ns) -> str | None:
+    if ns.tokenizer_type is not None:
+        return ns.tokenizer_type
+    if ns.vocab_file is not None and ns.merge_file is not None:
+        return "GPT2BPETokenizer"
+    if ns.vocab_size is not None and ns.tokenizer_model is None:
+        return "NullTokenizer"
+    return None
+
+
+def _ignored_given(argv: list[str], tp: int) -> tuple[str, ...]:
+    names = {flag for flag, _ in IGNORED_ARGS}
+    if tp == 1:
+        names.add("--sequence-parallel")  # Megatron-LM drops it too when TP == 1
+    given = []
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in names and flag not in given:
+            given.append(flag)
+    return tuple(given)
+
+
+def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> TrainConfig:
+    """Parse a Megatron GPT command line into a validated TrainConfig.
+
+    argv: the arguments without the program name. world_size: ranks at launch (from MPI).
+    cuda_available: whether this rank trains on CUDA; on CPU, fp16/bf16 and CUDA-only kernels
+    are refused. Raises ValueError (one message, a line per problem, each saying what to change)
+    for a bad combination; argparse exits with status 2 on unknown or malformed arguments.
+    Pure: reads only argv and the files it names (dataset, tokenizer, failure schedule).
+    """
+    ns = build_parser().parse_args(argv)
+    _validate(ns, world_size, cuda_available)
+    tp = ns.tensor_model_parallel_size
+    dp = world_size // (tp * ns.pipeline_model_parallel_size)
+    fusion = ns.gradient_accumulation_fusion
+    return TrainConfig(
+        model=ModelConfig(
+            num_layers=ns.num_layers, hidden_size=ns.hidden_size,
+            ffn_hidden_size=_ffn_hidden_size(ns), num_attention_heads=ns.num_attention_heads,
+            kv_channels=ns.hidden_size // ns.num_attention_heads,
+            num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
+            seq_length=ns.seq_length,
+            max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
+            position_embedding_type=ns.position_embedding_type, rotary_base=ns.rotary_base,
+            rotary_percent=ns.rotary_percent, normalization=ns.normalization,
+            norm_epsilon=ns.norm_epsilon, swiglu=ns.swiglu,
+            untie_embeddings_and_output_weights=ns.untie_embeddings_and_output_weights,
+            add_bias_linear=ns.add_bias_linear, init_method_std=ns.init_method_std,
+            hidden_dropout=ns.hidden_dropout, attention_dropout=ns.attention_dropout,
+            make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
+            transformer_impl=ns.transformer_impl),
+        optim=OptimConfig(
+            lr=ns.lr, min_lr=ns.min_lr, lr_decay_style=ns.lr_decay_style,
+            lr_decay_iters=ns.lr_decay_iters or ns.train_iters,
+            lr_warmup_iters=ns.lr_warmup_iters, lr_warmup_fraction=ns.lr_warmup_fraction,
+            lr_warmup_init=ns.lr_warmup_init, lr_wsd_decay_style=ns.lr_wsd_decay_style,
+            lr_wsd_decay_iters=ns.lr_wsd_decay_iters, weight_decay=ns.weight_decay,
+            clip_grad=ns.clip_grad, adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2,
+            adam_eps=ns.adam_eps),
+        precision=PrecisionConfig(
+            fp16=ns.fp16, bf16=ns.bf16, loss_scale=ns.loss_scale,
+            initial_loss_scale=ns.initial_loss_scale, min_loss_scale=ns.min_loss_scale,
+            loss_scale_window=ns.loss_scale_window, hysteresis=ns.hysteresis,
+            # bf16 gradients are accumulated and reduced in fp32 (Megatron-LM's validate_args).
+            accumulate_allreduce_grads_in_fp32=ns.accumulate_allreduce_grads_in_fp32 or ns.bf16,
+            attention_softmax_in_fp32=ns.attention_softmax_in_fp32),
+        parallel=ParallelConfig(
+            world_size=world_size, tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
+            use_distributed_optimizer=ns.use_distributed_optimizer,
+            num_distributed_optimizer_instances=ns.num_distributed_optimizer_instances,
+            overlap_grad_reduce=ns.overlap_grad_reduce, ddp_bucket_size=ns.ddp_bucket_size,
+            sequence_parallel=ns.sequence_parallel and tp > 1,
+            use_cpu_initialization=ns.use_cpu_initialization,
+            gradient_accumulation_fusion=cuda_available if fusion is None else fusion),
+        data=DataConfig(
+            data_path=None if ns.data_path is None else _single_prefix(ns.data_path)[0],
+            mock_data=ns.mock_data,
+            split=ns.split if ns.split is not None or ns.mock_data else LEGACY_DEFAULT_SPLIT,
+            data_cache_path=ns.data_cache_path, reset_position_ids=ns.reset_position_ids,
+            reset_attention_mask=ns.reset_attention_mask, eod_mask_loss=ns.eod_mask_loss,
+            tokenizer_type=_tokenizer_type(ns), vocab_file=ns.vocab_file,
+            merge_file=ns.merge_file, tokenizer_model=ns.tokenizer_model,
+            vocab_size=ns.vocab_size),
+        checkpoint=CheckpointConfig(save=ns.save, load=ns.load, save_interval=ns.save_interval),
+        recover=RecoverConfig(
+            enabled=ns.recover, policy=ns.recover_policy or "static",
+            mode=ns.recover_mode or "exact",
+            failure_schedule=_path_or_none(ns.recover_failure_schedule),
+            log=_path_or_none(ns.recover_log),
+            hang_timeout_s=(DEFAULT_HANG_TIMEOUT_S if ns.recover_hang_timeout is None
+                            else ns.recover_hang_timeout)),
+        micro_batch_size=ns.micro_batch_size,
+        global_batch_size=(ns.global_batch_size if ns.global_batch_size is not None
+                           else ns.micro_batch_size * dp),
+        train_iters=ns.train_iters, seed=ns.seed, log_interval=ns.log_interval,
+        ignored_args=_ignored_given(argv, tp),
+    )
+
+
+def _path_or_none(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def ignored_args_message(cfg: TrainConfig) -> str | None:
+    """The start-up line naming the ignored flags, or None when there are none."""
+    if not cfg.ignored_args:
+        return None
+    return ("megatron-recover: accepted but not implemented (no effect on training): "
+            + " ".join(cfg.ignored_args))
+
+
+def padded_vocab_size(cfg: TrainConfig, vocab_size: int) -> int:
+    """The tokenizer's vocabulary padded as Megatron-LM pads it: up to a multiple of
+    --make-vocab-size-divisible-by x TP."""
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-core config objects
+# ---------------------------------------------------------------------------------------------
+
+
+def to_transformer_config(cfg: TrainConfig):
+    """megatron-core TransformerConfig for the GPT model, as Megatron-LM builds it from its args.
+
+    Every fusion is off: their kernels come from Apex or Megatron's compiled extensions, which a
+    megatron-core install alone does not have (and never on CPU); with Transformer Engine's layer
+    spec, TE's own fused paths apply regardless. Position embeddings and the vocabulary are
+    GPTModel arguments, not part of this config.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    m, p, par = cfg.model, cfg.precision, cfg.parallel
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels,
+        num_query_groups=m.num_query_groups,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
+        # Megatron-LM keeps the QKV bias in step with --disable-bias-linear.
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear,
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        use_cpu_initialization=par.use_cpu_initialization,
+        gradient_accumulation_fusion=par.gradient_accumulation_fusion,
+        fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype, pipeline_dtype=p.params_dtype,
+        attention_softmax_in_fp32=p.attention_softmax_in_fp32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False,
+        deallocate_pipeline_outputs=True,  # as Megatron-LM sets it
+    )
+
+
+def to_ddp_config(cfg: TrainConfig):
+    """megatron-core DistributedDataParallelConfig (gradient buffers, buckets, reduction)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    par = cfg.parallel
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        num_distributed_optimizer_instances=par.num_distributed_optimizer_instances,
+        bucket_size=par.ddp_bucket_size,
+    )
+
+
+def to_optimizer_config(cfg: TrainConfig):
+    """megatron-core OptimizerConfig for Adam (Megatron-LM's only optimizer we accept)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o, p = cfg.optim, cfg.precision
+    return OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype,
+        loss_scale=p.loss_scale, initial_loss_scale=p.initial_loss_scale,
+        min_loss_scale=p.min_loss_scale, loss_scale_window=p.loss_scale_window,
+        hysteresis=p.hysteresis,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+
+
+def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
+    """Keyword arguments of megatron-core's OptimizerParamScheduler (all but `optimizer`).
+
+    Steps are samples, as in Megatron-LM's iteration-based set-up: the caller steps the scheduler
+    by global_batch_size (= B x micro_batch_size) once per committed iteration.
+    """
+    o, gbs = cfg.optim, cfg.global_batch_size
+    decay_steps = o.lr_decay_iters * gbs
+    if o.lr_warmup_fraction is not None:
+        warmup_steps = o.lr_warmup_fraction * decay_steps  # Megatron's order of operations
+    else:
+        warmup_steps = o.lr_warmup_iters * gbs
+    return dict(
+        init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=cfg.train_iters * gbs, wd_incr_style="constant",
+        wsd_decay_steps=None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * gbs,
+        lr_wsd_decay_style=o.lr_wsd_decay_style,
+    )
+
+
+def to_policy_config(cfg: TrainConfig):
+    """The layer-3 PolicyConfig: W_init replicas, G_init microbatch ids each, policy and mode."""
+    from megatron_recover.policy import PolicyConfig
+
+    return PolicyConfig(w_init=cfg.num_replicas, g_init=cfg.num_microbatches_per_replica,
+                        policy=cfg.recover.policy, mode=cfg.recover.mode)

@@ -1,0 +1,534 @@
+"""The argument layer of pretrain_gpt_recover.py (megatron_recover/megatron/arguments.py).
+
+Run:  .venv/bin/python -m pytest tests/test_arguments.py -q -p no:cacheprovider
+Hardware: none beyond a CPU; pure in-process, a few seconds. `cuda_available` is a parameter
+of parse_args, so the CUDA-only paths (fp16, bf16, gradient-accumulation fusion) are checked here
+without a GPU; the megatron-core config objects are built but no model is.
+
+What it checks: a Megatron GPT command line from Megatron-LM's examples parses with Megatron's
+defaults and meanings; derived values (data-parallel size, replicas, B, microbatches, warmup);
+every refused argument stops with a ValueError that names the flag and what to change; ignored
+flags are listed in command-line order; unknown flags are argparse errors; TransformerConfig,
+DistributedDataParallelConfig, OptimizerConfig, OptimizerParamScheduler and PolicyConfig build
+from the result and carry its values.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_recover.megatron.arguments import (
+    DEFAULT_HANG_TIMEOUT_S,
+    LEGACY_DEFAULT_SPLIT,
+    ignored_args_message,
+    padded_vocab_size,
+    parse_args,
+    to_ddp_config,
+    to_optimizer_config,
+    to_policy_config,
+    to_scheduler_kwargs,
+    to_transformer_config,
+)
+
+# A small CPU job: 2 layers, mock data, no tokenizer files needed.
+SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 "
+         "--train-iters 20 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+         "--vocab-size 100").split()
+
+
+def small(*extra, world_size=4, cuda_available=False):
+    return parse_args(SMALL + list(extra), world_size=world_size, cuda_available=cuda_available)
+
+
+def refused(*extra, world_size=4, cuda_available=False, argv=None) -> str:
+    """The ValueError message for SMALL + extra (or argv); fails the test if it parses."""
+    with pytest.raises(ValueError) as info:
+        parse_args(argv if argv is not None else SMALL + list(extra), world_size=world_size,
+                   cuda_available=cuda_available)
+    return str(info.value)
+
+
+@pytest.fixture
+def gpt2_files(tmp_path):
+    """An indexed dataset prefix and GPT-2 tokenizer files (contents are not read at parse time)."""
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    return {"prefix": str(prefix), "vocab": str(tmp_path / "vocab.json"),
+            "merges": str(tmp_path / "merges.txt"), "dir": tmp_path}
+
+
+def gpt3_argv(files) -> list[str]:
+    """Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, less --rampup-batch-size."""
+    return [
+        "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+        "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend", "auto",
+        "--micro-batch-size", "1", "--global-batch-size", "1536", "--train-iters", "500000",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
+        "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+        "--lr-decay-iters", "430000",
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+        "--data-path", files["prefix"], "--vocab-file", files["vocab"],
+        "--merge-file", files["merges"], "--split", "949,50,1",
+        "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+        "--save", str(files["dir"] / "ckpt"), "--load", str(files["dir"] / "ckpt"),
+        "--eval-iters", "10", "--tensorboard-dir", str(files["dir"] / "tb"),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# A real command line, Megatron's defaults, derived values
+# --------------------------------------------------------------------------------------------
+
+
+def test_megatron_gpt3_example_parses(gpt2_files):
+    cfg = parse_args(gpt3_argv(gpt2_files), world_size=1024, cuda_available=True)
+    m, o, p, par, d = cfg.model, cfg.optim, cfg.precision, cfg.parallel, cfg.data
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (96, 12288, 96)
+    assert m.ffn_hidden_size == 4 * 12288 and m.kv_channels == 128
+    assert (m.seq_length, m.max_position_embeddings) == (2048, 2048)
+    assert m.init_method_std == 0.006 and m.position_embedding_type == "learned_absolute"
+    assert (o.lr, o.min_lr, o.lr_decay_style, o.lr_decay_iters) == (6e-5, 6e-6, "cosine", 430000)
+    assert (o.weight_decay, o.adam_beta2, o.clip_grad) == (0.1, 0.95, 1.0)
+    assert p.fp16 and not p.bf16 and p.params_dtype == torch.float16
+    assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size) == (8, 16)
+    assert d.data_path == gpt2_files["prefix"] and d.split == "949,50,1"
+    assert d.tokenizer_type == "GPT2BPETokenizer"  # inferred from --vocab-file + --merge-file
+    assert cfg.checkpoint.save_interval == 10000 and cfg.checkpoint.load.endswith("ckpt")
+    # 1024 ranks / (TP 8 x PP 16) = 8 data-parallel ranks, each its own replica.
+    assert cfg.data_parallel_size == 8 and cfg.num_replicas == 8
+    assert cfg.dp_ranks_per_replica == 1 and par.ranks_per_replica == 128
+    assert cfg.b == 1536 and cfg.num_microbatches_per_dp_rank == 192
+    assert cfg.num_microbatches_per_replica == 192
+    assert o.warmup_iters == pytest.approx(430.0)
+    assert cfg.ignored_args == ("--attention-backend", "--eval-interval", "--eval-iters",
+                                "--tensorboard-dir")
+    assert "--tensorboard-dir" in ignored_args_message(cfg)
+    assert not cfg.recover.enabled
+
+
+def test_megatron_defaults():
+    minimal = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+               "--micro-batch-size 2 --train-iters 20 --lr 1e-3 --mock-data --vocab-size 100")
+    cfg = parse_args(minimal.split(), world_size=4, cuda_available=False)
+    m, o, p, par = cfg.model, cfg.optim, cfg.precision, cfg.parallel
+    assert cfg.global_batch_size == 2 * 4  # mbs x dp, as Megatron-LM defaults it
+    assert m.max_position_embeddings == m.seq_length
+    assert m.ffn_hidden_size == 256 and m.normalization == "LayerNorm"
+    assert (m.hidden_dropout, m.attention_dropout, m.init_method_std) == (0.1, 0.1, 0.02)
+    assert m.add_bias_linear and not m.swiglu and not m.untie_embeddings_and_output_weights
+    assert m.num_query_groups is None and m.make_vocab_size_divisible_by == 128
+    assert (o.min_lr, o.lr_decay_style, o.lr_decay_iters, o.lr_warmup_iters) == (
+        0.0, "linear", 20, 0)
+    assert (o.weight_decay, o.clip_grad, o.adam_beta1, o.adam_beta2, o.adam_eps) == (
+        0.01, 1.0, 0.9, 0.999, 1e-8)
+    assert o.warmup_iters == 0.0
+    assert cfg.seed == 1234 and cfg.log_interval == 100
+    assert p.params_dtype == torch.float32 and not p.accumulate_allreduce_grads_in_fp32
+    assert not par.gradient_accumulation_fusion  # no such kernel on CPU
+    assert par.num_distributed_optimizer_instances == 1 and par.ddp_bucket_size is None
+    assert cfg.data.split is None  # mock data: megatron-core picks its own even split
+    assert cfg.recover.policy == "static" and cfg.recover.mode == "exact"
+    assert cfg.recover.hang_timeout_s == DEFAULT_HANG_TIMEOUT_S
+    assert cfg.data.tokenizer_type == "NullTokenizer"  # inferred from --vocab-size alone
+    assert cfg.ignored_args == () and ignored_args_message(cfg) is None
+
+
+def test_gradient_accumulation_fusion_follows_the_device():
+    assert small(cuda_available=True).parallel.gradient_accumulation_fusion
+    assert not small("--no-gradient-accumulation-fusion",
+                     cuda_available=True).parallel.gradient_accumulation_fusion
+    assert not small().parallel.gradient_accumulation_fusion
+
+
+def test_legacy_split_default_with_data_path(gpt2_files):
+    cfg = parse_args([a for a in SMALL if a != "--mock-data"]
+                     + ["--data-path", gpt2_files["prefix"]], world_size=4, cuda_available=False)
+    assert cfg.data.split == LEGACY_DEFAULT_SPLIT and not cfg.data.mock_data
+
+
+def test_swiglu_ffn_rule_and_model_switches():
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32",
+                      "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "5",
+                      "--lr", "1e-4", "--mock-data", "--vocab-size", "64", "--swiglu",
+                      "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                      "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                      "--group-query-attention", "--num-query-groups", "8"],
+                     world_size=1, cuda_available=False)
+    m = cfg.model
+    assert m.ffn_hidden_size == 10880  # int(4*4096*2/3 / 64) * 64
+    assert m.swiglu and m.normalization == "RMSNorm" and m.position_embedding_type == "rope"
+    assert not m.add_bias_linear and m.untie_embeddings_and_output_weights
+    assert m.num_query_groups == 8
+    assert small("--ffn-hidden-size", "96", "--swiglu").model.ffn_hidden_size == 96
+
+
+def test_replicas_without_and_with_distributed_optimizer_instances():
+    plain = small("--tensor-model-parallel-size", "2", world_size=8)
+    assert plain.data_parallel_size == 4 and plain.num_replicas == 4
+    assert plain.dp_ranks_per_replica == 1 and plain.parallel.ranks_per_replica == 2
+    assert plain.b == 8 and plain.num_microbatches_per_dp_rank == 2
+    assert plain.num_microbatches_per_replica == 2
+
+    inst = small("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+                 "--recover", world_size=8)
+    assert inst.data_parallel_size == 8 and inst.num_replicas == 2
+    assert inst.dp_ranks_per_replica == 4 and inst.parallel.ranks_per_replica == 4
+    assert inst.b == 8 and inst.num_microbatches_per_dp_rank == 1
+    assert inst.num_microbatches_per_replica == 4  # each replica holds 4 ids per iteration
+
+    # Without --recover the full distributed optimizer is stock Megatron: one instance, one replica.
+    full = small("--use-distributed-optimizer", world_size=8)
+    assert full.num_replicas == 1 and full.dp_ranks_per_replica == 8
+
+
+def test_recover_options():
+    cfg = small("--recover", "--recover-policy", "adaptive", "--recover-log", "run.jsonl",
+                "--recover-hang-timeout", "30")
+    r = cfg.recover
+    assert r.enabled and r.policy == "adaptive" and r.mode == "exact"
+    assert str(r.log) == "run.jsonl" and r.hang_timeout_s == 30.0 and r.failure_schedule is None
+    assert small("--recover", "--recover-mode", "reserve").recover.mode == "reserve"
+
+
+def test_warmup_iters_resolved_from_fraction():
+    cfg = small("--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10")
+    assert cfg.optim.warmup_iters == 2.5
+    assert small("--lr-warmup-iters", "3").optim.warmup_iters == 3.0
+
+
+def test_padded_vocab_size():
+    cfg = small("--tensor-model-parallel-size", "2")
+    assert padded_vocab_size(cfg, 50257) == 50432  # next multiple of 128 x TP 2 = 256
+    assert padded_vocab_size(cfg, 512) == 512
+
+
+# --------------------------------------------------------------------------------------------
+# Refused arguments and bad combinations: each message names the flag and the change
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--context-parallel-size", "2"], ["--context-parallel-size", "drop it"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "drop"]),
+    (["--num-experts", "8"], ["--num-experts", "drop"]),
+    (["--rampup-batch-size", "16", "16", "5859375"], ["--rampup-batch-size", "--global-batch-size"]),
+    (["--calculate-per-token-loss"], ["--calculate-per-token-loss", "drop the flag"]),
+    (["--decrease-batch-size-if-needed"], ["--decrease-batch-size-if-needed", "drop the flag"]),
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     ["virtual pipeline", "drop --num-layers-per-virtual-pipeline-stage"]),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], ["drop --num-virtual-stages-per-pipeline"]),
+    (["--virtual-pipeline-model-parallel-size", "2"], ["drop --virtual-pipeline-model-parallel"]),
+    (["--train-samples", "1000"], ["--train-samples", "use --train-iters"]),
+    (["--lr-warmup-samples", "10"], ["--lr-warmup-samples", "--lr-warmup-fraction"]),
+    (["--fp16"], ["--fp16 needs a CUDA device", "drop --fp16"]),
+    (["--bf16"], ["--bf16 needs a CUDA device", "drop --bf16"]),
+    (["--gradient-accumulation-fusion"],
+     ["--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"]),
+    (["--transformer-impl", "transformer_engine"], ["--transformer-impl local"]),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], ["--sequence-parallel", "drop"]),
+])
+def test_refused_on_cpu(extra, expected):
+    message = refused(*extra)
+    for text in expected:
+        assert text in message, (text, message)
+
+
+def test_cuda_only_options_pass_with_cuda():
+    assert small("--bf16", cuda_available=True).precision.bf16
+    assert small("--fp16", cuda_available=True).precision.fp16
+    cfg = small("--sequence-parallel", "--tensor-model-parallel-size", "2", cuda_available=True)
+    assert cfg.parallel.sequence_parallel and cfg.ignored_args == ()
+
+
+def test_both_precisions():
+    assert "pass one of them" in refused("--fp16", "--bf16", cuda_available=True)
+
+
+def test_world_not_divisible_by_model_parallel():
+    message = refused("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      world_size=6)
+    assert "world size 6" in message and "multiple of 4" in message
+
+
+def test_global_batch_not_divisible():
+    message = refused("--global-batch-size", "10", world_size=4)  # mbs 2 x dp 4 = 8
+    assert "--global-batch-size 10" in message and "multiple of 8" in message
+
+
+def test_hidden_not_divisible_by_heads():
+    argv = [a if a != "64" else "66" for a in SMALL]
+    assert "--hidden-size 66 is not divisible by --num-attention-heads 4" in refused(argv=argv)
+
+
+def test_heads_and_layers_against_tp_pp():
+    assert "--tensor-model-parallel-size 8" in refused("--tensor-model-parallel-size", "8",
+                                                       world_size=8)
+    assert "--pipeline-model-parallel-size 4" in refused("--pipeline-model-parallel-size", "4",
+                                                         world_size=4)
+
+
+def test_seq_length_beyond_learned_positions():
+    argv = SMALL + ["--seq-length", "64"]  # the later value wins, as in argparse
+    assert "raise --max-position-embeddings" in refused(argv=argv)
+    # RoPE has no position table: the same lengths are fine.
+    cfg = parse_args(argv + ["--position-embedding-type", "rope"], world_size=4,
+                     cuda_available=False)
+    assert cfg.model.seq_length == 64
+
+
+def test_swiglu_too_small_for_default_ffn():
+    argv = [a if a != "64" else "16" for a in SMALL] + ["--swiglu"]
+    assert "pass --ffn-hidden-size" in refused(argv=argv)
+
+
+def test_full_distributed_optimizer_with_recover():
+    message = refused("--recover", "--use-distributed-optimizer", world_size=4)
+    assert "--num-distributed-optimizer-instances 4" in message
+    assert "drop --use-distributed-optimizer" in message
+    # One data-parallel rank is one replica: nothing to lose across replicas.
+    assert small("--recover", "--use-distributed-optimizer", world_size=1).num_replicas == 1
+
+
+def test_distributed_optimizer_instances_must_fit():
+    assert "use a divisor of 4" in refused("--use-distributed-optimizer",
+                                           "--num-distributed-optimizer-instances", "3")
+    assert "needs --use-distributed-optimizer" in refused(
+        "--num-distributed-optimizer-instances", "2")
+
+
+def test_recover_options_without_recover():
+    message = refused("--recover-policy", "adaptive", "--recover-log", "x.jsonl")
+    assert "--recover-policy, --recover-log given without --recover" in message
+    assert "add --recover" in message
+
+
+def test_reserve_mode_needs_static_policy():
+    message = refused("--recover", "--recover-policy", "adaptive", "--recover-mode", "reserve")
+    assert "static policy only" in message
+
+
+def test_failure_schedule_must_exist(tmp_path):
+    assert "no such file" in refused("--recover", "--recover-failure-schedule",
+                                     str(tmp_path / "missing.yaml"))
+    schedule = tmp_path / "faults.yaml"
+    schedule.write_text("entries: []\n")
+    cfg = small("--recover", "--recover-failure-schedule", str(schedule))
+    assert cfg.recover.failure_schedule == schedule
+
+
+def test_warmup_iters_and_fraction_together():
+    assert "keep one" in refused("--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1")
+
+
+def test_warmup_longer_than_decay():
+    assert "shorten the warmup" in refused("--lr-warmup-iters", "20")
+
+
+def test_wsd_needs_its_decay_iters():
+    assert "--lr-wsd-decay-iters" in refused("--lr-decay-style", "WSD")
+
+
+def test_missing_required_arguments():
+    message = refused(argv=["--mock-data", "--vocab-size", "10"])
+    for flag in ("--num-layers", "--hidden-size", "--seq-length", "--train-iters", "--lr"):
+        assert flag in message
+
+
+def test_data_source_neither_or_both(gpt2_files):
+    no_data = [a for a in SMALL if a != "--mock-data"]
+    assert "pass --data-path PREFIX" in refused(argv=no_data)
+    assert "pass one of them" in refused("--data-path", gpt2_files["prefix"])
+
+
+def test_data_blend_refused_single_weighted_prefix_accepted(gpt2_files):
+    no_data = [a for a in SMALL if a != "--mock-data"]
+    prefix = gpt2_files["prefix"]
+    message = refused(argv=no_data + ["--data-path", "0.5", prefix, "0.5", prefix])
+    assert "blend" in message and "single dataset prefix" in message
+    cfg = parse_args(no_data + ["--data-path", "1.0", prefix], world_size=4,
+                     cuda_available=False)
+    assert cfg.data.data_path == prefix
+
+
+def test_missing_dataset_files(gpt2_files):
+    no_data = [a for a in SMALL if a != "--mock-data"]
+    message = refused(argv=no_data + ["--data-path", gpt2_files["prefix"] + ".bin"])
+    assert "not found" in message and f"--data-path {gpt2_files['prefix']}" in message
+
+
+def test_bad_split(gpt2_files):
+    no_data = [a for a in SMALL if a != "--mock-data"]
+    argv = no_data + ["--data-path", gpt2_files["prefix"], "--split", "0,50,50"]
+    assert "positive train share" in refused(argv=argv)
+
+
+def test_tokenizer_files(gpt2_files, tmp_path):
+    base = [a for a in SMALL if a not in ("--tokenizer-type", "NullTokenizer")]
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer"]
+    assert "needs --merge-file" in refused(argv=base + gpt2 + ["--vocab-file", gpt2_files["vocab"]])
+    missing = str(tmp_path / "nope.json")
+    message = refused(argv=base + gpt2 + ["--vocab-file", missing,
+                                          "--merge-file", gpt2_files["merges"]])
+    assert f"--vocab-file {missing}: no such file" in message
+    assert "needs --tokenizer-model" in refused(argv=base + ["--tokenizer-type",
+                                                             "HuggingFaceTokenizer"])
+    assert "use one of GPT2BPETokenizer" in refused(argv=base + ["--tokenizer-type",
+                                                                 "Llama2Tokenizer"])
+    no_tokenizer = [a for a in base if a not in ("--vocab-size", "100")]
+    assert "no tokenizer" in refused(argv=no_tokenizer)
+
+
+def test_save_needs_interval(tmp_path):
+    assert "--save needs --save-interval" in refused("--save", str(tmp_path))
+
+
+def test_every_problem_in_one_message():
+    message = refused("--fp16", "--context-parallel-size", "2", "--recover-mode", "exact")
+    assert "--fp16" in message and "--context-parallel-size" in message
+    assert "without --recover" in message
+    assert len(message.splitlines()) == 4  # a header and one line per problem
+
+
+# --------------------------------------------------------------------------------------------
+# Ignored and unknown arguments
+# --------------------------------------------------------------------------------------------
+
+
+def test_ignored_arguments_listed_in_order():
+    cfg = small("--use-flash-attn", "--distributed-backend", "nccl", "--no-masked-softmax-fusion",
+                "--wandb-project=proj", "--log-throughput", "--timing-log-level", "2",
+                "--exit-duration-in-mins", "230", "--no-bias-dropout-fusion",
+                "--no-bias-gelu-fusion", "--sequence-parallel", "--use-flash-attn")
+    assert cfg.ignored_args == (
+        "--use-flash-attn", "--distributed-backend", "--no-masked-softmax-fusion",
+        "--wandb-project", "--log-throughput", "--timing-log-level", "--exit-duration-in-mins",
+        "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--sequence-parallel")
+    assert not cfg.parallel.sequence_parallel  # TP == 1: Megatron-LM drops it too
+
+
+def test_unknown_argument_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        small("--no-such-flag")
+    assert info.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_no_abbreviations(capsys):
+    # "--recover-p" would be an abbreviation of --recover-policy if argparse allowed them.
+    with pytest.raises(SystemExit):
+        small("--recover", "--recover-p", "static")
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_bad_choice_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        small("--lr-decay-style", "step")
+    assert "invalid choice" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# megatron-core config objects
+# --------------------------------------------------------------------------------------------
+
+
+def test_transformer_config_on_cpu():
+    cfg = small("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                "--hidden-dropout", "0.2", "--attention-dropout", "0.05",
+                "--init-method-std", "0.01", "--group-query-attention", "--num-query-groups", "2",
+                "--pipeline-model-parallel-size", "2", "--use-cpu-initialization")
+    tc = to_transformer_config(cfg)
+    assert (tc.num_layers, tc.hidden_size, tc.num_attention_heads) == (2, 64, 4)
+    assert tc.ffn_hidden_size == cfg.model.ffn_hidden_size == 128  # int(170.67/64)*64
+    assert tc.gated_linear_unit and tc.activation_func is F.silu
+    assert tc.normalization == "RMSNorm" and tc.layernorm_epsilon == 1e-5
+    assert not tc.add_bias_linear and not tc.add_qkv_bias
+    assert (tc.hidden_dropout, tc.attention_dropout, tc.init_method_std) == (0.2, 0.05, 0.01)
+    assert tc.num_query_groups == 2 and tc.kv_channels == 16
+    assert tc.pipeline_model_parallel_size == 2 and tc.use_cpu_initialization
+    assert tc.params_dtype == torch.float32 and tc.pipeline_dtype == torch.float32
+    assert not (tc.bias_dropout_fusion or tc.masked_softmax_fusion or tc.bias_activation_fusion
+                or tc.apply_rope_fusion or tc.persist_layer_norm
+                or tc.gradient_accumulation_fusion)
+    assert not tc.bf16 and not tc.fp16 and not tc.attention_softmax_in_fp32
+
+    gelu = to_transformer_config(small())
+    assert gelu.activation_func is F.gelu and not gelu.gated_linear_unit
+    assert gelu.add_bias_linear and gelu.add_qkv_bias  # kept in step, as Megatron-LM does
+
+
+def test_transformer_config_bf16_on_cuda():
+    tc = to_transformer_config(small("--bf16", "--attention-softmax-in-fp32",
+                                     cuda_available=True))
+    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.pipeline_dtype == torch.bfloat16
+    assert tc.gradient_accumulation_fusion and tc.attention_softmax_in_fp32
+
+
+def test_ddp_config():
+    ddp = to_ddp_config(small("--overlap-grad-reduce", "--ddp-bucket-size", "1000",
+                              "--use-distributed-optimizer",
+                              "--num-distributed-optimizer-instances", "2", world_size=4))
+    assert ddp.overlap_grad_reduce and ddp.bucket_size == 1000
+    assert ddp.use_distributed_optimizer and ddp.num_distributed_optimizer_instances == 2
+    assert not ddp.grad_reduce_in_fp32
+    # bf16 gradients are accumulated and reduced in fp32, as Megatron-LM forces it.
+    assert to_ddp_config(small("--bf16", cuda_available=True)).grad_reduce_in_fp32
+
+
+def test_optimizer_config():
+    oc = to_optimizer_config(small("--weight-decay", "0.1", "--adam-beta2", "0.95",
+                                   "--adam-eps", "1e-6", "--clip-grad", "0.5", "--min-lr", "1e-5",
+                                   "--fp16", "--loss-scale", "1024", cuda_available=True))
+    assert oc.optimizer == "adam" and oc.lr == 1e-3 and oc.min_lr == 1e-5
+    assert (oc.weight_decay, oc.adam_beta1, oc.adam_beta2, oc.adam_eps) == (0.1, 0.9, 0.95, 1e-6)
+    assert oc.clip_grad == 0.5 and oc.fp16 and not oc.bf16 and oc.loss_scale == 1024
+    assert oc.params_dtype == torch.float16 and not oc.use_distributed_optimizer
+
+
+class _Optimizer:
+    """What OptimizerParamScheduler touches: param_groups."""
+
+    def __init__(self):
+        self.param_groups = [{}]
+
+
+def test_scheduler_follows_megatron_steps():
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    cfg = small("--lr-warmup-iters", "4", "--lr-decay-style", "cosine", "--min-lr", "1e-4")
+    kwargs = to_scheduler_kwargs(cfg)
+    gbs = cfg.global_batch_size
+    assert kwargs["lr_warmup_steps"] == 4 * gbs and kwargs["lr_decay_steps"] == 20 * gbs
+    optimizer = _Optimizer()
+    scheduler = OptimizerParamScheduler(optimizer, **kwargs)
+    lrs = []
+    for _ in range(cfg.train_iters):
+        scheduler.step(increment=gbs)  # once per iteration, by the global batch in samples
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(1e-3 / 4) and lrs[3] == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert optimizer.param_groups[0]["weight_decay"] == 0.01
+
+    # A warmup fraction is applied to the decay steps in samples, in Megatron's order.
+    frac = to_scheduler_kwargs(small("--lr-warmup-fraction", "0.1", "--lr-decay-iters", "7"))
+    assert frac["lr_warmup_steps"] == 0.1 * (7 * gbs)
+
+    wsd = small("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5")
+    scheduler = OptimizerParamScheduler(_Optimizer(), **to_scheduler_kwargs(wsd))
+    assert scheduler.wsd_decay_steps == 5 * gbs
+
+
+def test_policy_config():
+    cfg = small("--recover", "--use-distributed-optimizer",
+                "--num-distributed-optimizer-instances", "2", world_size=4)
+    policy = to_policy_config(cfg)
+    assert (policy.w_init, policy.g_init) == (2, 4)
+    assert policy.b == cfg.b == 8 and policy.policy == "static" and policy.mode == "exact"
+    assert math.prod((cfg.num_replicas, cfg.num_microbatches_per_replica)) == cfg.b
