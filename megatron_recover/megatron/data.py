@@ -1,0 +1,267 @@
+"""Microbatches by id: megatron-core's GPTDataset addressed as DESIGN.md's "Exact semantics" say.
+
+Contract of `MicrobatchSource(config)`:
+- Iteration t (1..train_iters) uses the training split's samples [(t-1)*GBS, t*GBS), the range
+  Megatron's pretraining sampler gives iteration t. Microbatch id k, 0 <= k < B = GBS / mbs, is
+  the k-th slice of `micro_batch_size` samples in it. (Megatron's sampler hands data-parallel
+  rank r of dp its m-th microbatch of an iteration from slice m*dp + r.)
+- Reserve ids B + j, 0 <= j < reserve_microbatches, are the run-wide reserve stream (the policy's
+  reserve mode): samples [train_iters*GBS + j*mbs, +mbs), whatever the iteration. They lie after
+  every main-stream sample, so a reserve id never repeats a training sample.
+- `microbatch(t, k)` returns Megatron's GPT batch as CPU tensors: tokens, labels, position_ids
+  (int64 [mbs, seq]), loss_mask (float32 [mbs, seq], as megatron-core makes it) and
+  attention_mask: None by default, because megatron-core's attention builds the causal mask
+  itself when given None (AttnMaskType.causal, Megatron-LM's
+  --no-create-attention-mask-in-dataloader), or bool [mbs, 1, seq, seq] (True = masked) with
+  `create_attention_mask`.
+- Determinism: the same config gives bitwise the same microbatch in every process and run, built
+  or loaded from the cache, because megatron-core's indices are seeded by `seed` alone.
+
+The data set is what Megatron-LM's pretrain_gpt builds: `BlendedMegatronDatasetBuilder` over
+`GPTDataset` with `GPTDatasetConfig`, a training split of train_iters*GBS samples, so the main
+stream equals an unpatched megatron-core run with the same data, --seed, --split, --seq-length,
+--global-batch-size and --reset-position-ids / --reset-attention-mask / --eod-mask-loss (all
+off by default). `data_path=None` gives megatron's `MockGPTDataset` (--mock-data; megatron then
+ignores `split`).
+GPTDataset rounds its size up to whole epochs, so the reserve stream usually fits after the main
+one; when it does not, the split is built for main + reserve samples, which may add an epoch and
+so reshuffle the main stream (reserve mode only: exact mode has no reserve stream).
+
+Start-up, cache and concurrency. Build the source before torch.distributed is initialized
+(RuntimeError otherwise): megatron's builder then takes its single-process path, building or
+loading the index cache itself, with no barrier and no rank 0 to wait for. (Once torch.distributed
+is up, megatron builds on global rank 0 behind world-wide barriers that every rank must enter: a
+hang if only some ranks build a source, and a dependency on one rank.) The index files (.npy)
+live in `cache_dir`, by default megatron's own `<data_path>/cache/GPTDataset_indices`. Processes
+that build at the same time with one `cache_dir` take turns under an exclusive flock on
+`cache_dir/.build.lock`: the first writes the indices, the others find and memory-map them. So any
+number of ranks, on one host or on a shared file system with working flock, may build at once;
+without flock, give each host its own `cache_dir`. A process killed while writing the cache may
+leave a truncated file that megatron would load later: remove the cache directory after a crash
+during start-up. Mock data is built in memory and not cached (megatron's behaviour).
+"""
+
+import contextlib
+import fcntl
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+LOCK_NAME = ".build.lock"
+
+# Megatron-LM's defaults for --split and --seed.
+DEFAULT_SPLIT = "969,30,1"
+DEFAULT_SEED = 1234
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class MicrobatchSourceConfig:
+    """Everything that decides which samples a microbatch id holds; validated on creation.
+
+    tokenizer: from `megatron_recover.megatron.tokenizer.build_tokenizer` (needs eod, vocab_size,
+        unique_identifiers); it must be the one the data was preprocessed with.
+    sequence_length: tokens per sample (--seq-length).
+    micro_batch_size: samples per microbatch (--micro-batch-size).
+    global_batch_size: samples per iteration (--global-batch-size), a multiple of
+        micro_batch_size; B = global_batch_size / micro_batch_size.
+    train_iters: iterations of the run (--train-iters); the main stream has train_iters*GBS
+        samples.
+    data_path: prefix of the .bin/.idx pair (--data-path), or None for mock data (--mock-data).
+    split: train/valid/test weights as in --split; only the training split is used. May be
+        None with mock data (megatron ignores it there).
+    seed: megatron's dataset shuffle seed (--seed).
+    reserve_microbatches: length of the reserve stream in microbatches (reserve mode; 0 in
+        exact mode).
+    cache_dir: where megatron caches its index files (--data-cache-path); None: megatron's
+        default beside the data. Unused with mock data.
+    create_attention_mask: put a dense causal mask in each batch instead of None.
+    reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron-LM's flags of those names
+        (restart positions / block attention after each EOD, drop EOD from the loss); a reset
+        attention mask needs create_attention_mask, since None stands for the plain causal mask.
+    """
+
+    tokenizer: Any
+    sequence_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    data_path: Optional[str] = None
+    split: Optional[str] = DEFAULT_SPLIT
+    seed: int = DEFAULT_SEED
+    reserve_microbatches: int = 0
+    cache_dir: Optional[str] = None
+    create_attention_mask: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    def __post_init__(self):
+        for name in ("sequence_length", "micro_batch_size", "global_batch_size", "train_iters"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("reserve_microbatches", self.reserve_microbatches, minimum=0)
+        _check_int("seed", self.seed, minimum=0)
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+        for attribute in ("eod", "vocab_size", "unique_identifiers"):
+            if not hasattr(self.tokenizer, attribute):
+                raise ValueError(f"tokenizer has no {attribute!r}; build it with build_tokenizer")
+        if self.reset_attention_mask and not self.create_attention_mask:
+            raise ValueError(
+                "reset_attention_mask needs create_attention_mask: without a mask in the batch "
+                "the model applies the plain causal mask"
+            )
+        if self.data_path is not None or self.split is not None:
+            _check_split(self.split)
+        if self.data_path is not None:
+            for suffix in (".bin", ".idx"):
+                if not os.path.isfile(self.data_path + suffix):
+                    raise ValueError(
+                        f"data_path {self.data_path!r}: {self.data_path + suffix} not found "
+                        f"(data_path is the prefix of the .bin/.idx pair, without the suffix)"
+                    )
+
+    @property
+    def microbatches_per_iteration(self) -> int:
+        """B: the main-stream microbatch ids of an iteration are 0..B-1."""
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def main_samples(self) -> int:
+        """Training samples of the main stream: train_iters x GBS (Megatron's train split size)."""
+        return self.train_iters * self.global_batch_size
+
+    @property
+    def num_samples(self) -> int:
+        """Training samples the run may read: the main stream, then the reserve stream."""
+        return self.main_samples + self.reserve_microbatches * self.micro_batch_size
+
+
+class MicrobatchSource:
+    """Megatron GPT batches by (iteration, microbatch id); see the module docstring."""
+
+    def __init__(self, config: MicrobatchSourceConfig):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError(
+                "build the MicrobatchSource before torch.distributed is initialized: megatron's "
+                "dataset builder would otherwise build on global rank 0 behind world-wide barriers"
+            )
+        self.config = config
+        self.dataset = _build_training_split(config)
+
+    def sample_range(self, iteration: int, microbatch_id: int) -> range:
+        """The training-split sample indices (before megatron's shuffle) of one microbatch."""
+        config = self.config
+        b = config.microbatches_per_iteration
+        if not 1 <= iteration <= config.train_iters:
+            raise ValueError(f"iteration {iteration} is outside 1..{config.train_iters}")
+        if not 0 <= microbatch_id < b + config.reserve_microbatches:
+            raise ValueError(
+                f"microbatch id {microbatch_id} is outside 0..{b - 1} (main stream) and "
+                f"{b}..{b + config.reserve_microbatches - 1} (reserve stream)"
+            )
+        mbs = config.micro_batch_size
+        if microbatch_id < b:
+            start = (iteration - 1) * config.global_batch_size + microbatch_id * mbs
+        else:
+            start = config.main_samples + (microbatch_id - b) * mbs
+        return range(start, start + mbs)
+
+    def microbatch(self, iteration: int, microbatch_id: int) -> Dict[str, Optional[torch.Tensor]]:
+        """Megatron's GPT batch for one microbatch id of one iteration, as CPU tensors."""
+        samples = [self.dataset[index] for index in self.sample_range(iteration, microbatch_id)]
+        return {
+            key: torch.stack([sample[key] for sample in samples]) if key in samples[0] else None
+            for key in BATCH_KEYS
+        }
+
+
+def _build_training_split(config: MicrobatchSourceConfig):
+    dataset = _build(config, config.main_samples)
+    if len(dataset) < config.num_samples:
+        # The whole-epoch slack after the main stream is too short for the reserve stream.
+        dataset = _build(config, config.num_samples)
+    return dataset
+
+
+def _build(config: MicrobatchSourceConfig, num_samples: int):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    mock = config.data_path is None
+    cache_dir = None if mock else _cache_dir(config)
+    builder = BlendedMegatronDatasetBuilder(
+        MockGPTDataset if mock else GPTDataset,
+        # Only the training split is read. The builder builds every split with a weight (None:
+        # one epoch), and the weights decide which documents train, exactly as in megatron.
+        [num_samples, None, None],
+        lambda: True,
+        _gpt_dataset_config(config, cache_dir),
+    )
+    with contextlib.nullcontext() if mock else _exclusive_lock(cache_dir):
+        return builder.build()[0]
+
+
+def _gpt_dataset_config(config: MicrobatchSourceConfig, cache_dir: Optional[str]):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    blend = None if config.data_path is None else ([os.path.abspath(config.data_path)], None)
+    return GPTDatasetConfig(
+        random_seed=config.seed,
+        sequence_length=config.sequence_length,
+        blend=blend,
+        split=config.split,
+        path_to_cache=cache_dir,
+        tokenizer=config.tokenizer,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
+        eod_mask_loss=config.eod_mask_loss,
+        create_attention_mask=config.create_attention_mask,
+    )
+
+
+def _cache_dir(config: MicrobatchSourceConfig) -> str:
+    if config.cache_dir is not None:
+        return os.path.abspath(config.cache_dir)
+    # megatron-core's default for path_to_cache=None, spelled out so that the lock lives there.
+    return os.path.join(os.path.abspath(config.data_path), "cache", "GPTDataset_indices")
+
+
+@contextlib.contextmanager
+def _exclusive_lock(directory: str):
+    """Hold an exclusive flock on directory/.build.lock (released at exit, or if we die)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, LOCK_NAME), "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_split(split: str) -> None:
+    # megatron-core only asserts on a bad split; say what is wrong instead.
+    weights = re.findall(r"[.0-9]+", split) if isinstance(split, str) else []
+    try:
+        values = [float(weight) for weight in weights]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or values[0] <= 0:
+        raise ValueError(
+            f"split must be up to three comma-separated weights for train, valid, test with a "
+            f"positive training weight, e.g. '969,30,1' or '100,0,0'; got {split!r}"
+        )

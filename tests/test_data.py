@@ -1,0 +1,381 @@
+"""The data pipeline: tokenizers, preprocess_data.py, the demo corpus, and MicrobatchSource.
+
+Run:  .venv/bin/python -m pytest tests/test_data.py -q -p no:cacheprovider
+Hardware: CPU only, offline. About 10 s, most of it importing megatron-core and one subprocess
+run of scripts/make_demo_corpus.py.
+
+What is checked:
+- preprocess_data.py writes megatron-core's .bin/.idx so that `IndexedDataset` reads back exactly
+  the tokenizer's ids plus EOD, one document per line (empty and sentence-list documents as
+  Megatron-LM stores them), with each tokenizer type; 1 and 2 workers write identical bytes.
+- The demo builder is deterministic for a seed and its GPT-2 files work with both the
+  GPT2BPETokenizer and HuggingFaceTokenizer paths.
+- MicrobatchSource: DESIGN.md's id -> sample mapping (main stream partitions the training
+  samples; reserve ids come after it), bitwise-equal microbatches across independent builds, a
+  cache hit, and concurrent builders; Megatron's batch layout; mock data.
+- Bad input stops with a ValueError (RuntimeError for building after torch.distributed is up).
+"""
+
+import json
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+
+from megatron_recover.megatron.data import LOCK_NAME, MicrobatchSource, MicrobatchSourceConfig
+from megatron_recover.megatron.tokenizer import build_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO_ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import make_demo_corpus  # noqa: E402  (scripts/ is not a package)
+import preprocess_data  # noqa: E402
+
+DEMO_DOCUMENTS = 600
+DEMO_SEED = 7
+DEMO_VOCAB = 384
+SEQ = 32
+MBS = 2
+GBS = 8
+TRAIN_ITERS = 5
+
+
+def indexed(prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    return IndexedDataset(str(prefix))
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+def gpt2_args(demo):
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(demo / "vocab.json"),
+            "--merge-file", str(demo / "merges.txt")]
+
+
+def preprocess(jsonl, prefix, tokenizer_args, *extra):
+    return preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(prefix),
+                                 *tokenizer_args, *extra])
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("demo")
+    make_demo_corpus.build(str(directory), DEMO_DOCUMENTS, DEMO_SEED, DEMO_VOCAB)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gpt2(demo):
+    return build_tokenizer("GPT2BPETokenizer", vocab_file=str(demo / "vocab.json"),
+                           merge_file=str(demo / "merges.txt"))
+
+
+def source_config(demo, gpt2, **overrides):
+    settings = dict(tokenizer=gpt2, sequence_length=SEQ, micro_batch_size=MBS,
+                    global_batch_size=GBS, train_iters=TRAIN_ITERS,
+                    data_path=str(demo / "corpus_text_document"), split="90,10,0",
+                    cache_dir=str(demo / "cache"))
+    settings.update(overrides)
+    return MicrobatchSourceConfig(**settings)
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+DOCUMENTS = [
+    {"text": "Once upon a time, there was a small owl named Finn."},
+    {"text": ""},  # no ids: kept as a document without sequences, as Megatron-LM does
+    {"text": ["The cat meows.", "", "The dog barks."]},  # sentence-split input
+    {"text": "Ünïcode 日本 and <|endoftext|> typed as text."},
+]
+
+
+def test_gpt2bpe_round_trip_through_indexed_dataset(demo, gpt2, tmp_path):
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    counts = preprocess(jsonl, tmp_path / "one", gpt2_args(demo), "--append-eod", "--workers", "1")
+    preprocess(jsonl, tmp_path / "two", gpt2_args(demo), "--append-eod", "--workers", "2")
+
+    data = indexed(tmp_path / "one_text_document")
+    assert data.index.dtype == numpy.uint16
+    assert list(data.document_indices) == [0, 1, 1, 3, 4]
+    first, cat, dog, unicode = (list(data[i]) for i in range(len(data)))
+    assert first == gpt2.tokenize(DOCUMENTS[0]["text"]) + [gpt2.eod]
+    assert cat == gpt2.tokenize("The cat meows.")
+    assert dog == gpt2.tokenize("The dog barks.") + [gpt2.eod]
+    assert unicode == gpt2.tokenize(DOCUMENTS[3]["text"]) + [gpt2.eod]
+    assert gpt2.eod not in unicode[:-1]  # GPT-2 BPE does not parse special tokens in text
+    assert gpt2.detokenize(unicode[:-1]) == DOCUMENTS[3]["text"]
+    assert counts == {"text": (4, len(first) + len(cat) + len(dog) + len(unicode))}
+    for suffix in (".bin", ".idx"):
+        one = (tmp_path / f"one_text_document{suffix}").read_bytes()
+        assert one == (tmp_path / f"two_text_document{suffix}").read_bytes()
+
+
+def test_without_append_eod_and_with_several_json_keys(demo, gpt2, tmp_path):
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", [{"text": "The hen clucks.", "title": "Hen"}])
+    preprocess(jsonl, tmp_path / "out", gpt2_args(demo), "--json-keys", "text", "title")
+    # Keep each IndexedDataset alive while reading: its arrays are views of its memory map.
+    text, title = indexed(tmp_path / "out_text_document"), indexed(tmp_path / "out_title_document")
+    assert list(text[0]) == gpt2.tokenize("The hen clucks.")
+    assert list(title[0]) == gpt2.tokenize("Hen")
+
+
+def test_null_tokenizer_round_trip(tmp_path):
+    jsonl = write_jsonl(tmp_path / "ids.jsonl", [{"text": "5 6 7"}, {"text": "0 99"}])
+    preprocess(jsonl, tmp_path / "null", ["--tokenizer-type", "NullTokenizer",
+                                          "--vocab-size", "100"], "--append-eod")
+    data = indexed(tmp_path / "null_text_document")
+    assert [list(data[0]), list(data[1])] == [[5, 6, 7, 100], [0, 99, 100]]
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
+    assert (tokenizer.eod, tokenizer.vocab_size) == (100, 101)
+
+
+def test_hugging_face_tokenizer_matches_gpt2_files(demo, gpt2, tmp_path):
+    hf_args = ["--tokenizer-type", "HuggingFaceTokenizer",
+               "--tokenizer-model", str(demo / "hf_tokenizer")]
+    preprocess(demo / "corpus.jsonl", tmp_path / "hf", hf_args, "--append-eod", "--workers", "2")
+    ours = indexed(tmp_path / "hf_text_document")
+    reference = indexed(demo / "corpus_text_document")
+    assert len(ours) == len(reference) == DEMO_DOCUMENTS
+    for i in range(0, DEMO_DOCUMENTS, 37):
+        assert numpy.array_equal(ours[i], reference[i])
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(demo / "hf_tokenizer"))
+    assert (hf.eod, hf.vocab_size) == (gpt2.eod, gpt2.vocab_size)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "fine"}\n{"txt": "no text key"}\n', "line 2: no 'text' key"),
+    ('{"text": "fine"}\n{"text": \n', "line 2: invalid JSON"),
+    ('{"text": 5}\n', "line 1: 'text' must be a string"),
+    ('["not", "an object"]\n', "line 1: a line must hold a JSON object"),
+])
+def test_bad_lines_stop_and_leave_no_output(demo, tmp_path, line, message):
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text(line, encoding="utf-8")
+    with pytest.raises(ValueError, match=message):
+        preprocess(jsonl, tmp_path / "bad", gpt2_args(demo), "--workers", "2")
+    assert not list(tmp_path.glob("bad_text_document*"))
+
+
+def test_null_ids_outside_the_vocabulary_are_refused(tmp_path):
+    jsonl = write_jsonl(tmp_path / "ids.jsonl", [{"text": "1 2"}, {"text": "3 101"}])
+    with pytest.raises(ValueError, match=r"line 2: token id out of range \[0, 101\)"):
+        preprocess(jsonl, tmp_path / "null", ["--tokenizer-type", "NullTokenizer",
+                                              "--vocab-size", "100"])
+
+
+def test_missing_input_is_refused(demo, tmp_path):
+    with pytest.raises(ValueError, match="--input not found"):
+        preprocess(tmp_path / "absent.jsonl", tmp_path / "out", gpt2_args(demo))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tokenizer_type="SentencePieceTokenizer"), "unknown tokenizer type"),
+    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json"), "needs --merge-file"),
+    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="absent.json", merge_file="absent.txt"),
+     "tokenizer file not found: absent.json"),
+    (dict(tokenizer_type="NullTokenizer"), "needs --vocab-size"),
+    (dict(tokenizer_type="NullTokenizer", vocab_size=0), "--vocab-size >= 1"),
+    (dict(tokenizer_type="NullTokenizer", vocab_size=10, vocab_file="v.json"),
+     "does not use --vocab-file"),
+    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="gpt2"),
+     "needs a local --tokenizer-model"),
+])
+def test_tokenizer_mistakes_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_tokenizer(**kwargs)
+
+
+def test_gpt2_vocab_without_eod_is_refused(demo, tmp_path):
+    vocab = json.loads((demo / "vocab.json").read_text(encoding="utf-8"))
+    del vocab["<|endoftext|>"]
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    with pytest.raises(ValueError, match="no '<\\|endoftext\\|>' entry"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                        merge_file=str(demo / "merges.txt"))
+
+
+# ----------------------------------------------------------------------------- demo corpus
+
+
+def test_demo_corpus_is_deterministic_for_a_seed(demo, tmp_path):
+    make_demo_corpus.build(str(tmp_path / "same"), DEMO_DOCUMENTS, DEMO_SEED, DEMO_VOCAB)
+    for name in ("corpus.jsonl", "vocab.json", "merges.txt", "corpus_text_document.bin",
+                 "corpus_text_document.idx", "hf_tokenizer/tokenizer.json"):
+        assert (tmp_path / "same" / name).read_bytes() == (demo / name).read_bytes(), name
+    other = make_demo_corpus.generate_documents(DEMO_DOCUMENTS, DEMO_SEED + 1)
+    assert other != make_demo_corpus.generate_documents(DEMO_DOCUMENTS, DEMO_SEED)
+
+
+def test_demo_corpus_command_line(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "make_demo_corpus.py"), "--output-dir", str(tmp_path),
+         "--documents", "50", "--seed", "3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["documents"] == 50 and summary["vocab_size"] == 512
+    data = indexed(summary["data_path"])
+    assert int(data.sequence_lengths.sum()) == summary["tokens"]
+
+
+# ----------------------------------------------------------------------------- microbatches
+
+
+@pytest.fixture(scope="module")
+def source(demo, gpt2):
+    return MicrobatchSource(source_config(demo, gpt2, reserve_microbatches=6))
+
+
+def test_microbatch_is_megatrons_gpt_batch(source, gpt2):
+    batch = source.microbatch(2, 1)
+    assert set(batch) == {"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}
+    for key in ("tokens", "labels", "position_ids"):
+        assert batch[key].dtype == torch.int64 and batch[key].shape == (MBS, SEQ)
+    assert batch["loss_mask"].dtype == torch.float32 and bool(torch.all(batch["loss_mask"] == 1))
+    assert batch["attention_mask"] is None
+    assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+    assert torch.equal(batch["position_ids"], torch.arange(SEQ).expand(MBS, SEQ))
+    assert int(batch["tokens"].max()) < gpt2.vocab_size
+    rows = [source.dataset[i]["tokens"] for i in source.sample_range(2, 1)]
+    assert torch.equal(batch["tokens"], torch.stack(rows))
+
+
+def test_dense_attention_mask_on_request(demo, gpt2):
+    masked = MicrobatchSource(source_config(demo, gpt2, create_attention_mask=True))
+    mask = masked.microbatch(1, 0)["attention_mask"]
+    assert mask.dtype == torch.bool and mask.shape == (MBS, 1, SEQ, SEQ)
+    assert torch.equal(mask[0, 0], torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1))
+
+
+def test_ids_partition_the_training_samples_and_reserve_comes_after(source):
+    config = source.config
+    b = config.microbatches_per_iteration
+    main = [list(source.sample_range(t, k)) for t in range(1, TRAIN_ITERS + 1) for k in range(b)]
+    assert sorted(i for r in main for i in r) == list(range(config.main_samples))
+    assert source.sample_range(3, 2) == range(2 * GBS + 2 * MBS, 2 * GBS + 3 * MBS)
+    reserve = [list(source.sample_range(1, b + j)) for j in range(config.reserve_microbatches)]
+    assert sorted(i for r in reserve for i in r) == list(range(config.main_samples,
+                                                                config.num_samples))
+    assert source.sample_range(1, b + 2) == source.sample_range(TRAIN_ITERS, b + 2)
+    # Distinct positions are distinct samples: megatron's shuffle index is a permutation.
+    shuffled = source.dataset.shuffle_index[: config.num_samples]
+    assert len(set(shuffled.tolist())) == config.num_samples
+    assert len(source.dataset) >= config.num_samples
+    ids = [(t, k) for t in (1, 2) for k in range(b)] + [(1, b), (1, b + 1)]
+    tokens = {source.microbatch(t, k)["tokens"].numpy().tobytes() for t, k in ids}
+    assert len(tokens) == len(ids)
+
+
+def test_same_config_gives_bitwise_equal_microbatches(demo, gpt2, source, tmp_path):
+    independent = MicrobatchSource(source_config(demo, gpt2, reserve_microbatches=6,
+                                                 cache_dir=str(tmp_path / "own_cache")))
+    cache_hit = MicrobatchSource(source_config(demo, gpt2, reserve_microbatches=6))
+    b = source.config.microbatches_per_iteration
+    for iteration, microbatch_id in [(1, 0), (2, 3), (TRAIN_ITERS, b - 1), (4, b + 5)]:
+        expected = source.microbatch(iteration, microbatch_id)
+        for other in (independent, cache_hit):
+            got = other.microbatch(iteration, microbatch_id)
+            for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                assert torch.equal(got[key], expected[key]), (iteration, microbatch_id, key)
+
+
+def test_reserve_does_not_change_the_main_stream_when_it_fits(demo, gpt2, source):
+    plain = MicrobatchSource(source_config(demo, gpt2))
+    assert len(plain.dataset) >= source.config.num_samples  # the epoch slack holds the reserve
+    for microbatch_id in range(source.config.microbatches_per_iteration):
+        assert torch.equal(plain.microbatch(3, microbatch_id)["tokens"],
+                           source.microbatch(3, microbatch_id)["tokens"])
+
+
+def test_reserve_beyond_the_epoch_slack_sizes_the_split_for_it(demo, gpt2):
+    plain = MicrobatchSource(source_config(demo, gpt2))
+    slack = (len(plain.dataset) - plain.config.main_samples) // MBS
+    big = MicrobatchSource(source_config(demo, gpt2, reserve_microbatches=slack + 50))
+    assert len(big.dataset) >= big.config.num_samples
+    last = big.config.microbatches_per_iteration + slack + 49
+    assert big.microbatch(1, last)["tokens"].shape == (MBS, SEQ)
+
+
+def _build_and_digest(config):
+    batches = MicrobatchSource(config)
+    return [batches.microbatch(t, k)["tokens"].sum().item() for t in (1, 3) for k in (0, 3)]
+
+
+def test_concurrent_builders_share_one_cache(demo, gpt2, tmp_path):
+    config = source_config(demo, gpt2, cache_dir=str(tmp_path / "shared"), seed=99)
+    # Forked builders start together with an empty cache; the flock makes them take turns.
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        digests = pool.map(_build_and_digest, [config] * 3)
+    assert digests[0] == digests[1] == digests[2] == _build_and_digest(config)
+    assert (tmp_path / "shared" / LOCK_NAME).exists()
+    assert len(list((tmp_path / "shared").glob("*-GPTDataset-train-shuffle_index.npy"))) == 1
+
+
+def test_megatrons_document_flags(demo, gpt2):
+    flagged = MicrobatchSource(source_config(demo, gpt2, reset_position_ids=True,
+                                             eod_mask_loss=True))
+    batches = [flagged.microbatch(t, k) for t in (1, 2) for k in range(GBS // MBS)]
+    tokens = torch.cat([batch["tokens"] for batch in batches])
+    positions = torch.cat([batch["position_ids"] for batch in batches])
+    loss_mask = torch.cat([batch["loss_mask"] for batch in batches])
+    eods = [(row, column) for row, column in (tokens == gpt2.eod).nonzero().tolist()
+            if column + 1 < SEQ]
+    assert eods  # the demo documents are shorter than a few samples
+    assert all(positions[row, column + 1] == 0 for row, column in eods)
+    assert torch.equal(loss_mask == 0, tokens == gpt2.eod)
+
+
+def test_mock_data(gpt2):
+    config = MicrobatchSourceConfig(tokenizer=gpt2, sequence_length=SEQ, micro_batch_size=MBS,
+                                    global_batch_size=GBS, train_iters=TRAIN_ITERS, split=None)
+    first, second = MicrobatchSource(config), MicrobatchSource(config)
+    batch = first.microbatch(2, 3)
+    assert batch["tokens"].shape == (MBS, SEQ) and int(batch["tokens"].max()) < gpt2.vocab_size
+    assert torch.equal(batch["tokens"], second.microbatch(2, 3)["tokens"])
+
+
+@pytest.mark.parametrize("iteration, microbatch_id, message", [
+    (0, 0, "iteration 0 is outside 1..5"),
+    (TRAIN_ITERS + 1, 0, "iteration 6 is outside"),
+    (1, -1, "microbatch id -1 is outside"),
+    (1, GBS // MBS + 6, "microbatch id 10 is outside 0..3 .* 4..9"),
+])
+def test_out_of_range_ids_are_refused(source, iteration, microbatch_id, message):
+    with pytest.raises(ValueError, match=message):
+        source.microbatch(iteration, microbatch_id)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(global_batch_size=7), "must be a multiple of micro_batch_size"),
+    (dict(micro_batch_size=0), "micro_batch_size must be an integer >= 1"),
+    (dict(reserve_microbatches=-1), "reserve_microbatches must be an integer >= 0"),
+    (dict(split="0,1,1"), "positive training weight"),
+    (dict(data_path="/nonexistent/corpus_text_document"), "without the suffix"),
+    (dict(tokenizer=object()), "tokenizer has no 'eod'"),
+    (dict(split=None), "split must be"),
+    (dict(reset_attention_mask=True), "reset_attention_mask needs create_attention_mask"),
+])
+def test_config_mistakes_are_value_errors(demo, gpt2, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        source_config(demo, gpt2, **overrides)
+
+
+def test_building_after_torch_distributed_is_refused(demo, gpt2, tmp_path):
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="before torch.distributed is initialized"):
+            MicrobatchSource(source_config(demo, gpt2))
+    finally:
+        torch.distributed.destroy_process_group()
