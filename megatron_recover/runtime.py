@@ -80,13 +80,8 @@ def track_group(group) -> None:
     _state["groups"].append(group)
 
 
-def init_distributed(status_dir: Path | None = None, backend: str = "gloo") -> DistributedContext:
-    """Start MPI and torch.distributed for this rank of an `mpirun --with-ft ulfm` job.
-
-    The TCP store lives in world rank 0 only for start-up: it is created without waiting for
-    workers, its port travels over MPI, and after `init_process_group` nothing reads it again
-    (ulfm groups are built from MPI communicators), so rank 0 may die later like any other.
-    """
+def init_mpi(status_dir: Path | None = None) -> DistributedContext:
+    """Start MPI for this rank of an `mpirun --with-ft ulfm` job; install the exit discipline."""
     MPI = _mpi()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -97,32 +92,51 @@ def init_distributed(status_dir: Path | None = None, backend: str = "gloo") -> D
         status_path = status_dir / f"rank-{rank}.json"
     install_exit_discipline(status_path)
     write_status("running", pid=os.getpid())
+    return DistributedContext(rank=rank, world_size=size, status_path=status_path)
 
+
+def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo") -> None:
+    """torch.distributed over the MPI world, and the `ulfm` backend registered.
+
+    The TCP store lives in world rank 0 only for start-up: it is created without waiting for
+    workers, its port travels over MPI, and after `init_process_group` nothing reads it again
+    (ulfm groups are built from MPI communicators), so rank 0 may die later like any other.
+    """
     import torch
     import torch.distributed as dist
 
+    world = _mpi().COMM_WORLD
     store = None
     port = 0
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+    if ctx.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, ctx.world_size, is_master=True,
+                              wait_for_workers=False)
         port = store.port
     port = world.bcast(port, root=0)
-    if rank != 0:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+    if ctx.rank != 0:
+        store = dist.TCPStore("127.0.0.1", port, ctx.world_size, is_master=False)
     torch.set_num_threads(1)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+    dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size)
 
     from megatron_recover import collective
 
     collective.register()
-    return DistributedContext(rank=rank, world_size=size, status_path=status_path)
 
 
-def finish(**fields) -> None:
+def init_distributed(status_dir: Path | None = None, backend: str = "gloo") -> DistributedContext:
+    """`init_mpi` then `init_torch_distributed`."""
+    ctx = init_mpi(status_dir)
+    init_torch_distributed(ctx, backend)
+    return ctx
+
+
+def finish(finalize: bool = False, **fields) -> None:
     """Leave the run: a last consensus on every tracked group, record `completed`, `os._exit(0)`.
 
     Never returns. The consensus keeps a fast rank from leaving while its peers still need it in
-    a collective; a peer that is gone by then is simply reported and ignored.
+    a collective; a peer that is gone by then is simply reported and ignored. `finalize` (runs
+    without fault tolerance only, where no rank can have failed) calls MPI_Finalize first, as a
+    plain MPI job must.
     """
     epochs = {}
     for group in _state["groups"]:
@@ -132,6 +146,22 @@ def finish(**fields) -> None:
         except Exception as error:  # leaving anyway: the status file says what went wrong
             epochs[len(epochs)] = repr(error)
     write_status("completed", group_epochs=epochs, **fields)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if finalize:
+        _mpi().Finalize()
+    os._exit(0)
+
+
+def stop_at_startup(message: str | None) -> None:
+    """A user mistake found before training: say what to change, record it, leave. Never returns.
+
+    Every rank finds the same mistake, so only rank 0 prints. `message` None: argparse already
+    printed its own.
+    """
+    if message is not None and _mpi().COMM_WORLD.Get_rank() == 0:
+        sys.stderr.write(f"megatron-recover: error: {message}\n")
+    write_status("error", error=message or "invalid arguments")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

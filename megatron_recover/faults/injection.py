@@ -52,8 +52,8 @@ class Fault:
         return fault
 
 
-def write_marker(marker_path: Path, point: str, rank: int) -> None:
-    line = json.dumps({"point": point, "rank": rank, "time": time.time()}) + "\n"
+def write_marker(marker_path: Path, point: str, rank: int, fields: dict | None = None) -> None:
+    line = json.dumps({"point": point, "rank": rank, "time": time.time(), **(fields or {})}) + "\n"
     fd = os.open(marker_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())

@@ -1,0 +1,148 @@
+"""Failure schedules for training runs: which rank of which replica dies where, and when.
+
+A schedule is YAML with a top-level `entries` list of {iteration, replica, local_rank, location}.
+Locations, in the order an iteration reaches them:
+  pre-forward       before the first forward of the iteration
+  backward          after the first microbatch's forward, before its backward finishes
+  before-reduce     after the first pass, before any bucket reduction is posted
+  during-reduce     inside the ulfm all-reduce of a bucket, after it was posted
+  during-consensus  inside the commit consensus, after the agreement was posted
+  during-restore    after a failure, while stale buckets are rewound and reduced again
+  during-extension  inside an extension pass, before its first backward
+  optimizer-step    after the commit, before the optimizer step
+The victim writes a marker {location, iteration, rank, time} right before it SIGKILLs itself; an
+entry whose point the run never reaches is reported as not injected (`injection_report`).
+"""
+
+import os
+import random
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from megatron_recover.faults.injection import read_markers, write_marker
+
+LOCATIONS = ("pre-forward", "backward", "before-reduce", "during-reduce", "during-consensus",
+             "during-restore", "during-extension", "optimizer-step")
+
+
+@dataclass(frozen=True)
+class ScheduleEntry:
+    iteration: int
+    replica: int
+    local_rank: int
+    location: str
+
+
+def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
+                  train_iters: int) -> list[ScheduleEntry]:
+    """Read and validate a schedule; ValueError names the entry and what to change."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path}: expected a top-level 'entries' list")
+    entries = []
+    for i, raw in enumerate(data["entries"]):
+        keys = {"iteration", "replica", "local_rank", "location"}
+        if not isinstance(raw, dict) or set(raw) != keys:
+            raise ValueError(f"{path}: entry {i} must have exactly the keys {sorted(keys)}")
+        entry = ScheduleEntry(int(raw["iteration"]), int(raw["replica"]), int(raw["local_rank"]),
+                              str(raw["location"]))
+        if entry.location not in LOCATIONS:
+            raise ValueError(f"{path}: entry {i}: location '{entry.location}' is not one of "
+                             f"{', '.join(LOCATIONS)}")
+        if not 0 <= entry.replica < num_replicas:
+            raise ValueError(f"{path}: entry {i}: replica {entry.replica} does not exist "
+                             f"(the run has replicas 0..{num_replicas - 1})")
+        if not 0 <= entry.local_rank < ranks_per_replica:
+            raise ValueError(f"{path}: entry {i}: local_rank {entry.local_rank} does not exist "
+                             f"(a replica has ranks 0..{ranks_per_replica - 1})")
+        if not 1 <= entry.iteration <= train_iters:
+            raise ValueError(f"{path}: entry {i}: iteration {entry.iteration} is outside "
+                             f"1..{train_iters}")
+        entries.append(entry)
+    victims = [(e.replica, e.local_rank) for e in entries]
+    if len(set(victims)) != len(victims):
+        raise ValueError(f"{path}: a rank can die only once; entries repeat a replica/local_rank")
+    return entries
+
+
+def write_schedule(entries: list[ScheduleEntry], path: Path) -> None:
+    Path(path).write_text(yaml.safe_dump({"entries": [asdict(e) for e in entries]},
+                                         sort_keys=False))
+
+
+def generate_schedule(num_replicas: int, ranks_per_replica: int, count: int, seed: int,
+                      first_iteration: int, last_iteration: int,
+                      locations: tuple[str, ...] = LOCATIONS) -> list[ScheduleEntry]:
+    """A seeded random schedule: `count` distinct replicas die, at least one replica survives."""
+    if count >= num_replicas:
+        raise ValueError(f"--count {count} would kill every one of {num_replicas} replicas")
+    unknown = set(locations) - set(LOCATIONS)
+    if unknown:
+        raise ValueError(f"unknown locations {sorted(unknown)}; choose from {', '.join(LOCATIONS)}")
+    if not 1 <= first_iteration <= last_iteration:
+        raise ValueError("--iterations A:B needs 1 <= A <= B")
+    rng = random.Random(seed)
+    replicas = rng.sample(range(num_replicas), count)
+    entries = [ScheduleEntry(rng.randint(first_iteration, last_iteration), r,
+                             rng.randrange(ranks_per_replica), rng.choice(locations))
+               for r in replicas]
+    return sorted(entries, key=lambda e: (e.iteration, e.replica))
+
+
+class ScheduledFaults:
+    """The entries that concern this rank, fired at their points by the trainer."""
+
+    def __init__(self, entries: list[ScheduleEntry], replica: int, local_rank: int,
+                 world_rank: int, marker_path: Path):
+        self.mine = [e for e in entries if (e.replica, e.local_rank) == (replica, local_rank)]
+        self.world_rank = world_rank
+        self.marker_path = Path(marker_path)
+
+    def _due(self, location: str, iteration: int) -> ScheduleEntry | None:
+        for entry in self.mine:
+            if entry.location == location and entry.iteration == iteration:
+                return entry
+        return None
+
+    def at(self, location: str, iteration: int) -> None:
+        """A Python-side point: die here if scheduled."""
+        entry = self._due(location, iteration)
+        if entry is not None:
+            write_marker(self.marker_path, location, self.world_rank,
+                         {"location": location, "iteration": iteration})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
+        """Arm the native points of `iteration` (reduce: its `bucket_index`-th bucket, from 1)."""
+        fields = {"iteration": iteration}
+        if self._due("during-reduce", iteration):
+            group.arm_fault("reduce", group.fault_hits("reduce") + bucket_index, "kill", 0.0,
+                            str(self.marker_path), {**fields, "location": "during-reduce"})
+        if self._due("during-consensus", iteration):
+            group.arm_fault("consensus", group.fault_hits("consensus") + 1, "kill", 0.0,
+                            str(self.marker_path), {**fields, "location": "during-consensus"})
+
+
+def injection_report(entries: list[ScheduleEntry], marker_path: Path,
+                     rank_of: dict[tuple[int, int], int]) -> dict:
+    """Which entries fired (by the victims' markers) and which were never reached."""
+    fired = {(m.get("rank"), m.get("iteration"), m.get("location"))
+             for m in read_markers(marker_path)}
+    injected, not_injected = [], []
+    for entry in entries:
+        key = (rank_of[(entry.replica, entry.local_rank)], entry.iteration, entry.location)
+        (injected if key in fired else not_injected).append(asdict(entry))
+    return {"injected": injected, "not_injected": not_injected}
+
+
+class NoFaults:
+    """Stands in for ScheduledFaults when a run has no failure schedule."""
+
+    def at(self, location: str, iteration: int) -> None:
+        pass
+
+    def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
+        pass

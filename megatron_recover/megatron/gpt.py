@@ -1,0 +1,116 @@
+"""megatron-core GPT pieces for pretrain_gpt_recover.py: model, DDP wrapper, the microbatch pass.
+
+The pass runs explicit microbatch ids (the policy's) through megatron's own schedule
+(`get_forward_backward_func()`); in exact mode every microbatch reseeds the RNGs from its id,
+so a microbatch recomputed on another replica after a failure draws the same dropout masks.
+"""
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+_SEED_STRIDE = 1_000_003  # > any B: (iteration, id) pairs map to distinct seeds
+
+
+def build_gpt(transformer_config, vocab_size: int, max_sequence_length: int,
+              position_embedding_type: str, share_embeddings: bool) -> GPTModel:
+    """This rank's GPTModel (local layer spec: no Transformer Engine needed)."""
+    return GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization=transformer_config.normalization),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=share_embeddings,
+        position_embedding_type=position_embedding_type,
+    )
+
+
+def wrap_ddp(model, transformer_config, ddp_config, cross_replica_group=None):
+    """Megatron's DDP; with `cross_replica_group` (a ulfm torch group) as its data-parallel group."""
+    pg_collection = None
+    if cross_replica_group is not None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        pg_collection.dp = cross_replica_group
+        pg_collection.dp_cp = cross_replica_group
+        pg_collection.intra_dp_cp = cross_replica_group
+    ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model,
+                                  pg_collection=pg_collection)
+    transformer_config.finalize_model_grads_func = finalize_model_grads
+    transformer_config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def seed_microbatch(seed: int, iteration: int, microbatch_id: int) -> None:
+    """Seed every RNG a microbatch draws from by its identity, not its position on a replica."""
+    mixed = seed + iteration * _SEED_STRIDE + microbatch_id
+    torch.manual_seed(mixed)
+    tensor_parallel.model_parallel_cuda_manual_seed(mixed)
+
+
+def _loss_func(loss_mask, microbatch_id, on_first_loss, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    on_first_loss()
+    # The schedule divides the returned loss in place; report a copy.
+    return loss, {"id": microbatch_id, "lm loss": loss.detach().clone()}
+
+
+class MicrobatchPass:
+    """`run(iteration, ids, losses)`: forward/backward of `ids` through megatron's schedule.
+
+    `microbatch(iteration, id)` yields megatron's GPT batch dict; `faults.at("backward", t)` fires
+    after the first forward of the first pass of an iteration, before its backward.
+    """
+
+    def __init__(self, ddp_model, microbatch, seq_length: int, micro_batch_size: int, seed: int,
+                 faults, reseed_per_microbatch: bool):
+        self.model = ddp_model
+        self.microbatch = microbatch
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.faults = faults
+        self.reseed = reseed_per_microbatch
+        self.forward_backward = get_forward_backward_func()
+        self._fired_backward_for = None
+
+    def _batches(self, iteration, ids):
+        for microbatch_id in ids:
+            if self.reseed:
+                seed_microbatch(self.seed, iteration, microbatch_id)
+            yield microbatch_id, self.microbatch(iteration, microbatch_id)
+
+    def _forward_step(self, iteration, data_iterator, model):
+        microbatch_id, batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"])
+
+        def on_first_loss():
+            if self._fired_backward_for != iteration:
+                self._fired_backward_for = iteration
+                self.faults.at("backward", iteration)
+
+        return output, partial(_loss_func, batch["loss_mask"], microbatch_id, on_first_loss)
+
+    def run(self, iteration: int, ids: list[int], losses: dict[int, float]) -> None:
+        outputs = self.forward_backward(
+            forward_step_func=partial(self._forward_step, iteration),
+            data_iterator=self._batches(iteration, ids),
+            model=[self.model],
+            num_microbatches=len(ids),
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=False,
+        )
+        for out in outputs:  # only the last pipeline stage has losses
+            losses[out["id"]] = float(out["lm loss"])

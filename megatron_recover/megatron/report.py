@@ -1,0 +1,49 @@
+"""Progress output: Megatron-style iteration lines on the console, one JSON record per iteration.
+
+Both are written by the lowest live rank (rank 0 of the repaired cross-replica group), so the log
+goes on when the rank that wrote it so far dies.
+"""
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def iteration_line(report, train_iters: int, consumed_samples: int, lr: float,
+                   global_batch_size: int) -> str:
+    grad_norm = "n/a" if report.grad_norm is None else f"{report.grad_norm:.3f}"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    line = (f" [{stamp}] iteration {report.iteration:8d}/{train_iters:8d} |"
+            f" consumed samples: {consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {report.iteration_ms:.1f} |"
+            f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |"
+            f" lm loss: {report.loss:.6E} | grad norm: {grad_norm} |"
+            f" live replicas: {report.live_replicas} | contributions: {report.contributions}/"
+            f"{report.B} |")
+    for event in report.events:
+        if event["event"] == "failure":
+            line += (f"\n     replica(s) {event['replicas']} lost (ranks {event['ranks']}),"
+                     f" epoch {event['epoch']}, {event['restore']} restore")
+            if event["g_ext"]:
+                line += f", extension pass of {event['g_ext']}"
+            if event["promotions"]:
+                line += f", promoted {event['promotions']}"
+    return line
+
+
+class RecoverLog:
+    """Appends one JSON object per committed iteration to `path` (JSONL)."""
+
+    def __init__(self, path: Path | None):
+        self.path = Path(path) if path else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, report, **extra) -> None:
+        if self.path is None:
+            return
+        record = {**asdict(report), **extra}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()

@@ -1,0 +1,209 @@
+"""Assemble and run one rank of pretrain_gpt_recover.py from a TrainConfig.
+
+Stock mode (no --recover): Megatron's own data-parallel training on gloo — each data-parallel
+rank runs its contiguous slice of the iteration's microbatch ids, DDP averages the gradients.
+Recover mode: the cross-replica (data-parallel) group is a `ulfm` group, the bucket reductions go
+through layer 2, the policy assigns ids, and `ResilientTrainer` commits each iteration.
+Both train the same model on the same microbatch ids, so a failure-free --recover run and a stock
+run give the same losses up to floating-point reassociation.
+"""
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_recover import collective, runtime
+from megatron_recover.faults.schedule import (
+    NoFaults,
+    ScheduledFaults,
+    load_schedule,
+)
+from megatron_recover.megatron import arguments as args_mod
+from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
+from megatron_recover.megatron.report import RecoverLog, iteration_line
+from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
+from megatron_recover.policy import EXACT, RESERVE, WorkloadPolicy
+
+
+def check_start(cfg) -> None:
+    """What the recovery path does not implement yet stops at start-up, naming the change."""
+    if not cfg.recover.enabled:
+        return
+    par = cfg.parallel
+    if par.model_parallel_size > 1:
+        raise ValueError("--recover supports one rank per replica for now (TP = PP = 1): drop "
+                         "--tensor/--pipeline-model-parallel-size or run without --recover")
+    if par.use_distributed_optimizer:
+        raise ValueError("--recover with --use-distributed-optimizer is not supported yet: "
+                         "drop --use-distributed-optimizer")
+    if cfg.checkpoint.save or cfg.checkpoint.load:
+        raise ValueError("--save/--load are not supported with --recover yet: drop them")
+    if cfg.precision.fp16 or cfg.precision.bf16:
+        raise ValueError("--recover runs fp32 for now: drop --fp16/--bf16")
+
+
+def _cross_replica_groups(replica_group_ranks: list[int]) -> tuple[collective.ULFMGroup, dict]:
+    """Create the ulfm groups over every data-parallel group (all ranks, same order).
+
+    Returns this rank's group and the map world rank -> replica id (the data-parallel rank).
+    """
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tuple(replica_group_ranks))
+    mine = None
+    for ranks in sorted(set(everyone)):
+        group = collective.new_group(list(ranks))
+        if group is not None:
+            mine = group
+    replica_of_rank = {}
+    for ranks in set(everyone):
+        for dp_rank, world_rank in enumerate(sorted(ranks)):
+            replica_of_rank[world_rank] = dp_rank
+    return mine, replica_of_rank
+
+
+def _optimizer_and_scheduler(cfg, ddp_model):
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(args_mod.to_optimizer_config(cfg), [ddp_model],
+                                       use_gloo_process_groups=False)
+    scheduler = OptimizerParamScheduler(optimizer, **args_mod.to_scheduler_kwargs(cfg))
+    return optimizer, scheduler
+
+
+def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, iteration):
+    """One iteration of plain Megatron data parallelism over the same ids as the policy's."""
+    # Megatron's sampler order: data-parallel rank r's m-th microbatch is slice m * dp + r.
+    dp = cfg.data_parallel_size
+    ids = [m * dp + dp_rank for m in range(cfg.num_microbatches_per_dp_rank)]
+    start = time.perf_counter()
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = {}
+    micro_pass.run(iteration, ids, losses)
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=cfg.global_batch_size)
+    total = torch.tensor([sum(losses.values())], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item() / cfg.b, grad_norm, (time.perf_counter() - start) * 1e3
+
+
+def microbatch_source(cfg):
+    """(MicrobatchSource, tokenizer vocabulary size) for the run's data arguments."""
+    from megatron_recover.megatron.data import MicrobatchSource, MicrobatchSourceConfig
+    from megatron_recover.megatron.tokenizer import ARGUMENTS, build_tokenizer
+
+    d = cfg.data
+    given = {"vocab_file": d.vocab_file, "merge_file": d.merge_file,
+             "tokenizer_model": d.tokenizer_model, "vocab_size": d.vocab_size}
+    tokenizer = build_tokenizer(d.tokenizer_type,
+                                **{k: given[k] for k in ARGUMENTS[d.tokenizer_type]})
+    # Reserve mode draws extra ids (B + j): at most one spare per replica and iteration.
+    reserve = cfg.train_iters * cfg.b if cfg.recover.mode == RESERVE else 0
+    source = MicrobatchSource(MicrobatchSourceConfig(
+        tokenizer=tokenizer, sequence_length=cfg.model.seq_length,
+        micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
+        train_iters=cfg.train_iters, data_path=d.data_path, split=d.split, seed=cfg.seed,
+        reserve_microbatches=reserve, cache_dir=d.data_cache_path,
+        reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.reset_attention_mask))
+    return source, tokenizer.vocab_size
+
+
+def marker_path(cfg) -> Path:
+    """Where victims of the failure schedule leave their markers: beside the recovery log."""
+    base = cfg.recover.log or cfg.recover.failure_schedule
+    return Path(base).with_suffix(".markers.jsonl")
+
+
+def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> None:
+    """Train for cfg.train_iters iterations; rank 0 of the live group prints and logs."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    recover = cfg.recover.enabled
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        create_gloo_process_groups=False,
+    )
+    torch.manual_seed(cfg.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    tconfig = args_mod.to_transformer_config(cfg)
+    model = build_gpt(tconfig, args_mod.padded_vocab_size(cfg, vocab_size),
+                      cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
+                      share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
+    dp_group_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    dp_rank = parallel_state.get_data_parallel_rank()
+    group = replica_of_rank = None
+    if recover:
+        group, replica_of_rank = _cross_replica_groups(dp_group_ranks)
+        runtime.track_group(group)
+    ddp_config = args_mod.to_ddp_config(cfg)
+    ddp_model = wrap_ddp(model, tconfig, ddp_config,
+                         group.process_group if recover else None)
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
+    tconfig.grad_scale_func = optimizer.scale_loss
+
+    faults = NoFaults()
+    if recover and cfg.recover.failure_schedule:
+        entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
+                                cfg.parallel.ranks_per_replica, cfg.train_iters)
+        faults = ScheduledFaults(entries, dp_rank, 0, ctx.rank, marker_path(cfg))
+        if ctx.rank == 0 and cfg.recover.log:
+            # The schedule travels with the run's log (reproducible runs).
+            shutil.copy(cfg.recover.failure_schedule,
+                        Path(cfg.recover.log).with_suffix(".schedule.yaml"))
+    # Exact mode reseeds dropout per microbatch id; stock Megatron draws in sequence, and so does
+    # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
+    reseed = recover and cfg.recover.mode == EXACT
+    micro_pass = MicrobatchPass(ddp_model, microbatch, cfg.model.seq_length, cfg.micro_batch_size,
+                                cfg.seed, faults, reseed_per_microbatch=reseed)
+    log = RecoverLog(cfg.recover.log) if ctx.rank == 0 else RecoverLog(None)
+
+    trainer = None
+    if recover:
+        policy = WorkloadPolicy(args_mod.to_policy_config(cfg))
+        trainer = ResilientTrainer(TrainerParts(
+            model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group, policy=policy,
+            replica=dp_rank, replica_of_rank=replica_of_rank, run_pass=micro_pass.run,
+            faults=faults, tokens_per_microbatch=cfg.micro_batch_size * cfg.model.seq_length),
+            increment_samples=cfg.global_batch_size)
+
+    for iteration in range(1, cfg.train_iters + 1):
+        lr = optimizer.param_groups[0]["lr"]
+        if recover:
+            report = trainer.train_step(iteration)
+            leader = group.rank == 0
+            if leader and ctx.rank != 0 and log.path is None and cfg.recover.log:
+                log = RecoverLog(cfg.recover.log)  # the writer moved to the lowest live rank
+            if leader:
+                log.write(report, tokens=report.contributions * cfg.micro_batch_size
+                          * cfg.model.seq_length, lr=lr)
+                if iteration % cfg.log_interval == 0 or report.events:
+                    print(iteration_line(report, cfg.train_iters, iteration
+                                         * cfg.global_batch_size, lr, cfg.global_batch_size),
+                          flush=True)
+        else:
+            loss, grad_norm, ms = _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass,
+                                              dp_rank, iteration)
+            if ctx.rank == 0:
+                log.write(_StockReport(iteration, loss, cfg.b, ms,
+                                       None if grad_norm is None else float(grad_norm)), lr=lr)
+                if iteration % cfg.log_interval == 0:
+                    print(f" iteration {iteration:8d}/{cfg.train_iters:8d} | lm loss: "
+                          f"{loss:.6E} | elapsed time per iteration (ms): {ms:.1f} |", flush=True)
+
+
+@dataclass
+class _StockReport:
+    """The stock run's log record: the trajectory keys of the recovery log."""
+
+    iteration: int
+    loss: float
+    B: int
+    iteration_ms: float
+    grad_norm: float | None

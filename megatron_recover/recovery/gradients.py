@@ -1,0 +1,110 @@
+"""Layer 2: epoch-tagged gradient-bucket snapshots, rewind and re-reduce.
+
+Before a bucket is reduced across replicas its pre-reduce contents are copied into a snapshot,
+tagged with the group's epoch, and — on a replica that does not contribute (a spare) — the
+bucket is zeroed, so the spare's real gradient survives in the snapshot for a promotion. After the
+reductions, a bucket is *valid* only if its reduction succeeded under the epoch the survivors
+agreed on and the contributions it summed are still the ones the policy wants; every other bucket
+is *stale*: it is rewound from its snapshot (or to zero) and reduced again under the new
+membership. So every bucket of a committed iteration was reduced exactly once, by one membership.
+
+Contract: all members of the group call `reduce_bucket` for the same buckets in the same order.
+`wait()` never raises for a peer failure; failures come back as records.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
+
+
+@dataclass
+class _Bucket:
+    grad: torch.Tensor
+    snapshot: torch.Tensor
+    snapshot_epoch: int = -1
+    reduced_epoch: int | None = None  # epoch of the last successful reduction, None: not reduced
+    work: ULFMWork | None = None
+
+
+class GradientRecovery:
+    """The cross-replica reduction of one rank's gradient buckets, with rewind."""
+
+    def __init__(self, group: ULFMGroup, before_first_reduce=None):
+        """`before_first_reduce()` runs before the first reduction of each pass (fault point)."""
+        self.group = group
+        self.contributing = True
+        self.before_first_reduce = before_first_reduce
+        self._buckets: dict[int, _Bucket] = {}  # data_ptr of the bucket -> state, in first-use order
+        self._posted_in_pass = 0
+        self.reductions = 0  # bucket reductions posted, for logs and tests
+
+    def _state(self, grad: torch.Tensor) -> _Bucket:
+        key = grad.data_ptr()
+        if key not in self._buckets:
+            self._buckets[key] = _Bucket(grad=grad, snapshot=torch.empty_like(grad))
+        return self._buckets[key]
+
+    def begin_pass(self) -> None:
+        """A new round of reductions starts: nothing is posted or reduced in it yet."""
+        for bucket in self._buckets.values():
+            assert bucket.work is None, "begin_pass with reductions in flight"
+            bucket.reduced_epoch = None
+        self._posted_in_pass = 0
+
+    def is_posted(self, grad: torch.Tensor) -> bool:
+        bucket = self._buckets.get(grad.data_ptr())
+        return bucket is not None and (bucket.work is not None or bucket.reduced_epoch is not None)
+
+    def reduce_bucket(self, grad: torch.Tensor) -> None:
+        """Snapshot `grad`, zero it on a non-contributing replica, post its ulfm all-reduce."""
+        if self._posted_in_pass == 0 and self.before_first_reduce is not None:
+            self.before_first_reduce()
+        self._posted_in_pass += 1
+        bucket = self._state(grad)
+        bucket.snapshot.copy_(grad)
+        bucket.snapshot_epoch = self.group.epoch
+        if not self.contributing:
+            grad.zero_()
+        bucket.work = self.group.allreduce(grad)
+        self.reductions += 1
+
+    def wait(self) -> list[FailureRecord]:
+        """Wait for every posted reduction; return the failure records among them."""
+        failures = []
+        for bucket in self._buckets.values():
+            if bucket.work is None:
+                continue
+            record = bucket.work.wait()
+            bucket.work = None
+            if record.has_failure:
+                bucket.reduced_epoch = None
+                failures.append(record)
+            else:
+                bucket.reduced_epoch = record.epoch
+        return failures
+
+    def all_reduced(self) -> bool:
+        """Every bucket's latest reduction succeeded, all under the current epoch."""
+        epoch = self.group.epoch
+        return all(b.reduced_epoch == epoch for b in self._buckets.values())
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return [b.grad for b in self._buckets.values()]
+
+    def rewind(self, grads: list[torch.Tensor] | None = None, to_zero: bool = False) -> None:
+        """Restore buckets (default: all) to their pre-reduce contents, or to zero."""
+        targets = self._buckets.values() if grads is None else [self._state(g) for g in grads]
+        for bucket in targets:
+            if to_zero:
+                bucket.grad.zero_()
+            else:
+                bucket.grad.copy_(bucket.snapshot)
+            bucket.reduced_epoch = None
+
+    def reduce_again(self, grads: list[torch.Tensor]) -> None:
+        """Post the reductions of rewound buckets (their snapshots are retaken: same contents)."""
+        for grad in grads:
+            self.reduce_bucket(grad)

@@ -1,0 +1,54 @@
+"""Megatron GPT pre-training that survives replica failures in-step (megatron-recover).
+
+Launch it as Megatron's pretrain_gpt.py, under MPI with fault tolerance:
+
+    mpirun --with-ft ulfm -np 8 .venv/bin/python pretrain_gpt_recover.py \\
+        --num-layers 2 --hidden-size 64 ... --recover [--recover-policy static|adaptive]
+
+Rendezvous comes from MPI; no other environment is needed. Without a GPU, megatron-core runs
+under the CPU emulation (megatron_recover.testing). This file only reads argv and the
+environment, then hands a validated TrainConfig to megatron_recover.megatron.run.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    from megatron_recover import runtime
+
+    status_dir = os.environ.get("MEGATRON_RECOVER_STATUS_DIR")
+    ctx = runtime.init_mpi(status_dir=Path(status_dir) if status_dir else None)
+
+    import torch
+
+    from megatron_recover.megatron import arguments
+
+    try:
+        cfg = arguments.parse_args(sys.argv[1:], world_size=ctx.world_size,
+                                   cuda_available=torch.cuda.is_available())
+    except (ValueError, SystemExit) as error:
+        runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
+    if ctx.rank == 0 and arguments.ignored_args_message(cfg):
+        print(arguments.ignored_args_message(cfg), flush=True)
+    if not torch.cuda.is_available():
+        from megatron_recover.testing import enable_cpu_emulation
+
+        enable_cpu_emulation()
+
+    from megatron_recover.megatron import run
+
+    try:
+        run.check_start(cfg)
+        # Before torch.distributed: megatron's dataset builder then needs no barrier (data.py).
+        source, vocab_size = run.microbatch_source(cfg)
+    except ValueError as error:
+        runtime.stop_at_startup(str(error))
+    runtime.init_torch_distributed(ctx)
+    run.train(cfg, ctx, source.microbatch, vocab_size)
+    runtime.finish(finalize=not cfg.recover.enabled)
+
+
+if __name__ == "__main__":
+    main()
