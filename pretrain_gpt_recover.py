@@ -37,17 +37,20 @@ def main() -> None:
 
         enable_cpu_emulation()
 
+    from megatron_recover import collective
     from megatron_recover.megatron import run
 
     try:
+        if cfg.recover.enabled:
+            collective.require_fault_tolerance()
         run.check_start(cfg)
         # Before torch.distributed: megatron's dataset builder then needs no barrier (data.py).
         source, vocab_size = run.microbatch_source(cfg)
-    except ValueError as error:
+    except (ValueError, collective.BackendUnavailable) as error:
         runtime.stop_at_startup(str(error))
     runtime.init_torch_distributed(ctx)
-    run.train(cfg, ctx, source.microbatch, vocab_size)
-    runtime.finish(finalize=not cfg.recover.enabled)
+    digest = run.train(cfg, ctx, source.microbatch, vocab_size)
+    runtime.finish(finalize=not cfg.recover.enabled, param_digest=digest)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,5 @@ def run_worker(tmp_path: Path, worker: str, num_ranks: int, args: list[str],
         results[data["rank"]] = data
     return MPIRun(results, read_markers(marker), result.output, result.timed_out,
                   result.elapsed_s)
+
+ENTRY = [sys.executable, str(Path(__file__).resolve().parent.parent / "pretrain_gpt_recover.py")]

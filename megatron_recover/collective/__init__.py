@@ -1,6 +1,12 @@
 """Layer 1: fault-tolerant collectives on the `ulfm` torch.distributed backend."""
 
-from megatron_recover.collective.backend import ULFMGroup, ULFMWork, new_group, register
+from megatron_recover.collective.backend import (
+    ULFMGroup,
+    ULFMWork,
+    new_group,
+    register,
+    require_fault_tolerance,
+)
 from megatron_recover.collective.records import (
     BackendUnavailable,
     CollectiveTimeout,
@@ -9,5 +15,5 @@ from megatron_recover.collective.records import (
 
 __all__ = [
     "BackendUnavailable", "CollectiveTimeout", "FailureRecord",
-    "ULFMGroup", "ULFMWork", "new_group", "register",
+    "ULFMGroup", "ULFMWork", "new_group", "register", "require_fault_tolerance",
 ]

@@ -41,13 +41,18 @@ def native_module():
     return _native
 
 
-def _create_backend(dist_opts, backend_options):
-    native = native_module()
-    if not native.fault_tolerance_enabled():
+def require_fault_tolerance() -> None:
+    """Raise BackendUnavailable, saying how to relaunch, unless MPI runs with ULFM on."""
+    if not native_module().fault_tolerance_enabled():
         raise BackendUnavailable(
             "MPI fault tolerance is off: relaunch with `mpirun --with-ft ulfm ...` "
             "(or `megatron-recover launch`), with an Open MPI 5 that has ULFM"
         )
+
+
+def _create_backend(dist_opts, backend_options):
+    native = native_module()
+    require_fault_tolerance()
     ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
     timeout_s = dist_opts.timeout.total_seconds()
     backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)

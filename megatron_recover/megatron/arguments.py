@@ -317,6 +317,8 @@ class RecoverConfig:
     """--recover-log: per-iteration JSONL records."""
     hang_timeout_s: float
     """--recover-hang-timeout: seconds before the watchdog turns a hang into a failure."""
+    restore: bool = True
+    """False with --recover-no-restore (a diagnostic negative control)."""
 
 
 @dataclass(frozen=True)
@@ -512,6 +514,9 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recover-log", metavar="PATH", help="per-iteration JSONL records")
     g.add_argument("--recover-hang-timeout", type=float, metavar="SECONDS",
                    help=f"hang watchdog limit (default {DEFAULT_HANG_TIMEOUT_S:g})")
+    g.add_argument("--recover-no-restore", action="store_true",
+                   help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
+                        "(shows what gradient restoration buys; breaks the trajectory)")
 
 
 def _add_ignored_args(parser: argparse.ArgumentParser) -> None:
@@ -797,6 +802,8 @@ def _recover(ns) -> list[str]:
     given = [flag for flag in ("--recover-policy", "--recover-mode", "--recover-failure-schedule",
                                "--recover-log", "--recover-hang-timeout")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
+    if ns.recover_no_restore:
+        given.append("--recover-no-restore")
     if given and not ns.recover:
         return [f"{', '.join(given)} given without --recover: add --recover or drop them"]
     problems = []
@@ -939,7 +946,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
             failure_schedule=_path_or_none(ns.recover_failure_schedule),
             log=_path_or_none(ns.recover_log),
             hang_timeout_s=(DEFAULT_HANG_TIMEOUT_S if ns.recover_hang_timeout is None
-                            else ns.recover_hang_timeout)),
+                            else ns.recover_hang_timeout),
+            restore=not ns.recover_no_restore),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=(ns.global_batch_size if ns.global_batch_size is not None
                            else ns.micro_batch_size * dp),

@@ -8,6 +8,7 @@ Both train the same model on the same microbatch ids, so a failure-free --recove
 run give the same losses up to floating-point reassociation.
 """
 
+import hashlib
 import shutil
 import time
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ def check_start(cfg) -> None:
         raise ValueError("--save/--load are not supported with --recover yet: drop them")
     if cfg.precision.fp16 or cfg.precision.bf16:
         raise ValueError("--recover runs fp32 for now: drop --fp16/--bf16")
+    if cfg.recover.failure_schedule:
+        load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
+                      cfg.parallel.ranks_per_replica, cfg.train_iters)
 
 
 def _cross_replica_groups(replica_group_ranks: list[int]) -> tuple[collective.ULFMGroup, dict]:
@@ -120,8 +124,19 @@ def marker_path(cfg) -> Path:
     return Path(base).with_suffix(".markers.jsonl")
 
 
-def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> None:
-    """Train for cfg.train_iters iterations; rank 0 of the live group prints and logs."""
+def parameter_digest(model) -> str:
+    """sha256 over this rank's parameters: survivors of one position must agree bitwise."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> str:
+    """Train for cfg.train_iters iterations; rank 0 of the live group prints and logs.
+
+    Returns the digest of this rank's final parameters.
+    """
     from megatron.core import parallel_state, tensor_parallel
 
     recover = cfg.recover.enabled
@@ -170,7 +185,7 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
         trainer = ResilientTrainer(TrainerParts(
             model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group, policy=policy,
             replica=dp_rank, replica_of_rank=replica_of_rank, run_pass=micro_pass.run,
-            faults=faults, tokens_per_microbatch=cfg.micro_batch_size * cfg.model.seq_length),
+            faults=faults, restore=cfg.recover.restore),
             increment_samples=cfg.global_batch_size)
 
     for iteration in range(1, cfg.train_iters + 1):
@@ -196,6 +211,7 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
                 if iteration % cfg.log_interval == 0:
                     print(f" iteration {iteration:8d}/{cfg.train_iters:8d} | lm loss: "
                           f"{loss:.6E} | elapsed time per iteration (ms): {ms:.1f} |", flush=True)
+    return parameter_digest(ddp_model.module)
 
 
 @dataclass

@@ -64,6 +64,7 @@ class StepReport:
     grad_norm: float | None
     iteration_ms: float
     extension_rounds: int
+    buckets: int
     events: list[dict] = field(default_factory=list)
 
 
@@ -83,7 +84,7 @@ class TrainerParts:
     replica_of_rank: dict[int, int]
     run_pass: Callable[[int, list[int], dict[int, float]], None]
     faults: object
-    tokens_per_microbatch: int
+    restore: bool = True  # False: the --recover-no-restore negative control
 
 
 class ResilientTrainer:
@@ -161,7 +162,8 @@ class ResilientTrainer:
         """Rewind every bucket and reduce it again under the new membership and roles."""
         self.p.faults.at("during-restore", iteration)
         self.recovery.begin_pass()
-        self.recovery.rewind()
+        if self.p.restore:
+            self.recovery.rewind()
         self.recovery.contributing = work.contributes_first_pass
         self.recovery.reduce_again(self.recovery.grads)
 
@@ -170,7 +172,8 @@ class ResilientTrainer:
         self.recovery.begin_pass()
         extension = work.extension
         counted_before = len(work.contributed) - len(extension)
-        self.recovery.rewind(to_zero=counted_before == 0)
+        if self.p.restore:
+            self.recovery.rewind(to_zero=counted_before == 0)
         self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
         self._run(iteration, list(extension), losses)
@@ -200,4 +203,5 @@ class ResilientTrainer:
             expected_ids_hash=expected_hash, invariant_ok=invariant_ok,
             grad_norm=None if grad_norm is None else float(grad_norm),
             iteration_ms=(time.perf_counter() - start) * 1e3,
-            extension_rounds=len(result.extension_rounds), events=events)
+            extension_rounds=len(result.extension_rounds),
+            buckets=len(self.recovery.grads), events=events)
