@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test test-slow bench demo clean
+.PHONY: setup build test test-slow bench demo demo-collective clean
 
 setup: $(VENV)/.package-stamp
 
@@ -47,6 +47,9 @@ bench: build
 	$(PY) scripts/bench_collective.py
 
 demo: build
+	$(PY) scripts/demo.py
+
+demo-collective: build
 	$(PY) scripts/demo_collective.py
 
 clean:
