@@ -30,8 +30,13 @@ def main() -> None:
                                    cuda_available=torch.cuda.is_available())
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
-    if ctx.rank == 0 and arguments.ignored_args_message(cfg):
-        print(arguments.ignored_args_message(cfg), flush=True)
+    if ctx.rank == 0:
+        import megatron.core
+
+        print(f"megatron-recover: megatron-core {megatron.core.__version__} from "
+              f"{Path(megatron.core.__file__).parent}, {ctx.world_size} ranks", flush=True)
+        if arguments.ignored_args_message(cfg):
+            print(arguments.ignored_args_message(cfg), flush=True)
     if not torch.cuda.is_available():
         from megatron_recover.testing import enable_cpu_emulation
 

@@ -1,0 +1,67 @@
+"""pretrain_gpt_recover.py stops at start-up, with a message saying what to change, on bad input.
+
+Run: `make test`. CPU only; each case is a 2-rank mpirun under a hard timeout. The run must end
+(no hang), record an error in the rank status files, and rank 0 must print the message once.
+"""
+
+import pytest
+
+from megatron_recover.launch import LaunchConfig, launch, launch_env, mpirun_command, run_bounded
+from tests.mpirun_harness import ENTRY
+
+pytestmark = pytest.mark.mpi
+TIMEOUT_S = 120
+JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+       "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+       "--vocab-size", "128"]
+
+
+def refused(tmp_path, extra, expected):
+    result = launch(LaunchConfig(2, [*ENTRY, *JOB, *extra], tmp_path / "status", TIMEOUT_S))
+    assert not result.timed_out and not result.succeeded, result.output[-3000:]
+    assert {s["state"] for s in result.statuses.values()} == {"error"}
+    assert result.output.count("megatron-recover: error:") == 1, result.output[-3000:]
+    assert expected in result.output, result.output[-3000:]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_schedule_naming_a_missing_replica(tmp_path):
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("entries:\n  - {iteration: 1, replica: 9, local_rank: 0, "
+                        "location: during-reduce}\n")
+    refused(tmp_path, ["--recover", "--recover-failure-schedule", str(schedule)],
+            "replica 9 does not exist")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_schedule_naming_an_unknown_location(tmp_path):
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("entries:\n  - {iteration: 1, replica: 1, local_rank: 0, "
+                        "location: in-the-optimizer}\n")
+    refused(tmp_path, ["--recover", "--recover-failure-schedule", str(schedule)],
+            "location 'in-the-optimizer' is not one of")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_global_batch_not_divisible(tmp_path):
+    refused(tmp_path, ["--global-batch-size", "3", "--recover"], "--global-batch-size")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_full_distributed_optimizer_across_replicas(tmp_path):
+    refused(tmp_path, ["--recover", "--use-distributed-optimizer"],
+            "--num-distributed-optimizer-instances")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_recover_without_ulfm(tmp_path):
+    """mpirun without --with-ft ulfm: stop before training, saying how to relaunch."""
+    cfg = LaunchConfig(2, [*ENTRY, *JOB, "--recover"], tmp_path / "status", TIMEOUT_S)
+    cmd = mpirun_command(cfg)
+    cmd.remove("--with-ft")
+    cmd.remove("ulfm")
+    cfg.status_dir.mkdir(parents=True)
+    rc, output, _ = run_bounded(cmd, launch_env(cfg), TIMEOUT_S)
+    assert rc is not None, output[-3000:]
+    assert "relaunch with `mpirun --with-ft ulfm" in output, output[-3000:]

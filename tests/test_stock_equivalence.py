@@ -1,0 +1,59 @@
+"""Without --recover, patched megatron-core trains exactly like an unpatched install.
+
+Run: `make test`. CPU only. The unpatched copy is megatron-core's verified source distribution
+(downloaded by `make setup`) extracted without our patches and put first on PYTHONPATH; both runs
+are the same 4-rank job on the same data, and must end with bitwise-equal parameters.
+"""
+
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import megatron.core
+from megatron_recover.launch import LaunchConfig, launch
+from tests.mpirun_harness import ENTRY
+
+pytestmark = pytest.mark.mpi
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300
+JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+       "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-2", "--mock-data",
+       "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1"]
+
+
+def unpatched_megatron(tmp_path: Path) -> Path:
+    lock = dict(line.split("=", 1) for line in (ROOT / "megatron-core.lock").read_text().split()
+                if "=" in line)
+    sdist = ROOT / f"third_party/dist/megatron_core-{lock['version']}.tar.gz"
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path, filter="data")
+    source = tmp_path / f"megatron_core-{lock['version']}"
+    # The compiled dataset helpers come from the same (unpatched) helpers.cpp.
+    installed = Path(megatron.core.__file__).parent / "datasets"
+    for helper in installed.glob("helpers_cpp*.so"):
+        shutil.copy(helper, source / "megatron/core/datasets" / helper.name)
+    return source
+
+
+def stock_run(tmp_path: Path, name: str):
+    result = launch(LaunchConfig(4, [*ENTRY, *JOB], tmp_path / name, timeout_s=TIMEOUT_S))
+    assert result.succeeded, result.output[-4000:]
+    losses = [line.split("lm loss:")[1].split("|")[0].strip()
+              for line in result.output.splitlines() if "lm loss:" in line]
+    digests = {s["param_digest"] for s in result.statuses.values()}
+    return result.output, losses, digests
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_patched_without_recover_equals_unpatched(tmp_path, monkeypatch):
+    _, patched_losses, patched_digests = stock_run(tmp_path, "patched")
+    source = unpatched_megatron(tmp_path)
+    assert "recover_hooks" not in (source / "megatron/core/pipeline_parallel/schedules.py").read_text()
+    monkeypatch.setenv("PYTHONPATH", str(source))
+    output, unpatched_losses, unpatched_digests = stock_run(tmp_path, "unpatched")
+    assert f"from {source}/megatron/core" in output, output[-2000:]
+    assert len(patched_losses) == 4 and patched_losses == unpatched_losses
+    assert len(patched_digests) == 1 and patched_digests == unpatched_digests
