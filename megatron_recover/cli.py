@@ -1,4 +1,5 @@
-"""`megatron-recover` command line: `plan` (policy simulator) and `launch` (mpirun composer).
+"""`megatron-recover` command line: `plan` (policy simulator), `launch` (mpirun composer) and
+`schedule` (seeded failure schedules).
 
 Each subcommand lives beside the layer it exposes; this module only dispatches, so importing it
 pulls in neither torch nor MPI.
@@ -18,10 +19,12 @@ def main(argv=None) -> int:
     from megatron_recover import launch
     launch.add_arguments(sub.add_parser("launch", help="run a command under mpirun --with-ft ulfm"))
 
+    from megatron_recover.faults import schedule_cli
+    schedule_cli.add_arguments(sub.add_parser("schedule", help="write a seeded failure schedule"))
+
     args = parser.parse_args(argv)
-    if args.command == "plan":
-        return plan_cli.run(args)
-    return launch.run(args)
+    commands = {"plan": plan_cli.run, "launch": launch.run, "schedule": schedule_cli.run}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

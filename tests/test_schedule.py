@@ -1,0 +1,77 @@
+"""Failure schedules: validation, the seeded generator, the injection report. Pure Python, fast."""
+
+import json
+
+import pytest
+
+from megatron_recover.cli import main as cli
+from megatron_recover.faults.schedule import (
+    LOCATIONS,
+    ScheduleEntry,
+    generate_schedule,
+    injection_report,
+    load_schedule,
+    write_schedule,
+)
+
+
+def write(tmp_path, text):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_round_trip(tmp_path):
+    entries = [ScheduleEntry(3, 1, 0, "during-reduce"), ScheduleEntry(5, 0, 1, "backward")]
+    write_schedule(entries, tmp_path / "s.yaml")
+    assert load_schedule(tmp_path / "s.yaml", 2, 2, 10) == entries
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{iteration: 1, replica: 4, local_rank: 0, location: backward}", "replica 4 does not exist"),
+    ("{iteration: 1, replica: 0, local_rank: 2, location: backward}", "local_rank 2 does not"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: nowhere}", "location 'nowhere'"),
+    ("{iteration: 11, replica: 0, local_rank: 0, location: backward}", "outside 1..10"),
+    ("{iteration: 1, replica: 0, location: backward}", "exactly the keys"),
+])
+def test_bad_entries_name_the_problem(tmp_path, entry, message):
+    with pytest.raises(ValueError, match=message):
+        load_schedule(write(tmp_path, f"entries:\n  - {entry}\n"), 4, 2, 10)
+
+
+def test_a_rank_dies_once(tmp_path):
+    entry = "{iteration: 1, replica: 0, local_rank: 0, location: backward}"
+    with pytest.raises(ValueError, match="only once"):
+        load_schedule(write(tmp_path, f"entries:\n  - {entry}\n  - {entry}\n"), 4, 1, 10)
+
+
+def test_generator_is_seeded_and_keeps_a_survivor():
+    a = generate_schedule(8, 2, 7, seed=3, first_iteration=2, last_iteration=9)
+    assert a == generate_schedule(8, 2, 7, seed=3, first_iteration=2, last_iteration=9)
+    assert a != generate_schedule(8, 2, 7, seed=4, first_iteration=2, last_iteration=9)
+    assert len({e.replica for e in a}) == 7
+    assert all(2 <= e.iteration <= 9 and e.location in LOCATIONS and e.local_rank < 2 for e in a)
+    with pytest.raises(ValueError, match="every one"):
+        generate_schedule(4, 1, 4, seed=0, first_iteration=1, last_iteration=2)
+
+
+def test_injection_report_uses_the_victims_markers(tmp_path):
+    entries = [ScheduleEntry(3, 1, 0, "during-reduce"), ScheduleEntry(5, 2, 0,
+                                                                     "during-extension")]
+    markers = tmp_path / "m.jsonl"
+    markers.write_text(json.dumps({"point": "reduce", "rank": 1, "time": 0.0, "iteration": 3,
+                                   "location": "during-reduce"}) + "\n")
+    report = injection_report(entries, markers, {(r, 0): r for r in range(4)})
+    assert [e["replica"] for e in report["injected"]] == [1]
+    assert [e["replica"] for e in report["not_injected"]] == [2]
+
+
+def test_cli_writes_the_schedule(tmp_path, capsys):
+    out = tmp_path / "faults.yaml"
+    assert cli(["schedule", "--replicas", "8", "--seed", "1", "--count", "3", "--iterations",
+                "4:20", "--locations", "during-reduce", "backward", "-o", str(out)]) == 0
+    entries = load_schedule(out, 8, 1, 20)
+    assert len(entries) == 3 and {e.location for e in entries} <= {"during-reduce", "backward"}
+    assert cli(["schedule", "--replicas", "2", "--seed", "1", "--count", "2", "--iterations",
+                "1:2", "-o", str(out)]) == 2
+    assert "every one of 2 replicas" in capsys.readouterr().err
