@@ -1,6 +1,7 @@
 """Deterministic fault injection for tests and the failure simulator.
 
-A fault is "rank R dies (or stalls) the N-th time it reaches point P":
+A fault is "rank R dies (or stalls) the N-th time it reaches point P" (counting from when the
+injector is armed, or from the start for `before`):
   before     just before the N-th collective the caller announces with `injector.before()`
   reduce     inside the N-th ulfm all-reduce, after it was posted
   consensus  inside the N-th consensus agreement, after it was posted
@@ -78,9 +79,11 @@ class FaultInjector:
         self._before_count = 0
 
     def arm(self, group) -> None:
+        """Native points count from now: occurrence N is the N-th time after this call."""
         for f in self.faults:
             if f.point in NATIVE_POINTS:
-                group.arm_fault(f.point, f.occurrence, f.action, f.delay_s, str(self.marker_path))
+                group.arm_fault(f.point, group.fault_hits(f.point) + f.occurrence, f.action,
+                                f.delay_s, str(self.marker_path))
 
     def before(self) -> None:
         """Call right before each collective the test counts; may stall or kill this rank."""
