@@ -1,0 +1,74 @@
+"""Failure-free cost of --recover: iteration time of stock Megatron vs megatron-recover.
+
+Usage: .venv/bin/python scripts/bench_overhead.py [--json] [--ranks 4] [--iterations 40]
+
+Runs the same tiny GPT job (mock data, CPU) alternately as stock Megatron data parallelism (gloo
+reduce) and with --recover (ulfm reduce, snapshots, commit lane, consensus), `--rounds` times
+each, in one sitting (this machine is noisy), and reports the median per-iteration time of each
+mode, skipping warm-up iterations, with the ratio recover / stock.
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_recover.launch import LaunchConfig, launch  # noqa: E402
+
+WARMUP_ITERATIONS = 5
+ITERATION_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
+                          r"([0-9.]+)")
+
+
+def job(iterations: int, ranks: int) -> list[str]:
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--global-batch-size", str(4 * ranks), "--train-iters", str(iterations),
+            "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "256", "--log-interval", "1"]
+
+
+def iteration_times(mode: str, ranks: int, iterations: int, tmp: Path) -> list[float]:
+    extra = ["--recover"] if mode == "recover" else []
+    command = [sys.executable, str(ROOT / "pretrain_gpt_recover.py"),
+               *job(iterations, ranks), *extra]
+    result = launch(LaunchConfig(ranks, command, tmp / f"status-{mode}", timeout_s=900))
+    if not result.succeeded:
+        raise SystemExit(f"{mode} run failed:\n{result.output[-3000:]}")
+    times = {int(it): float(ms) for it, ms in ITERATION_MS.findall(result.output)}
+    return [times[i] for i in sorted(times) if i > WARMUP_ITERATIONS]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    samples = {"stock": [], "recover": []}
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        for _ in range(args.rounds):
+            for mode in samples:
+                samples[mode] += iteration_times(mode, args.ranks, args.iterations, Path(tmp))
+    medians = {mode: statistics.median(times) for mode, times in samples.items()}
+    report = {"ranks": args.ranks, "iterations_measured": {m: len(t) for m, t in samples.items()},
+              "stock_ms": medians["stock"], "recover_ms": medians["recover"],
+              "ratio": medians["recover"] / medians["stock"]}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"median iteration time, {args.ranks} ranks, failure-free: stock "
+              f"{report['stock_ms']:.1f} ms, --recover {report['recover_ms']:.1f} ms, "
+              f"ratio {report['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
