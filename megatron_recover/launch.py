@@ -37,10 +37,11 @@ class LaunchConfig:
     extra_mca: tuple[tuple[str, str], ...] = ()
 
 
-def mpirun_command(cfg: LaunchConfig) -> list[str]:
-    """The full mpirun line: ULFM on, oversubscription when ranks exceed cores, idle ranks yield."""
+def mpirun_command(cfg: LaunchConfig, fault_tolerant: bool = True) -> list[str]:
+    """The full mpirun line: ULFM on (unless `fault_tolerant` is False, to show what a plain
+    launch does), oversubscription when ranks exceed cores, idle ranks yield."""
     mpirun = cfg.mpirun or str(Path(sys.executable).parent / "mpirun")
-    cmd = [mpirun, "--with-ft", "ulfm", "-np", str(cfg.num_ranks)]
+    cmd = [mpirun, *(["--with-ft", "ulfm"] if fault_tolerant else []), "-np", str(cfg.num_ranks)]
     if cfg.num_ranks > (os.cpu_count() or 1):
         cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
     for key, value in cfg.extra_mca:

@@ -32,10 +32,8 @@ def test_refuses_without_fault_tolerance(tmp_path):
     """mpirun without --with-ft ulfm: group creation stops with a message saying how to relaunch."""
     cfg = LaunchConfig(1, [sys.executable, str(WORKERS / "ops_worker.py"), "no-ft", str(tmp_path),
                            str(tmp_path / "markers")], tmp_path / "status")
-    cmd = mpirun_command(cfg)
-    cmd.remove("--with-ft")
-    cmd.remove("ulfm")
-    rc, output, _ = run_bounded(cmd, launch_env(cfg), TIMEOUT_S)
+    rc, output, _ = run_bounded(mpirun_command(cfg, fault_tolerant=False), launch_env(cfg),
+                                TIMEOUT_S)
     assert rc is not None, output
     result = (tmp_path / "result-0.json").read_text()
     assert "--with-ft ulfm" in result, output

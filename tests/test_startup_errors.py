@@ -26,21 +26,15 @@ def refused(tmp_path, extra, expected):
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_schedule_naming_a_missing_replica(tmp_path):
+@pytest.mark.parametrize("replica, location, expected", [
+    (9, "during-reduce", "replica 9 does not exist"),
+    (1, "in-the-optimizer", "location 'in-the-optimizer' is not one of"),
+])
+def test_schedule_naming_what_does_not_exist(tmp_path, replica, location, expected):
     schedule = tmp_path / "schedule.yaml"
-    schedule.write_text("entries:\n  - {iteration: 1, replica: 9, local_rank: 0, "
-                        "location: during-reduce}\n")
-    refused(tmp_path, ["--recover", "--recover-failure-schedule", str(schedule)],
-            "replica 9 does not exist")
-
-
-@pytest.mark.timeout(TIMEOUT_S + 30)
-def test_schedule_naming_an_unknown_location(tmp_path):
-    schedule = tmp_path / "schedule.yaml"
-    schedule.write_text("entries:\n  - {iteration: 1, replica: 1, local_rank: 0, "
-                        "location: in-the-optimizer}\n")
-    refused(tmp_path, ["--recover", "--recover-failure-schedule", str(schedule)],
-            "location 'in-the-optimizer' is not one of")
+    schedule.write_text(f"entries:\n  - {{iteration: 1, replica: {replica}, local_rank: 0, "
+                        f"location: {location}}}\n")
+    refused(tmp_path, ["--recover", "--recover-failure-schedule", str(schedule)], expected)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
@@ -58,10 +52,8 @@ def test_full_distributed_optimizer_across_replicas(tmp_path):
 def test_recover_without_ulfm(tmp_path):
     """mpirun without --with-ft ulfm: stop before training, saying how to relaunch."""
     cfg = LaunchConfig(2, [*ENTRY, *JOB, "--recover"], tmp_path / "status", TIMEOUT_S)
-    cmd = mpirun_command(cfg)
-    cmd.remove("--with-ft")
-    cmd.remove("ulfm")
     cfg.status_dir.mkdir(parents=True)
-    rc, output, _ = run_bounded(cmd, launch_env(cfg), TIMEOUT_S)
+    rc, output, _ = run_bounded(mpirun_command(cfg, fault_tolerant=False), launch_env(cfg),
+                                TIMEOUT_S)
     assert rc is not None, output[-3000:]
     assert "relaunch with `mpirun --with-ft ulfm" in output, output[-3000:]
