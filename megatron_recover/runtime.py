@@ -44,7 +44,8 @@ def _mpi():
 
 
 def write_status(state: str, **fields) -> None:
-    """Record this rank's state (`running`, `completed`, `error`) for the launcher to judge."""
+    """Record this rank's state for the launcher to judge: `running`, `completed`, `left` (its
+    replica lost a peer, so it left with it) or `error`."""
     path = _state["status_path"]
     if path is None:
         return
@@ -54,12 +55,23 @@ def write_status(state: str, **fields) -> None:
     os.replace(tmp, path)
 
 
+# gloo reports a peer that died only through the text of a RuntimeError; these are the forms it
+# takes when the peer's socket closed (seen 17-37 ms after a SIGKILL, ULFM-NOTES.md).
+_PEER_LOSS_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether `exc` is an intra-replica collective failing because a peer process is gone."""
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOSS_MESSAGES)
+
+
 def _die_on_uncaught(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(text)
     sys.stderr.flush()
     sys.stdout.flush()
-    write_status("error", error=text[-4000:])
+    # A lost peer is the replica gate at work (this rank's replica is gone), not a bug.
+    write_status("left" if is_peer_loss(exc) else "error", error=text[-4000:])
     # A signal death is what ULFM detects; a non-zero exit would leave the peers waiting.
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -1,8 +1,11 @@
 """The functions our megatron-core patches call. Nothing here imports megatron.
 
 Stock behaviour unless a `GradientRecovery` was installed for a data-parallel group
-(`install()`): then that group's bucket reductions go through layer 2, and the schedules divide
-each microbatch loss by the fixed global microbatch count B instead of the local count.
+(`install()`): then megatron does not reduce that group's buckets at all — the trainer posts the
+cross-replica reductions itself once the schedule returned, after the pipeline flush and the
+intra-replica embedding sync (the paper's deferred path), so a bucket's snapshot holds the
+replica's complete gradient and a rewind never has to redo an intra-replica step — and the
+schedules divide each microbatch loss by the fixed global microbatch count B.
 """
 
 _recoveries = {}  # id(data-parallel process group) -> GradientRecovery
@@ -29,18 +32,11 @@ def owns(bucket_group) -> bool:
 
 
 def start_grad_sync(bucket_group) -> None:
-    """Post the group's bucket reductions (snapshot, spare zeroing, ulfm all-reduce); no waiting."""
-    recovery = _recoveries[id(bucket_group.data_parallel_group)]
-    for bucket in bucket_group.buckets:
-        recovery.reduce_bucket(bucket.grad_data)
+    """Nothing: the trainer posts the cross-replica reduction after the schedule (deferred)."""
 
 
 def finish_grad_sync(bucket_group) -> None:
-    """Post what is not yet posted. The trainer waits and handles failures after the schedule."""
-    recovery = _recoveries[id(bucket_group.data_parallel_group)]
-    for bucket in bucket_group.buckets:
-        if not recovery.is_posted(bucket.grad_data):
-            recovery.reduce_bucket(bucket.grad_data)
+    """Nothing: see start_grad_sync."""
 
 
 def loss_divisor(num_microbatches: int) -> int:

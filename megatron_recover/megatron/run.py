@@ -35,9 +35,6 @@ def check_start(cfg) -> None:
     if not cfg.recover.enabled:
         return
     par = cfg.parallel
-    if par.model_parallel_size > 1:
-        raise ValueError("--recover supports one rank per replica for now (TP = PP = 1): drop "
-                         "--tensor/--pipeline-model-parallel-size or run without --recover")
     if par.use_distributed_optimizer:
         raise ValueError("--recover with --use-distributed-optimizer is not supported yet: "
                          "drop --use-distributed-optimizer")
@@ -153,6 +150,8 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
                       share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
     dp_group_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
     dp_rank = parallel_state.get_data_parallel_rank()
+    replica_group = parallel_state.get_model_parallel_group()  # this replica's TP x PP ranks
+    local_rank = dist.get_rank(group=replica_group)
     group = replica_of_rank = None
     if recover:
         group, replica_of_rank = _cross_replica_groups(dp_group_ranks)
@@ -167,7 +166,7 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     if recover and cfg.recover.failure_schedule:
         entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
                                 cfg.parallel.ranks_per_replica, cfg.train_iters)
-        faults = ScheduledFaults(entries, dp_rank, 0, ctx.rank, marker_path(cfg))
+        faults = ScheduledFaults(entries, dp_rank, local_rank, ctx.rank, marker_path(cfg))
         if ctx.rank == 0 and cfg.recover.log:
             # The schedule travels with the run's log (reproducible runs).
             shutil.copy(cfg.recover.failure_schedule,
@@ -184,6 +183,8 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
         policy = WorkloadPolicy(args_mod.to_policy_config(cfg))
         trainer = ResilientTrainer(TrainerParts(
             model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group, policy=policy,
+            replica_group=replica_group if cfg.parallel.model_parallel_size > 1 else None,
+            computes_loss=parallel_state.is_pipeline_last_stage(),
             replica=dp_rank, replica_of_rank=replica_of_rank, run_pass=micro_pass.run,
             faults=faults, restore=cfg.recover.restore),
             increment_samples=cfg.global_batch_size)
@@ -192,7 +193,8 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
         lr = optimizer.param_groups[0]["lr"]
         if recover:
             report = trainer.train_step(iteration)
-            leader = group.rank == 0
+            # The lowest live rank: position 0 of the lowest live replica.
+            leader = group.rank == 0 and local_rank == 0
             if leader and ctx.rank != 0 and log.path is None and cfg.recover.log:
                 log = RecoverLog(cfg.recover.log)  # the writer moved to the lowest live rank
             if leader:

@@ -3,18 +3,24 @@
 One `ResilientTrainer.train_step(t)` per iteration, on every rank, drives the three layers:
 
   1. The policy says which microbatch ids this replica runs; `run_pass` runs them through
-     megatron's schedule, whose finalize posts every bucket's ulfm all-reduce (layer 2 snapshots
-     each bucket first; a spare zeroes its bucket after the snapshot).
+     megatron's schedule (pipeline flush and intra-replica syncs included), then every bucket's
+     ulfm all-reduce is posted (layer 2 snapshots each bucket first; a spare zeroes its bucket
+     after the snapshot).
   2. The commit lane — this replica's loss sum, contribution count and an order-independent hash
      of its contributed ids — is all-reduced on the same group, then a consensus gives every
      survivor the same failure record. The census says whether each survivor's reductions all
      succeeded under the current epoch.
-  3. The iteration commits only when nobody failed since the last consensus and every survivor's
-     reductions succeeded. Otherwise the agreed dead replicas go to the policy: a promotion or a
-     drop means a blocking restore (rewind every bucket, reduce again under the new membership);
-     a boundary means a non-blocking one (rewind, run the extension pass, whose finalize reduces
-     again). Failures during any of this loop back to 2.
-  4. Commit: the policy installs the next layout; the adaptive policy rescales the summed gradient
+  3. One verdict per replica: every intra-replica position (TP x PP rank) has its own
+     cross-replica group, and the groups may learn of a dead replica in different rounds. The
+     ranks of a replica exchange their records (an all-reduce on the intra-replica group): the
+     dead replicas are the union, and the round commits only if no position saw a failure. Each
+     position's record is agreed by all replicas, so every live replica reaches the same verdict.
+     A rank whose replica lost a member fails in this exchange and leaves (the replica gate).
+  4. Otherwise the new dead replicas go to the policy: a promotion or a drop means a blocking
+     restore (rewind every bucket, reduce again under the new membership); a boundary means a
+     non-blocking one (empty the buckets, run the extension pass, add the snapshots back, reduce).
+     Failures during any of this loop back to 2.
+  5. Commit: the policy installs the next layout; the adaptive policy rescales the summed gradient
      to its committed count; the optimizer steps.
 
 Every decision is a function of agreed records, so all survivors take the same branch.
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from megatron_recover.collective import ULFMGroup
 from megatron_recover.megatron import hooks
@@ -76,6 +83,8 @@ class TrainerParts:
     failure simulator's points (a no-op object when there is no schedule)."""
 
     model: object  # megatron DistributedDataParallel
+    replica_group: object | None  # the intra-replica (TP x PP) torch group; None: one rank
+    computes_loss: bool  # False on pipeline stages before the last: they see no losses
     optimizer: object
     scheduler: object | None
     group: ULFMGroup
@@ -93,7 +102,10 @@ class ResilientTrainer:
         self.increment_samples = increment_samples
         self.dead_replicas: set[int] = set()
         self._iteration = 0
-        self.recovery = GradientRecovery(parts.group, before_first_reduce=self._before_reduce)
+        buckets = [bucket.grad_data for group in parts.model.bucket_groups
+                   for bucket in group.buckets]
+        self.recovery = GradientRecovery(parts.group, buckets,
+                                         before_first_reduce=self._before_reduce)
         hooks.install(parts.group.process_group, self.recovery, loss_divisor=parts.policy.config.b)
 
     def _before_reduce(self) -> None:
@@ -120,17 +132,18 @@ class ResilientTrainer:
         while True:
             failed_locally = bool(self.recovery.wait())
             contributed = work.contributed
-            lane = torch.tensor([sum(losses[i] for i in contributed), float(len(contributed)),
-                                 float(ids_hash(contributed))], dtype=torch.float64)
+            loss_sum = sum(losses[i] for i in contributed) if p.computes_loss else 0.0
+            lane = torch.tensor([loss_sum, float(len(contributed)), float(ids_hash(contributed))],
+                                dtype=torch.float64)
             lane_record = p.group.allreduce(lane).wait()
             ok = int(not failed_locally and not lane_record.has_failure
                      and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
             agreed = p.group.consensus([ok]).wait()
-            new_dead = sorted({p.replica_of_rank[r] for r in agreed.failed_ranks}
-                              - self.dead_replicas)
-            if not agreed.failed_ranks and agreed.census[0] == agreed.size:
+            dead, commit, loss_sum = self._replica_verdict(agreed, lane)
+            if commit:
                 break
             detected = time.time()
+            new_dead = sorted(dead - self.dead_replicas)
             if new_dead:
                 self.dead_replicas.update(new_dead)
                 decision = p.policy.on_failure(new_dead)
@@ -149,14 +162,32 @@ class ResilientTrainer:
             self._blocking_restore(iteration, work)
             events[-1]["restored"] = time.time()
 
-        return self._commit(iteration, lane, agreed, start, events)
+        return self._commit(iteration, lane, loss_sum, agreed, start, events)
+
+    def _replica_verdict(self, agreed, lane) -> tuple[set[int], bool, float]:
+        """(dead replicas seen by any position, commit?, loss sum) — equal on a replica's ranks.
+
+        Without pipeline stages every position holds the loss; with them only the last stage
+        does, and the others report 0, so the maximum is the replica's loss sum.
+        """
+        p = self.p
+        w_init = p.policy.config.w_init
+        verdict = torch.zeros(w_init + 2, dtype=torch.float64)
+        for rank in agreed.failed_ranks:
+            verdict[p.replica_of_rank[rank]] = 1.0
+        verdict[w_init] = float(bool(agreed.failed_ranks) or agreed.census[0] != agreed.size)
+        verdict[w_init + 1] = lane[0]
+        if p.replica_group is not None:
+            # A peer that died makes this raise; the exit hook then takes this rank down too.
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=p.replica_group)
+        dead = {r for r in range(w_init) if verdict[r] > 0}
+        return dead, verdict[w_init] == 0, float(verdict[w_init + 1])
 
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float]) -> None:
+        """Run `ids` (possibly none) through the schedule, then post every bucket's reduction."""
         if ids:
             self.p.run_pass(iteration, ids, losses)
-        else:
-            # Nothing to compute on this replica, but its buckets still take part in the reduce.
-            self.p.model.finish_grad_sync()
+        self.recovery.reduce_all()
 
     def _blocking_restore(self, iteration: int, work) -> None:
         """Rewind every bucket and reduce it again under the new membership and roles."""
@@ -165,23 +196,28 @@ class ResilientTrainer:
         if self.p.restore:
             self.recovery.rewind()
         self.recovery.contributing = work.contributes_first_pass
-        self.recovery.reduce_again(self.recovery.grads)
+        self.recovery.reduce_all()
 
     def _extension_pass(self, iteration: int, work, losses: dict[int, float]) -> None:
-        """Rewind (to zero if nothing this replica ran so far counts), then run the extension."""
+        """Run the extension ids on empty buckets (so the schedule's intra-replica syncs see only
+        the new gradients), then add back what this replica already counts, then reduce."""
         self.recovery.begin_pass()
         extension = work.extension
         counted_before = len(work.contributed) - len(extension)
         if self.p.restore:
-            self.recovery.rewind(to_zero=counted_before == 0)
+            self.recovery.zero()
         self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
-        self._run(iteration, list(extension), losses)
+        if extension:
+            self.p.run_pass(iteration, list(extension), losses)
+        if self.p.restore and counted_before > 0:
+            self.recovery.add_snapshots()
+        self.recovery.reduce_all()
 
-    def _commit(self, iteration, lane, agreed, start, events) -> StepReport:
+    def _commit(self, iteration, lane, loss_sum, agreed, start, events) -> StepReport:
         p = self.p
         result = p.policy.commit()
-        loss_sum, contributions, lane_hash = lane.tolist()
+        _, contributions, lane_hash = lane.tolist()
         expected_hash = ids_hash(result.committed)
         invariant_ok = (int(contributions) == result.contributions
                         and int(lane_hash) == expected_hash

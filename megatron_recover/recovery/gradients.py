@@ -31,12 +31,15 @@ class _Bucket:
 class GradientRecovery:
     """The cross-replica reduction of one rank's gradient buckets, with rewind."""
 
-    def __init__(self, group: ULFMGroup, before_first_reduce=None):
-        """`before_first_reduce()` runs before the first reduction of each pass (fault point)."""
+    def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None):
+        """`grads`: the gradient buckets, in the order every member reduces them.
+        `before_first_reduce()` runs before the first reduction of each pass (fault point)."""
         self.group = group
         self.contributing = True
         self.before_first_reduce = before_first_reduce
-        self._buckets: dict[int, _Bucket] = {}  # data_ptr of the bucket -> state, in first-use order
+        self._buckets: dict[int, _Bucket] = {}  # data_ptr of the bucket -> state, in order
+        for grad in grads:
+            self._state(grad)
         self._posted_in_pass = 0
         self.reductions = 0  # bucket reductions posted, for logs and tests
 
@@ -52,10 +55,6 @@ class GradientRecovery:
             assert bucket.work is None, "begin_pass with reductions in flight"
             bucket.reduced_epoch = None
         self._posted_in_pass = 0
-
-    def is_posted(self, grad: torch.Tensor) -> bool:
-        bucket = self._buckets.get(grad.data_ptr())
-        return bucket is not None and (bucket.work is not None or bucket.reduced_epoch is not None)
 
     def reduce_bucket(self, grad: torch.Tensor) -> None:
         """Snapshot `grad`, zero it on a non-contributing replica, post its ulfm all-reduce."""
@@ -94,17 +93,25 @@ class GradientRecovery:
     def grads(self) -> list[torch.Tensor]:
         return [b.grad for b in self._buckets.values()]
 
-    def rewind(self, grads: list[torch.Tensor] | None = None, to_zero: bool = False) -> None:
-        """Restore buckets (default: all) to their pre-reduce contents, or to zero."""
-        targets = self._buckets.values() if grads is None else [self._state(g) for g in grads]
-        for bucket in targets:
-            if to_zero:
-                bucket.grad.zero_()
-            else:
-                bucket.grad.copy_(bucket.snapshot)
+    def rewind(self) -> None:
+        """Restore every bucket to its pre-reduce contents (the snapshot)."""
+        for bucket in self._buckets.values():
+            bucket.grad.copy_(bucket.snapshot)
             bucket.reduced_epoch = None
 
-    def reduce_again(self, grads: list[torch.Tensor]) -> None:
-        """Post the reductions of rewound buckets (their snapshots are retaken: same contents)."""
-        for grad in grads:
-            self.reduce_bucket(grad)
+    def zero(self) -> None:
+        """Empty every bucket, so that a pass accumulates (and syncs) only its own gradients."""
+        for bucket in self._buckets.values():
+            bucket.grad.zero_()
+            bucket.reduced_epoch = None
+
+    def add_snapshots(self) -> None:
+        """Add the pre-reduce contents back on top of what a pass accumulated since `zero()`."""
+        for bucket in self._buckets.values():
+            bucket.grad.add_(bucket.snapshot)
+
+    def reduce_all(self) -> None:
+        """Post every bucket's reduction, in order (after a rewind the snapshot is retaken and
+        holds the same contents)."""
+        for bucket in list(self._buckets.values()):
+            self.reduce_bucket(bucket.grad)
