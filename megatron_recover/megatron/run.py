@@ -27,19 +27,28 @@ from megatron_recover.megatron import arguments as args_mod
 from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
 from megatron_recover.megatron.report import RecoverLog, iteration_line
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
-from megatron_recover.policy import EXACT, RESERVE, WorkloadPolicy
+from megatron_recover.megatron import checkpoint
+from megatron_recover.policy import (
+    ADAPTIVE,
+    EXACT,
+    RESERVE,
+    PolicyConfig,
+    WorkloadPolicy,
+    advance_layout,
+)
 
 
 def check_start(cfg) -> None:
-    """What the recovery path does not implement yet stops at start-up, naming the change."""
+    """What is not implemented yet stops at start-up, naming the change."""
     if not cfg.recover.enabled:
+        if cfg.checkpoint.save or cfg.checkpoint.load:
+            raise ValueError("--save/--load are implemented for --recover runs only: add "
+                             "--recover (launch with mpirun --with-ft ulfm) or drop them")
         return
     par = cfg.parallel
     if par.use_distributed_optimizer:
         raise ValueError("--recover with --use-distributed-optimizer is not supported yet: "
                          "drop --use-distributed-optimizer")
-    if cfg.checkpoint.save or cfg.checkpoint.load:
-        raise ValueError("--save/--load are not supported with --recover yet: drop them")
     if cfg.precision.fp16 or cfg.precision.bf16:
         raise ValueError("--recover runs fp32 for now: drop --fp16/--bf16")
     if cfg.recover.failure_schedule:
@@ -115,6 +124,47 @@ def microbatch_source(cfg):
     return source, tokenizer.vocab_size
 
 
+def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
+    """(policy, replica id of each data-parallel rank) continuing a checkpoint on
+    `num_replicas` replicas, keeping B. Original replica ids are reused: the survivors' first."""
+    if cfg.b != state.b:
+        raise ValueError(f"--load: the checkpoint has B = {state.b} microbatches per iteration, "
+                         f"this run {cfg.b}: keep --global-batch-size / --micro-batch-size")
+    if (cfg.recover.policy, cfg.recover.mode) != (state.policy, state.mode):
+        raise ValueError(f"--load: the checkpoint ran --recover-policy {state.policy} "
+                         f"--recover-mode {state.mode}; resume with the same")
+    if num_replicas > state.w_init:
+        raise ValueError(f"--load: {num_replicas} replicas, but the run started with "
+                         f"{state.w_init}; resume with at most that many")
+    live = list(state.live_replicas)
+    spare_ids = [r for r in range(state.w_init) if r not in live]
+    ids = sorted((live + spare_ids)[:num_replicas])
+    layout = state.layout
+    if ids != sorted(live):
+        if state.policy == ADAPTIVE:
+            raise ValueError(f"--load: the adaptive policy resumes on its {len(live)} live "
+                             f"replicas only, not {num_replicas}")
+        layout = advance_layout(ids, state.b)
+    config = PolicyConfig(w_init=state.w_init, g_init=state.g_init, policy=state.policy,
+                          mode=state.mode)
+    return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
+
+
+def save_checkpoint(cfg, trainer, optimizer, scheduler, position, replica_group, local_rank,
+                    iteration) -> None:
+    """The lowest live replica (every rank agrees on it through the policy) writes."""
+    policy = trainer.p.policy
+    live = tuple(policy.layout.replicas)
+    if trainer.p.replica != min(live):
+        return
+    state = checkpoint.RecoveryState(
+        iteration=iteration, b=policy.config.b, w_init=policy.config.w_init,
+        g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
+        layout=policy.layout, reserve_next=policy.reserve_next, live_replicas=live)
+    checkpoint.save(cfg.checkpoint.save, state, trainer.p.model, optimizer, scheduler, position,
+                    replica_group if cfg.parallel.model_parallel_size > 1 else None, local_rank)
+
+
 def marker_path(cfg) -> Path:
     """Where victims of the failure schedule leave their markers: beside the recovery log."""
     base = cfg.recover.log or cfg.recover.failure_schedule
@@ -179,20 +229,38 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     log = RecoverLog(cfg.recover.log) if ctx.rank == 0 else RecoverLog(None)
 
     trainer = None
+    start = 1
+    position = (parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_pipeline_model_parallel_rank())
     if recover:
         policy = WorkloadPolicy(args_mod.to_policy_config(cfg))
+        replica_ids = list(range(cfg.num_replicas))
+        if cfg.checkpoint.load:
+            state = checkpoint.load(cfg.checkpoint.load, ddp_model, optimizer, scheduler, position)
+            policy, replica_ids = resumed_policy(cfg, state, cfg.num_replicas)
+            start = state.iteration + 1
+            if ctx.rank == 0:
+                print(f"megatron-recover: resumed iteration {state.iteration} from "
+                      f"{cfg.checkpoint.load}: replicas {replica_ids} continue the run's "
+                      f"{list(state.live_replicas)}", flush=True)
+        # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
+        replica_of_rank = {rank: replica_ids[dp] for rank, dp in replica_of_rank.items()}
         trainer = ResilientTrainer(TrainerParts(
             model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group, policy=policy,
             replica_group=replica_group if cfg.parallel.model_parallel_size > 1 else None,
             computes_loss=parallel_state.is_pipeline_last_stage(),
-            replica=dp_rank, replica_of_rank=replica_of_rank, run_pass=micro_pass.run,
+            replica=replica_ids[dp_rank], replica_of_rank=replica_of_rank,
+            run_pass=micro_pass.run,
             faults=faults, restore=cfg.recover.restore),
             increment_samples=cfg.global_batch_size)
 
-    for iteration in range(1, cfg.train_iters + 1):
+    for iteration in range(start, cfg.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         if recover:
             report = trainer.train_step(iteration)
+            if cfg.checkpoint.save and iteration % cfg.checkpoint.save_interval == 0:
+                save_checkpoint(cfg, trainer, optimizer, scheduler, position, replica_group,
+                                local_rank, iteration)
             # The lowest live rank: position 0 of the lowest live replica.
             leader = group.rank == 0 and local_rank == 0
             if leader and ctx.rank != 0 and log.path is None and cfg.recover.log:

@@ -46,6 +46,22 @@ class WorkloadPolicy:
         self._reserve_next = 0
         self._state: IterationState | None = None
 
+    @classmethod
+    def resume(cls, config: PolicyConfig, layout, last_committed: int,
+               reserve_next: int) -> "WorkloadPolicy":
+        """The policy of a run resumed from a checkpoint: it continues from `layout` (its live
+        replicas are original replica ids) with the iteration after `last_committed`."""
+        policy = cls(config)
+        policy.layout = layout
+        policy.last_committed = last_committed
+        policy._reserve_next = reserve_next
+        return policy
+
+    @property
+    def reserve_next(self) -> int:
+        """The next unused position of the reserve stream (reserve mode)."""
+        return self._reserve_next
+
     @property
     def state(self) -> IterationState:
         """The iteration in progress."""

@@ -1,0 +1,55 @@
+"""Checkpoint after replica 0 died, resumed on fewer replicas: the loss goes on as the
+uninterrupted run's.
+
+Run: `make test`. CPU only; 3 then 2 oversubscribed ranks, each run under a hard timeout.
+"""
+
+import json
+
+import pytest
+
+from megatron_recover.launch import LaunchConfig, launch
+from tests.mpirun_harness import ENTRY
+
+pytestmark = pytest.mark.mpi
+TIMEOUT_S = 240
+TOLERANCE = 1e-5
+JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+       "--global-batch-size", "12", "--lr", "1e-2", "--lr-decay-iters", "8",
+       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+       "--overlap-grad-reduce", "--ddp-bucket-size", "2000", "--log-interval", "1", "--recover"]
+
+
+def train(run_dir, ranks, extra):
+    run_dir.mkdir()
+    log = run_dir / "log.jsonl"
+    result = launch(LaunchConfig(ranks, [*ENTRY, *JOB, "--recover-log", str(log), *extra],
+                                 run_dir / "status", TIMEOUT_S))
+    assert not result.timed_out and result.succeeded, result.output[-4000:]
+    return result, {r["iteration"]: r for r in map(json.loads, log.read_text().splitlines())}
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_resume_on_fewer_replicas_after_replica_0_died(tmp_path):
+    _, reference = train(tmp_path / "reference", 3, ["--train-iters", "8"])
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("entries:\n  - {iteration: 2, replica: 0, local_rank: 0, "
+                        "location: during-reduce}\n")
+    ckpt = tmp_path / "ckpt"
+    _, first = train(tmp_path / "first", 3, [
+        "--train-iters", "4", "--save", str(ckpt), "--save-interval", "4",
+        "--recover-failure-schedule", str(schedule)])
+    assert first[4]["live_replicas"] == 2
+    state = json.loads((ckpt / "iter_0000004/recover_state.json").read_text())
+    assert state["live_replicas"] == [1, 2] and state["b"] == 12 and state["w_init"] == 3
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+    result, resumed = train(tmp_path / "resumed", 2, ["--train-iters", "8", "--load", str(ckpt)])
+    assert "resumed iteration 4" in result.output
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert all(r["contributions"] == 12 and r["invariant_ok"] for r in resumed.values())
+    diffs = {t: abs(resumed[t]["loss"] - reference[t]["loss"]) / reference[t]["loss"]
+             for t in resumed}
+    print(f"resumed on 2 replicas: max relative loss diff {max(diffs.values()):.2e}")
+    assert max(diffs.values()) <= TOLERANCE, diffs
