@@ -46,7 +46,7 @@ def main() -> None:
     from megatron_recover.megatron import run
 
     try:
-        if cfg.recover.enabled:
+        if cfg.recover.cross_replica_backend == "ulfm":
             collective.require_fault_tolerance()
         run.check_start(cfg)
         # Before torch.distributed: megatron's dataset builder then needs no barrier (data.py).
@@ -55,7 +55,7 @@ def main() -> None:
         runtime.stop_at_startup(str(error))
     runtime.init_torch_distributed(ctx)
     digest = run.train(cfg, ctx, source.microbatch, vocab_size)
-    runtime.finish(finalize=not cfg.recover.enabled, param_digest=digest)
+    runtime.finish(finalize=cfg.recover.cross_replica_backend != "ulfm", param_digest=digest)
 
 
 if __name__ == "__main__":

@@ -62,11 +62,6 @@ const HalfTypes& half_types() {
   return types;
 }
 
-struct SumSpec {
-  MPI_Datatype type;
-  MPI_Op op;
-};
-
 SumSpec sum_spec(at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat: return {MPI_FLOAT, MPI_SUM};
@@ -431,32 +426,53 @@ void ProcessGroupULFM::run_consensus(std::vector<int64_t>& census, FailureRecord
 // --------------------------------------------------------------------------------- operations
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allreduce_sum(at::Tensor tensor) {
-  const SumSpec spec = sum_spec(tensor.scalar_type());
-  auto staged = std::make_shared<Staged>(Staged::of(tensor));
-  return enqueue(c10d::OpType::ALLREDUCE, {tensor}, [this, staged, spec](FailureRecord* record) {
-    char* data = static_cast<char*>(staged->host.data_ptr());
-    const int64_t numel = staged->host.numel();
-    const int64_t itemsize = staged->host.element_size();
+  std::vector<at::Tensor> tensors{tensor};
+  return enqueue_allreduce(c10d::OpType::ALLREDUCE, tensors);
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allreduce(
+    c10d::OpType type, const std::vector<at::Tensor>& tensors) {
+  // One operation for all tensors: one failure record, one repair, however many tensors.
+  std::vector<SumSpec> specs;
+  auto staged = std::make_shared<std::vector<Staged>>();
+  for (const auto& tensor : tensors) {
+    specs.push_back(sum_spec(tensor.scalar_type()));
+    staged->push_back(Staged::of(tensor));
+  }
+  return enqueue(type, tensors, [this, staged, specs](FailureRecord* record) {
     run_data_op("reduce", [&](MPI_Comm comm) {
       const bool inject = kill_pending_at("reduce");
-      for (int64_t offset = 0; offset < numel; offset += kMaxChunk) {
-        const int count = int(std::min(kMaxChunk, numel - offset));
-        void* chunk = data + offset * itemsize;
-        int rc;
-        if (inject) {
-          MPI_Request request;
-          rc = MPI_Iallreduce(MPI_IN_PLACE, chunk, count, spec.type, spec.op, comm, &request);
-          fault_posted("reduce");
-          if (rc == MPI_SUCCESS) rc = MPI_Wait(&request, MPI_STATUS_IGNORE);
-        } else {
-          rc = MPI_Allreduce(MPI_IN_PLACE, chunk, count, spec.type, spec.op, comm);
-        }
+      for (size_t i = 0; i < staged->size(); ++i) {
+        const int rc = reduce_in_place((*staged)[i].host, specs[i], comm, inject && i == 0);
         if (rc != MPI_SUCCESS) return rc;
       }
       return MPI_SUCCESS;
     }, record);
-    if (!record->repaired) staged->write_back();
+    if (record->repaired) return;
+    for (auto& s : *staged) s.write_back();
   });
+}
+
+int ProcessGroupULFM::reduce_in_place(at::Tensor& host, const SumSpec& spec, MPI_Comm comm,
+                                      bool inject) {
+  char* data = static_cast<char*>(host.data_ptr());
+  const int64_t numel = host.numel();
+  const int64_t itemsize = host.element_size();
+  for (int64_t offset = 0; offset < numel; offset += kMaxChunk) {
+    const int count = int(std::min(kMaxChunk, numel - offset));
+    void* chunk = data + offset * itemsize;
+    int rc;
+    if (inject && offset == 0) {
+      MPI_Request request;
+      rc = MPI_Iallreduce(MPI_IN_PLACE, chunk, count, spec.type, spec.op, comm, &request);
+      fault_posted("reduce");
+      if (rc == MPI_SUCCESS) rc = MPI_Wait(&request, MPI_STATUS_IGNORE);
+    } else {
+      rc = MPI_Allreduce(MPI_IN_PLACE, chunk, count, spec.type, spec.op, comm);
+    }
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::broadcast_from(at::Tensor tensor,
@@ -533,6 +549,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce(std::vector<at::Tenso
                     "ulfm: all-reduce supports only ReduceOp.SUM (got ",
                     int(opts.reduceOp.op_), ")");
   return allreduce_sum(tensors[0]);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  // What torch.distributed's coalescing manager (megatron's bucket groups) sends.
+  TORCH_CHECK_VALUE(opts.reduceOp == c10d::ReduceOp::SUM,
+                    "ulfm: all-reduce supports only ReduceOp.SUM (got ",
+                    int(opts.reduceOp.op_), ")");
+  return enqueue_allreduce(c10d::OpType::ALLREDUCE_COALESCED, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::broadcast(std::vector<at::Tensor>& tensors,

@@ -32,6 +32,12 @@
 
 namespace ulfm {
 
+// The MPI datatype and reduction of a SUM over one torch dtype.
+struct SumSpec {
+  MPI_Datatype type;
+  MPI_Op op;
+};
+
 struct FailureRecord {
   std::vector<int64_t> failed_ranks;  // world ranks, ascending
   int64_t size = 0;                   // membership after the operation
@@ -92,6 +98,8 @@ class ProcessGroupULFM : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather(
@@ -126,6 +134,9 @@ class ProcessGroupULFM : public c10d::Backend {
     std::function<void(FailureRecord*)> run;
   };
 
+  c10::intrusive_ptr<WorkULFM> enqueue_allreduce(c10d::OpType type,
+                                                 const std::vector<at::Tensor>& tensors);
+  int reduce_in_place(at::Tensor& host, const SumSpec& spec, MPI_Comm comm, bool inject);
   c10::intrusive_ptr<WorkULFM> enqueue_allgather(at::Tensor output, at::Tensor input,
                                                  std::vector<at::Tensor> rows);
   c10::intrusive_ptr<WorkULFM> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,

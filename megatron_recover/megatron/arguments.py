@@ -319,6 +319,8 @@ class RecoverConfig:
     """--recover-hang-timeout: seconds before the watchdog turns a hang into a failure."""
     restore: bool = True
     """False with --recover-no-restore (a diagnostic negative control)."""
+    cross_replica_backend: str = "gloo"
+    """--cross-replica-backend: the data-parallel group's backend ("ulfm" with --recover)."""
 
 
 @dataclass(frozen=True)
@@ -514,6 +516,10 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recover-log", metavar="PATH", help="per-iteration JSONL records")
     g.add_argument("--recover-hang-timeout", type=float, metavar="SECONDS",
                    help=f"hang watchdog limit (default {DEFAULT_HANG_TIMEOUT_S:g})")
+    g.add_argument("--cross-replica-backend", choices=["gloo", "ulfm"],
+                   help="backend of the data-parallel group: gloo (default) or ulfm (stock "
+                        "Megatron data parallelism over the fault-tolerant collective, no "
+                        "recovery; launch with mpirun --with-ft ulfm); --recover always uses ulfm")
     g.add_argument("--recover-no-restore", action="store_true",
                    help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
                         "(shows what gradient restoration buys; breaks the trajectory)")
@@ -807,6 +813,8 @@ def _recover(ns) -> list[str]:
     if given and not ns.recover:
         return [f"{', '.join(given)} given without --recover: add --recover or drop them"]
     problems = []
+    if ns.recover and ns.cross_replica_backend == "gloo":
+        problems.append("--recover reduces across replicas on ulfm: drop --cross-replica-backend")
     if ns.recover_mode == "reserve" and ns.recover_policy == "adaptive":
         problems.append("--recover-mode reserve applies to the static policy only (the adaptive "
                         "policy has no spares): drop --recover-mode or use --recover-policy static")
@@ -947,7 +955,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
             log=_path_or_none(ns.recover_log),
             hang_timeout_s=(DEFAULT_HANG_TIMEOUT_S if ns.recover_hang_timeout is None
                             else ns.recover_hang_timeout),
-            restore=not ns.recover_no_restore),
+            restore=not ns.recover_no_restore,
+            cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo")),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=(ns.global_batch_size if ns.global_batch_size is not None
                            else ns.micro_batch_size * dp),

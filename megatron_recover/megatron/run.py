@@ -203,12 +203,11 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     replica_group = parallel_state.get_model_parallel_group()  # this replica's TP x PP ranks
     local_rank = dist.get_rank(group=replica_group)
     group = replica_of_rank = None
-    if recover:
+    if cfg.recover.cross_replica_backend == "ulfm":
         group, replica_of_rank = _cross_replica_groups(dp_group_ranks)
         runtime.track_group(group)
     ddp_config = args_mod.to_ddp_config(cfg)
-    ddp_model = wrap_ddp(model, tconfig, ddp_config,
-                         group.process_group if recover else None)
+    ddp_model = wrap_ddp(model, tconfig, ddp_config, group.process_group if group else None)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
     tconfig.grad_scale_func = optimizer.scale_loss
 

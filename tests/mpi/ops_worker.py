@@ -52,6 +52,14 @@ def check_ops(group, rank: int, n: int) -> dict:
     checks["torch_all_reduce"] = bool(torch.all(t == total))
     checks["torch_work_has_record"] = hasattr(work, "record") and not work.has_failure()
 
+    # Megatron's bucket groups reduce through torch's coalescing manager.
+    parts = [torch.full((7,), float(rank + 1)), torch.full((3,), rank + 1, dtype=torch.int64)]
+    with dist._coalescing_manager(group=pg, async_ops=True) as cm:
+        for part in parts:
+            dist.all_reduce(part, group=pg)
+    cm.wait()
+    checks["coalesced_all_reduce"] = all(bool(torch.all(part == total)) for part in parts)
+
     b = torch.full((3,), float(rank))
     group.broadcast(b, src_world_rank=n - 1).wait()
     checks["broadcast"] = bool(torch.all(b == n - 1))
