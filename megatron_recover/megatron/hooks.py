@@ -19,12 +19,6 @@ def install(process_group, recovery, loss_divisor: int) -> None:
     _loss_divisor = loss_divisor
 
 
-def uninstall() -> None:
-    global _loss_divisor
-    _recoveries.clear()
-    _loss_divisor = None
-
-
 def owns(bucket_group) -> bool:
     """True when this bucket group's cross-replica reduction belongs to megatron-recover."""
     group = getattr(bucket_group, "data_parallel_group", None)  # absent with the dist. optimizer

@@ -150,8 +150,7 @@ def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
     return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
 
 
-def save_checkpoint(cfg, trainer, optimizer, scheduler, position, replica_group, local_rank,
-                    iteration) -> None:
+def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
     """The lowest live replica (every rank agrees on it through the policy) writes."""
     policy = trainer.p.policy
     live = tuple(policy.layout.replicas)
@@ -161,8 +160,10 @@ def save_checkpoint(cfg, trainer, optimizer, scheduler, position, replica_group,
         iteration=iteration, b=policy.config.b, w_init=policy.config.w_init,
         g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
         layout=policy.layout, reserve_next=policy.reserve_next, live_replicas=live)
-    checkpoint.save(cfg.checkpoint.save, state, trainer.p.model, optimizer, scheduler, position,
-                    replica_group if cfg.parallel.model_parallel_size > 1 else None, local_rank)
+    checkpoint.save(cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer, setup.scheduler,
+                    setup.position,
+                    setup.replica_group if cfg.parallel.model_parallel_size > 1 else None,
+                    setup.local_rank)
 
 
 def marker_path(cfg) -> Path:
@@ -179,14 +180,26 @@ def parameter_digest(model) -> str:
     return digest.hexdigest()
 
 
-def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> str:
-    """Train for cfg.train_iters iterations; rank 0 of the live group prints and logs.
+@dataclass
+class RankSetup:
+    """What one rank built: megatron's model and optimizer, and its place among the replicas."""
 
-    Returns the digest of this rank's final parameters.
-    """
+    ddp_model: object
+    optimizer: object
+    scheduler: object
+    micro_pass: MicrobatchPass
+    group: collective.ULFMGroup | None  # the cross-replica group of this position (ulfm)
+    replica_of_rank: dict[int, int] | None  # world rank -> data-parallel rank
+    replica_group: object  # this replica's TP x PP ranks
+    dp_rank: int
+    local_rank: int
+    position: tuple[int, int]  # (tensor, pipeline) parallel rank
+
+
+def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> RankSetup:
+    """Megatron's parallel state, GPT model, DDP (on ulfm when asked), optimizer and scheduler."""
     from megatron.core import parallel_state, tensor_parallel
 
-    recover = cfg.recover.enabled
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
@@ -199,96 +212,109 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
                       cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
                       share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
     dp_group_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
-    dp_rank = parallel_state.get_data_parallel_rank()
-    replica_group = parallel_state.get_model_parallel_group()  # this replica's TP x PP ranks
-    local_rank = dist.get_rank(group=replica_group)
+    replica_group = parallel_state.get_model_parallel_group()
     group = replica_of_rank = None
     if cfg.recover.cross_replica_backend == "ulfm":
         group, replica_of_rank = _cross_replica_groups(dp_group_ranks)
         runtime.track_group(group)
-    ddp_config = args_mod.to_ddp_config(cfg)
-    ddp_model = wrap_ddp(model, tconfig, ddp_config, group.process_group if group else None)
+    ddp_model = wrap_ddp(model, tconfig, args_mod.to_ddp_config(cfg),
+                         group.process_group if group else None)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
     tconfig.grad_scale_func = optimizer.scale_loss
-
-    faults = NoFaults()
-    if recover and cfg.recover.failure_schedule:
-        entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
-                                cfg.parallel.ranks_per_replica, cfg.train_iters)
-        faults = ScheduledFaults(entries, dp_rank, local_rank, ctx.rank, marker_path(cfg))
-        if ctx.rank == 0 and cfg.recover.log:
-            # The schedule travels with the run's log (reproducible runs).
-            shutil.copy(cfg.recover.failure_schedule,
-                        Path(cfg.recover.log).with_suffix(".schedule.yaml"))
+    setup = RankSetup(
+        ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, micro_pass=None,
+        group=group, replica_of_rank=replica_of_rank, replica_group=replica_group,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        local_rank=dist.get_rank(group=replica_group),
+        position=(parallel_state.get_tensor_model_parallel_rank(),
+                  parallel_state.get_pipeline_model_parallel_rank()))
     # Exact mode reseeds dropout per microbatch id; stock Megatron draws in sequence, and so does
     # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
-    reseed = recover and cfg.recover.mode == EXACT
-    micro_pass = MicrobatchPass(ddp_model, microbatch, cfg.model.seq_length, cfg.micro_batch_size,
-                                cfg.seed, faults, reseed_per_microbatch=reseed)
-    log = RecoverLog(cfg.recover.log) if ctx.rank == 0 else RecoverLog(None)
+    reseed = cfg.recover.enabled and cfg.recover.mode == EXACT
+    setup.micro_pass = MicrobatchPass(ddp_model, microbatch, cfg.model.seq_length,
+                                      cfg.micro_batch_size, cfg.seed, _faults(cfg, ctx, setup),
+                                      reseed_per_microbatch=reseed)
+    return setup
 
-    trainer = None
+
+def _faults(cfg, ctx, setup: RankSetup):
+    if not (cfg.recover.enabled and cfg.recover.failure_schedule):
+        return NoFaults()
+    entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
+                            cfg.parallel.ranks_per_replica, cfg.train_iters)
+    if ctx.rank == 0 and cfg.recover.log:
+        # The schedule travels with the run's log (reproducible runs).
+        shutil.copy(cfg.recover.failure_schedule,
+                    Path(cfg.recover.log).with_suffix(".schedule.yaml"))
+    return ScheduledFaults(entries, setup.dp_rank, setup.local_rank, ctx.rank, marker_path(cfg))
+
+
+def _trainer(cfg, ctx, setup: RankSetup) -> tuple[ResilientTrainer, int]:
+    """The resilient trainer of this rank and the first iteration to run (after a --load)."""
+    from megatron.core import parallel_state
+
+    policy = WorkloadPolicy(args_mod.to_policy_config(cfg))
+    replica_ids = list(range(cfg.num_replicas))
     start = 1
-    position = (parallel_state.get_tensor_model_parallel_rank(),
-                parallel_state.get_pipeline_model_parallel_rank())
-    if recover:
-        policy = WorkloadPolicy(args_mod.to_policy_config(cfg))
-        replica_ids = list(range(cfg.num_replicas))
-        if cfg.checkpoint.load:
-            state = checkpoint.load(cfg.checkpoint.load, ddp_model, optimizer, scheduler, position)
-            policy, replica_ids = resumed_policy(cfg, state, cfg.num_replicas)
-            start = state.iteration + 1
-            if ctx.rank == 0:
-                print(f"megatron-recover: resumed iteration {state.iteration} from "
-                      f"{cfg.checkpoint.load}: replicas {replica_ids} continue the run's "
-                      f"{list(state.live_replicas)}", flush=True)
-        # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
-        replica_of_rank = {rank: replica_ids[dp] for rank, dp in replica_of_rank.items()}
-        trainer = ResilientTrainer(TrainerParts(
-            model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group, policy=policy,
-            replica_group=replica_group if cfg.parallel.model_parallel_size > 1 else None,
-            computes_loss=parallel_state.is_pipeline_last_stage(),
-            replica=replica_ids[dp_rank], replica_of_rank=replica_of_rank,
-            run_pass=micro_pass.run,
-            faults=faults, restore=cfg.recover.restore),
-            increment_samples=cfg.global_batch_size)
+    if cfg.checkpoint.load:
+        state = checkpoint.load(cfg.checkpoint.load, setup.ddp_model, setup.optimizer,
+                                setup.scheduler, setup.position)
+        policy, replica_ids = resumed_policy(cfg, state, cfg.num_replicas)
+        start = state.iteration + 1
+        if ctx.rank == 0:
+            print(f"megatron-recover: resumed iteration {state.iteration} from "
+                  f"{cfg.checkpoint.load}: replicas {replica_ids} continue the run's "
+                  f"{list(state.live_replicas)}", flush=True)
+    # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
+    replica_of_rank = {rank: replica_ids[dp] for rank, dp in setup.replica_of_rank.items()}
+    trainer = ResilientTrainer(TrainerParts(
+        model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
+        group=setup.group, policy=policy,
+        replica_group=setup.replica_group if cfg.parallel.model_parallel_size > 1 else None,
+        computes_loss=parallel_state.is_pipeline_last_stage(),
+        replica=replica_ids[setup.dp_rank], replica_of_rank=replica_of_rank,
+        run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,
+        restore=cfg.recover.restore),
+        increment_samples=cfg.global_batch_size)
+    return trainer, start
 
+
+def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> str:
+    """Train for cfg.train_iters iterations; the lowest live rank prints and logs.
+
+    Returns the digest of this rank's final parameters.
+    """
+    setup = build(cfg, ctx, microbatch, vocab_size)
+    if cfg.recover.enabled:
+        _train_resilient(cfg, ctx, setup)
+    else:
+        for iteration in range(1, cfg.train_iters + 1):
+            loss, grad_norm, ms = _stock_step(cfg, setup.ddp_model, setup.optimizer,
+                                              setup.scheduler, setup.micro_pass, setup.dp_rank,
+                                              iteration)
+            if ctx.rank == 0 and iteration % cfg.log_interval == 0:
+                norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
+                print(f" iteration {iteration:8d}/{cfg.train_iters:8d} | lm loss: {loss:.6E} |"
+                      f" elapsed time per iteration (ms): {ms:.1f} | grad norm: {norm} |",
+                      flush=True)
+    return parameter_digest(setup.ddp_model.module)
+
+
+def _train_resilient(cfg, ctx, setup: RankSetup) -> None:
+    trainer, start = _trainer(cfg, ctx, setup)
+    log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None)
     for iteration in range(start, cfg.train_iters + 1):
-        lr = optimizer.param_groups[0]["lr"]
-        if recover:
-            report = trainer.train_step(iteration)
-            if cfg.checkpoint.save and iteration % cfg.checkpoint.save_interval == 0:
-                save_checkpoint(cfg, trainer, optimizer, scheduler, position, replica_group,
-                                local_rank, iteration)
-            # The lowest live rank: position 0 of the lowest live replica.
-            leader = group.rank == 0 and local_rank == 0
-            if leader and ctx.rank != 0 and log.path is None and cfg.recover.log:
-                log = RecoverLog(cfg.recover.log)  # the writer moved to the lowest live rank
-            if leader:
-                log.write(report, tokens=report.contributions * cfg.micro_batch_size
-                          * cfg.model.seq_length, lr=lr)
-                if iteration % cfg.log_interval == 0 or report.events:
-                    print(iteration_line(report, cfg.train_iters, iteration
-                                         * cfg.global_batch_size, lr, cfg.global_batch_size),
-                          flush=True)
-        else:
-            loss, grad_norm, ms = _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass,
-                                              dp_rank, iteration)
-            if ctx.rank == 0:
-                log.write(_StockReport(iteration, loss, cfg.b, ms,
-                                       None if grad_norm is None else float(grad_norm)), lr=lr)
-                if iteration % cfg.log_interval == 0:
-                    print(f" iteration {iteration:8d}/{cfg.train_iters:8d} | lm loss: "
-                          f"{loss:.6E} | elapsed time per iteration (ms): {ms:.1f} |", flush=True)
-    return parameter_digest(ddp_model.module)
-
-
-@dataclass
-class _StockReport:
-    """The stock run's log record: the trajectory keys of the recovery log."""
-
-    iteration: int
-    loss: float
-    B: int
-    iteration_ms: float
-    grad_norm: float | None
+        lr = setup.optimizer.param_groups[0]["lr"]
+        report = trainer.train_step(iteration)
+        if cfg.checkpoint.save and iteration % cfg.checkpoint.save_interval == 0:
+            save_checkpoint(cfg, trainer, setup, iteration)
+        # The lowest live rank: position 0 of the lowest live replica.
+        if setup.group.rank != 0 or setup.local_rank != 0:
+            continue
+        if log.path is None and cfg.recover.log:
+            log = RecoverLog(cfg.recover.log)  # the writer moved to the lowest live rank
+        log.write(report, lr=lr,
+                  tokens=report.contributions * cfg.micro_batch_size * cfg.model.seq_length)
+        if iteration % cfg.log_interval == 0 or report.events:
+            print(iteration_line(report, cfg.train_iters, iteration * cfg.global_batch_size, lr,
+                                 cfg.global_batch_size), flush=True)

@@ -1,11 +1,11 @@
 """Layer 2: epoch-tagged gradient-bucket snapshots, rewind and re-reduce.
 
 Before a bucket is reduced across replicas its pre-reduce contents are copied into a snapshot,
-tagged with the group's epoch, and — on a replica that does not contribute (a spare) — the
-bucket is zeroed, so the spare's real gradient survives in the snapshot for a promotion. After the
-reductions, a bucket is *valid* only if its reduction succeeded under the epoch the survivors
-agreed on and the contributions it summed are still the ones the policy wants; every other bucket
-is *stale*: it is rewound from its snapshot (or to zero) and reduced again under the new
+and — on a replica that does not contribute (a spare) — the bucket is zeroed, so the spare's real
+gradient survives in the snapshot for a promotion. Each reduction is tagged with the epoch it
+completed under. A bucket is *valid* only if its reduction succeeded under the epoch the
+survivors agreed on and the contributions it summed are still the ones the policy wants; every
+other bucket is *stale*: it is rewound from its snapshot and reduced again under the new
 membership. So every bucket of a committed iteration was reduced exactly once, by one membership.
 
 Contract: all members of the group call `reduce_bucket` for the same buckets in the same order.
@@ -23,7 +23,6 @@ from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
 class _Bucket:
     grad: torch.Tensor
     snapshot: torch.Tensor
-    snapshot_epoch: int = -1
     reduced_epoch: int | None = None  # epoch of the last successful reduction, None: not reduced
     work: ULFMWork | None = None
 
@@ -41,7 +40,6 @@ class GradientRecovery:
         for grad in grads:
             self._state(grad)
         self._posted_in_pass = 0
-        self.reductions = 0  # bucket reductions posted, for logs and tests
 
     def _state(self, grad: torch.Tensor) -> _Bucket:
         key = grad.data_ptr()
@@ -63,11 +61,9 @@ class GradientRecovery:
         self._posted_in_pass += 1
         bucket = self._state(grad)
         bucket.snapshot.copy_(grad)
-        bucket.snapshot_epoch = self.group.epoch
         if not self.contributing:
             grad.zero_()
         bucket.work = self.group.allreduce(grad)
-        self.reductions += 1
 
     def wait(self) -> list[FailureRecord]:
         """Wait for every posted reduction; return the failure records among them."""
