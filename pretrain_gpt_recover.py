@@ -18,12 +18,15 @@ from pathlib import Path
 def main() -> None:
     from megatron_recover import runtime
 
+    from megatron_recover.megatron import arguments
+
+    hang_timeout_s = arguments.hang_timeout_before_mpi(sys.argv[1:])
+    if hang_timeout_s is not None:
+        runtime.configure_hang_detection(hang_timeout_s)
     status_dir = os.environ.get("MEGATRON_RECOVER_STATUS_DIR")
     ctx = runtime.init_mpi(status_dir=Path(status_dir) if status_dir else None)
 
     import torch
-
-    from megatron_recover.megatron import arguments
 
     try:
         cfg = arguments.parse_args(sys.argv[1:], world_size=ctx.world_size,

@@ -98,9 +98,13 @@ def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         pass
 
 
+POLL_S = 0.5
+
+
 def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float,
-                stream: bool = False) -> tuple[int | None, str, float]:
+                stream: bool = False, poll=None) -> tuple[int | None, str, float]:
     """Run `cmd` in its own process group; on timeout (or if we are interrupted) stop it.
+    `poll()`, if given, runs every POLL_S seconds while `cmd` runs.
 
     Returns (returncode, or None on timeout; combined output; elapsed seconds).
     """
@@ -111,11 +115,16 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float,
     chunks = []
     reader = threading.Thread(target=_drain, args=(proc.stdout, chunks, stream), daemon=True)
     reader.start()
+    timed_out = True
     try:
-        proc.wait(timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        while time.monotonic() < deadline:
+            try:
+                proc.wait(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
+                timed_out = False
+                break
+            except subprocess.TimeoutExpired:
+                if poll is not None:
+                    poll()
     finally:
         if proc.poll() is None:
             _stop(proc)
@@ -129,6 +138,38 @@ def _drain(pipe, chunks: list[str], echo: bool) -> None:
         if echo:
             sys.stdout.write(line)
             sys.stdout.flush()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP: state T in /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def reap_frozen_ranks(status_dir: Path) -> None:
+    """Once every rank that is not frozen has finished, SIGKILL the frozen ones.
+
+    A frozen rank (SIGSTOP, a hung host) is declared failed by the survivors' failure detector
+    and the run goes on without it, but the stopped process itself keeps mpirun waiting at the
+    end. Only our own ranks, by the PIDs in their status files.
+    """
+    statuses = read_statuses(status_dir)
+    running = [s["pid"] for s in statuses.values() if s.get("state") == "running"]
+    frozen = [pid for pid in running if _stopped(pid)]
+    if frozen and all(not _alive(pid) or pid in frozen for pid in running):
+        for pid in frozen:
+            os.kill(pid, signal.SIGKILL)
 
 
 def kill_ranks(statuses: dict[int, dict]) -> None:
@@ -150,7 +191,7 @@ def launch(cfg: LaunchConfig, stream: bool = False) -> RunResult:
     rc = None
     try:
         rc, output, elapsed = run_bounded(mpirun_command(cfg), launch_env(cfg), cfg.timeout_s,
-                                          stream)
+                                          stream, poll=lambda: reap_frozen_ranks(cfg.status_dir))
     finally:
         if rc is None:  # timed out or interrupted: mpirun may have left ranks behind
             kill_ranks(read_statuses(cfg.status_dir))

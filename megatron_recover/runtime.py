@@ -10,6 +10,7 @@ the rank's status file and log, never to the exit code.
 Nothing here runs on import; `init_distributed()` installs the exit discipline.
 """
 
+import datetime
 import json
 import os
 import signal
@@ -55,14 +56,70 @@ def write_status(state: str, **fields) -> None:
     os.replace(tmp, path)
 
 
-# gloo reports a peer that died only through the text of a RuntimeError; these are the forms it
-# takes when the peer's socket closed (seen 17-37 ms after a SIGKILL, ULFM-NOTES.md).
-_PEER_LOSS_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# gloo reports a peer that died, or a collective that outlived its timeout, only through the
+# text of a RuntimeError: these are the forms it takes (a closed socket is seen 17-37 ms after
+# the peer's SIGKILL, ULFM-NOTES.md; a timeout after the group's timeout).
+_PEER_LOSS_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                       "Timed out waiting", "timed out")
 
 
-def is_peer_loss(exc: BaseException) -> bool:
-    """Whether `exc` is an intra-replica collective failing because a peer process is gone."""
+def leaves_with_replica(exc: BaseException) -> bool:
+    """Whether `exc` means this rank's replica is gone or stuck: an intra-replica collective
+    failed because a peer died or hung, or a cross-replica wait outlived the hang bound."""
+    from megatron_recover.collective.records import CollectiveTimeout
+
+    if isinstance(exc, CollectiveTimeout):
+        return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOSS_MESSAGES)
+
+
+def start_replica_gate(replica_ranks: list[int], period_s: float) -> threading.Thread:
+    """Leave (SIGKILL, status `left`) once MPI knows any other rank of this replica failed.
+
+    The failure detector's verdicts reach every process, so this thread notices a peer that
+    crashed or froze even while the main thread is blocked in an intra-replica collective with
+    it (a frozen peer never closes its sockets, so gloo alone would wait for its timeout).
+    """
+    MPI = _mpi()
+    world = MPI.COMM_WORLD
+    me = world.Get_rank()
+    peers = [r for r in replica_ranks if r != me]
+    world_group = world.Get_group()
+
+    def watch():
+        while True:
+            time.sleep(period_s)
+            failed_group = world.Get_failed()
+            failed = MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())),
+                                               world_group)
+            failed_group.Free()
+            lost = sorted(set(failed) & set(peers))
+            if lost:
+                write_status("left", error=f"replica gate: replica peer(s) {lost} failed")
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="replica-gate", daemon=True)
+    thread.start()
+    return thread
+
+
+def configure_hang_detection(timeout_s: float) -> None:
+    """Turn frozen processes into failures within `timeout_s` (call before MPI starts).
+
+    Open MPI's failure detector, with its own heartbeat thread so that a rank computing for
+    longer than the timeout without MPI calls keeps answering, declares a peer that stopped
+    answering failed; the runtime then kills it and ULFM reports it like a crash. (Without the
+    thread a long compute is a false positive; with it MPI_Finalize can hang, which a ULFM run of
+    ours never calls: ULFM-NOTES.md.) Works across hosts: the heartbeats are MPI messages.
+    Settings given explicitly to mpirun (--mca) win over these.
+    """
+    settings = {"mpi_ft_detector": "true", "mpi_ft_detector_thread": "true",
+                "mpi_ft_detector_timeout": f"{timeout_s:g}",
+                "mpi_ft_detector_period": f"{timeout_s / 2:g}"}
+    for name, value in settings.items():
+        os.environ.setdefault(f"OMPI_MCA_{name}", value)
 
 
 def _die_on_uncaught(exc_type, exc, tb) -> None:
@@ -70,8 +127,8 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
     sys.stdout.flush()
-    # A lost peer is the replica gate at work (this rank's replica is gone), not a bug.
-    write_status("left" if is_peer_loss(exc) else "error", error=text[-4000:])
+    # A lost or hung peer is the replica gate at work (this rank's replica is gone), not a bug.
+    write_status("left" if leaves_with_replica(exc) else "error", error=text[-4000:])
     # A signal death is what ULFM detects; a non-zero exit would leave the peers waiting.
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -107,7 +164,8 @@ def init_mpi(status_dir: Path | None = None) -> DistributedContext:
     return DistributedContext(rank=rank, world_size=size, status_path=status_path)
 
 
-def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo") -> None:
+def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
+                           timeout_s: float = 1800.0) -> None:
     """torch.distributed over the MPI world, and the `ulfm` backend registered.
 
     The TCP store lives in world rank 0 only for start-up: it is created without waiting for
@@ -128,7 +186,10 @@ def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo") -> No
     if ctx.rank != 0:
         store = dist.TCPStore("127.0.0.1", port, ctx.world_size, is_master=False)
     torch.set_num_threads(1)
-    dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size)
+    # The timeout bounds every gloo collective: a rank stuck in one leaves (exit hook) instead of
+    # waiting forever for a peer that hangs.
+    dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
     from megatron_recover import collective
 

@@ -32,7 +32,11 @@ def test_round_trip(tmp_path):
     ("{iteration: 1, replica: 0, local_rank: 2, location: backward}", "local_rank 2 does not"),
     ("{iteration: 1, replica: 0, local_rank: 0, location: nowhere}", "location 'nowhere'"),
     ("{iteration: 11, replica: 0, local_rank: 0, location: backward}", "outside 1..10"),
-    ("{iteration: 1, replica: 0, location: backward}", "exactly the keys"),
+    ("{iteration: 1, replica: 0, location: backward}", "must have the keys"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: backward, action: melt}",
+     "action 'melt'"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: backward, action: stall}",
+     "'seconds' goes with action stall"),
 ])
 def test_bad_entries_name_the_problem(tmp_path, entry, message):
     with pytest.raises(ValueError, match=message):

@@ -591,8 +591,8 @@ void ProcessGroupULFM::arm_fault(FaultArm arm) {
                         arm.point == "barrier" || arm.point == "broadcast" ||
                         arm.point == "allgather",
                     "ulfm: unknown fault point '", arm.point, "'");
-  TORCH_CHECK_VALUE(arm.action == "kill" || arm.action == "delay", "ulfm: unknown fault action '",
-                    arm.action, "'");
+  TORCH_CHECK_VALUE(arm.action == "kill" || arm.action == "stop" || arm.action == "delay",
+                    "ulfm: unknown fault action '", arm.action, "'");
   TORCH_CHECK_VALUE(arm.point != "shrink" || arm.action == "delay" || arm.delay_s > 0,
                     "ulfm: a kill inside shrink needs delay_s > 0 (it fires from a timer)");
   std::lock_guard<std::mutex> lock(fault_mutex_);
@@ -607,7 +607,7 @@ int64_t ProcessGroupULFM::fault_hits(const std::string& point) {
 
 namespace {
 
-[[noreturn]] void die_with_marker(const FaultArm& arm) {
+[[noreturn]] void die_with_marker(const FaultArm& arm) {  // or freeze: see the end
   char line[512];
   const int n = std::snprintf(line, sizeof(line),
                               "{\"point\": \"%s\", \"rank\": %d, \"time\": %.6f%s%s}\n",
@@ -620,7 +620,8 @@ namespace {
     ::fsync(fd);
     ::close(fd);
   }
-  ::kill(::getpid(), SIGKILL);
+  // "stop" freezes the process (SIGSTOP) the way a hung host or a deadlock would look.
+  ::kill(::getpid(), arm.action == "stop" ? SIGSTOP : SIGKILL);
   for (;;) ::pause();
 }
 
@@ -646,7 +647,7 @@ void ProcessGroupULFM::fault_enter(const std::string& point) {
   for (const auto& arm : due) {
     if (arm.action == "delay") {
       std::this_thread::sleep_for(std::chrono::duration<double>(arm.delay_s));
-    } else if (point == "shrink") {
+    } else if (point == "shrink") {  // kill or stop
       // Shrink is blocking: a timer thread kills us while this thread is inside it.
       std::thread([arm] {
         std::this_thread::sleep_for(std::chrono::duration<double>(arm.delay_s));

@@ -47,14 +47,14 @@ struct FailureRecord {
   std::vector<int64_t> census;        // consensus only: element-wise sum over survivors
 };
 
-// Test-only fault injection: SIGKILL this process (or delay it) at a named point of an operation.
+// Test-only fault injection: SIGKILL or SIGSTOP this process (or delay it) at a named point.
 // "reduce"/"consensus": after the non-blocking MPI call was posted; "shrink": while the shrink is
 // in progress (from a timer thread, the call being blocking). The victim appends a JSON marker
 // line to `marker_path` right before it dies, so tests count kills that really happened.
 struct FaultArm {
   std::string point;
   int64_t occurrence = 1;  // 1 = the first time the point is reached
-  std::string action;      // "kill" or "delay"
+  std::string action;      // "kill", "stop" (SIGSTOP: a frozen process) or "delay"
   double delay_s = 0.0;    // kill: time after posting; delay: sleep before entering
   std::string marker_path;
   std::string marker_fields;  // extra JSON members for the marker, e.g. "\"iteration\": 3"

@@ -1,6 +1,7 @@
 """Layer 1: fault-tolerant collectives on the `ulfm` torch.distributed backend."""
 
 from megatron_recover.collective.backend import (
+    DEFAULT_TIMEOUT_S,
     ULFMGroup,
     ULFMWork,
     new_group,
@@ -14,6 +15,7 @@ from megatron_recover.collective.records import (
 )
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "BackendUnavailable", "CollectiveTimeout", "FailureRecord",
     "ULFMGroup", "ULFMWork", "new_group", "register", "require_fault_tolerance",
 ]

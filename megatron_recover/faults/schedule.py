@@ -1,6 +1,9 @@
 """Failure schedules for training runs: which rank of which replica dies where, and when.
 
-A schedule is YAML with a top-level `entries` list of {iteration, replica, local_rank, location}.
+A schedule is YAML with a top-level `entries` list of {iteration, replica, local_rank, location},
+optionally with `action`: `kill` (default: SIGKILL, a crash), `stop` (SIGSTOP: a frozen process,
+which the hang detector must turn into a failure) or `stall` (compute for `seconds` without any
+communication: a healthy slow rank that must not be declared failed).
 Locations, in the order an iteration reaches them:
   pre-forward       before the first forward of the iteration
   backward          after the first microbatch's forward, before its backward finishes
@@ -17,6 +20,7 @@ entry whose point the run never reaches is reported as not injected (`injection_
 import os
 import random
 import signal
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,12 +32,18 @@ LOCATIONS = ("pre-forward", "backward", "before-reduce", "during-reduce", "durin
              "during-restore", "during-extension", "optimizer-step")
 
 
+ACTIONS = ("kill", "stop", "stall")
+NATIVE_LOCATIONS = {"during-reduce": "reduce", "during-consensus": "consensus"}
+
+
 @dataclass(frozen=True)
 class ScheduleEntry:
     iteration: int
     replica: int
     local_rank: int
     location: str
+    action: str = "kill"
+    seconds: float = 0.0  # stall only
 
 
 def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
@@ -45,10 +55,20 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
     entries = []
     for i, raw in enumerate(data["entries"]):
         keys = {"iteration", "replica", "local_rank", "location"}
-        if not isinstance(raw, dict) or set(raw) != keys:
-            raise ValueError(f"{path}: entry {i} must have exactly the keys {sorted(keys)}")
+        if not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"action", "seconds"}:
+            raise ValueError(f"{path}: entry {i} must have the keys {sorted(keys)} "
+                             "(and optionally action, seconds)")
         entry = ScheduleEntry(int(raw["iteration"]), int(raw["replica"]), int(raw["local_rank"]),
-                              str(raw["location"]))
+                              str(raw["location"]), str(raw.get("action", "kill")),
+                              float(raw.get("seconds", 0.0)))
+        if entry.action not in ACTIONS:
+            raise ValueError(f"{path}: entry {i}: action '{entry.action}' is not one of "
+                             f"{', '.join(ACTIONS)}")
+        if (entry.action == "stall") != (entry.seconds > 0):
+            raise ValueError(f"{path}: entry {i}: 'seconds' goes with action stall (and only)")
+        if entry.action == "stall" and entry.location in NATIVE_LOCATIONS:
+            raise ValueError(f"{path}: entry {i}: a stall happens between operations, not "
+                             f"inside {entry.location}")
         if entry.location not in LOCATIONS:
             raise ValueError(f"{path}: entry {i}: location '{entry.location}' is not one of "
                              f"{', '.join(LOCATIONS)}")
@@ -62,7 +82,7 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
             raise ValueError(f"{path}: entry {i}: iteration {entry.iteration} is outside "
                              f"1..{train_iters}")
         entries.append(entry)
-    victims = [(e.replica, e.local_rank) for e in entries]
+    victims = [(e.replica, e.local_rank) for e in entries if e.action != "stall"]
     if len(set(victims)) != len(victims):
         raise ValueError(f"{path}: a rank can die only once; entries repeat a replica/local_rank")
     return entries
@@ -108,22 +128,30 @@ class ScheduledFaults:
         return None
 
     def at(self, location: str, iteration: int) -> None:
-        """A Python-side point: die here if scheduled."""
+        """A Python-side point: die, freeze or stall here if scheduled."""
         entry = self._due(location, iteration)
-        if entry is not None:
-            write_marker(self.marker_path, location, self.world_rank,
-                         {"location": location, "iteration": iteration})
-            os.kill(os.getpid(), signal.SIGKILL)
+        if entry is None:
+            return
+        write_marker(self.marker_path, location, self.world_rank,
+                     {"location": location, "iteration": iteration, "action": entry.action})
+        if entry.action == "stall":
+            end = time.monotonic() + entry.seconds
+            while time.monotonic() < end:  # busy, like a long kernel: no communication at all
+                pass
+            return
+        os.kill(os.getpid(), signal.SIGSTOP if entry.action == "stop" else signal.SIGKILL)
 
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         """Arm the native points of `iteration` (reduce: its `bucket_index`-th bucket, from 1)."""
-        fields = {"iteration": iteration}
-        if self._due("during-reduce", iteration):
-            group.arm_fault("reduce", group.fault_hits("reduce") + bucket_index, "kill", 0.0,
-                            str(self.marker_path), {**fields, "location": "during-reduce"})
-        if self._due("during-consensus", iteration):
-            group.arm_fault("consensus", group.fault_hits("consensus") + 1, "kill", 0.0,
-                            str(self.marker_path), {**fields, "location": "during-consensus"})
+        for location, point in NATIVE_LOCATIONS.items():
+            entry = self._due(location, iteration)
+            if entry is None:
+                continue
+            nth = bucket_index if point == "reduce" else 1
+            group.arm_fault(point, group.fault_hits(point) + nth, entry.action, 0.0,
+                            str(self.marker_path),
+                            {"iteration": iteration, "location": location,
+                             "action": entry.action})
 
 
 def injection_report(entries: list[ScheduleEntry], marker_path: Path,

@@ -38,6 +38,11 @@ from megatron_recover.policy import (
 )
 
 
+# Waits that outlive LAST_RESORT_FACTOR x --recover-hang-timeout make a rank leave; a healthy
+# long compute of a few times the hang timeout stays far below it.
+LAST_RESORT_FACTOR = 10
+
+
 def check_start(cfg) -> None:
     """What is not implemented yet stops at start-up, naming the change."""
     if not cfg.recover.enabled:
@@ -56,7 +61,8 @@ def check_start(cfg) -> None:
                       cfg.parallel.ranks_per_replica, cfg.train_iters)
 
 
-def _cross_replica_groups(replica_group_ranks: list[int]) -> tuple[collective.ULFMGroup, dict]:
+def _cross_replica_groups(replica_group_ranks: list[int],
+                          timeout_s: float) -> tuple[collective.ULFMGroup, dict]:
     """Create the ulfm groups over every data-parallel group (all ranks, same order).
 
     Returns this rank's group and the map world rank -> replica id (the data-parallel rank).
@@ -65,7 +71,7 @@ def _cross_replica_groups(replica_group_ranks: list[int]) -> tuple[collective.UL
     dist.all_gather_object(everyone, tuple(replica_group_ranks))
     mine = None
     for ranks in sorted(set(everyone)):
-        group = collective.new_group(list(ranks))
+        group = collective.new_group(list(ranks), timeout_s=timeout_s)
         if group is not None:
             mine = group
     replica_of_rank = {}
@@ -200,10 +206,14 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     """Megatron's parallel state, GPT model, DDP (on ulfm when asked), optimizer and scheduler."""
     from megatron.core import parallel_state, tensor_parallel
 
+    hang_s = cfg.recover.hang_timeout_s if cfg.recover.enabled else 0
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
         create_gloo_process_groups=False,
+        # A last resort for a TP/PP collective stuck on a peer that answers heartbeats but never
+        # joins; a failed or frozen peer is handled much sooner by the replica gate.
+        distributed_timeout_minutes=LAST_RESORT_FACTOR * hang_s / 60 if hang_s else 30,
     )
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
@@ -215,8 +225,13 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     replica_group = parallel_state.get_model_parallel_group()
     group = replica_of_rank = None
     if cfg.recover.cross_replica_backend == "ulfm":
-        group, replica_of_rank = _cross_replica_groups(dp_group_ranks)
+        # Frozen peers are declared failed by the detector within hang_s; waiting on a slow but
+        # live peer is legitimate, so a cross-replica wait leaves only as a last resort.
+        group, replica_of_rank = _cross_replica_groups(
+            dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
+    if hang_s and cfg.parallel.model_parallel_size > 1:
+        runtime.start_replica_gate(dist.get_process_group_ranks(replica_group), hang_s / 4)
     ddp_model = wrap_ddp(model, tconfig, args_mod.to_ddp_config(cfg),
                          group.process_group if group else None)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
