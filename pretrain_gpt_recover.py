@@ -54,8 +54,10 @@ def main() -> None:
         run.check_start(cfg)
         # Before torch.distributed: megatron's dataset builder then needs no barrier (data.py).
         source, vocab_size = run.microbatch_source(cfg)
-    except (ValueError, collective.BackendUnavailable) as error:
+    except ValueError as error:
         runtime.stop_at_startup(str(error))
+    except collective.BackendUnavailable as error:
+        runtime.stop_at_startup(str(error), finalize=True)  # MPI without fault tolerance
     runtime.init_torch_distributed(ctx)
     digest = run.train(cfg, ctx, source.microbatch, vocab_size)
     runtime.finish(finalize=cfg.recover.cross_replica_backend != "ulfm", param_digest=digest)

@@ -226,15 +226,18 @@ def finish(finalize: bool = False, **fields) -> None:
     os._exit(0)
 
 
-def stop_at_startup(message: str | None) -> None:
+def stop_at_startup(message: str | None, finalize: bool = False) -> None:
     """A user mistake found before training: say what to change, record it, leave. Never returns.
 
     Every rank finds the same mistake, so only rank 0 prints. `message` None: argparse already
-    printed its own.
+    printed its own. `finalize`: MPI runs without fault tolerance, where a rank leaving without
+    MPI_Finalize makes mpirun kill the others, perhaps before rank 0's message is out.
     """
     if message is not None and _mpi().COMM_WORLD.Get_rank() == 0:
         sys.stderr.write(f"megatron-recover: error: {message}\n")
     write_status("error", error=message or "invalid arguments")
     sys.stdout.flush()
     sys.stderr.flush()
+    if finalize:
+        _mpi().Finalize()
     os._exit(0)
