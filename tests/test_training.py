@@ -21,7 +21,7 @@ ITERATIONS = 10
 TOLERANCE = 1e-5
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
-         "--global-batch-size", "20", "--train-iters", str(ITERATIONS), "--lr", "1e-2",
+         "--global-batch-size", "20", "--train-iters", str(ITERATIONS), "--lr", "3e-2",
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
          "--overlap-grad-reduce", "--ddp-bucket-size", "2000", "--log-interval", "1",
          "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
