@@ -34,7 +34,6 @@ class LaunchConfig:
     status_dir: Path
     timeout_s: float = 3600.0
     mpirun: str | None = None  # default: the mpirun beside this Python
-    extra_mca: tuple[tuple[str, str], ...] = ()
 
 
 def mpirun_command(cfg: LaunchConfig, fault_tolerant: bool = True) -> list[str]:
@@ -44,11 +43,10 @@ def mpirun_command(cfg: LaunchConfig, fault_tolerant: bool = True) -> list[str]:
     cmd = [mpirun, *(["--with-ft", "ulfm"] if fault_tolerant else []), "-np", str(cfg.num_ranks)]
     if cfg.num_ranks > (os.cpu_count() or 1):
         cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
-    for key, value in cfg.extra_mca:
-        cmd += ["--mca", key, value]
     # One compute thread per rank; the status directory reaches the ranks' entry points.
+    env = launch_env(cfg)
     for var in FORWARDED_ENV:
-        if var in os.environ or var in LAUNCH_DEFAULTS or var == "MEGATRON_RECOVER_STATUS_DIR":
+        if var in env:
             cmd += ["-x", var]
     return cmd + list(cfg.command)
 
