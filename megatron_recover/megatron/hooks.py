@@ -5,7 +5,9 @@ Stock behaviour unless a `GradientRecovery` was installed for a data-parallel gr
 cross-replica reductions itself once the schedule returned, after the pipeline flush and the
 intra-replica embedding sync (the paper's deferred path), so a bucket's snapshot holds the
 replica's complete gradient and a rewind never has to redo an intra-replica step — and the
-schedules divide each microbatch loss by the fixed global microbatch count B.
+schedules divide each microbatch loss by the fixed global microbatch count B. With
+distributed-optimizer instances the intra-instance reduce-scatter is the trainer's too (layer 2
+snapshots the bucket before it).
 """
 
 _recoveries = {}  # id(data-parallel process group) -> GradientRecovery
@@ -20,9 +22,14 @@ def install(process_group, recovery, loss_divisor: int) -> None:
 
 
 def owns(bucket_group) -> bool:
-    """True when this bucket group's cross-replica reduction belongs to megatron-recover."""
+    """True when this bucket group's cross-replica reduction belongs to megatron-recover: its
+    data-parallel group or, with distributed-optimizer instances, its inter-instance group."""
+    if not _recoveries:
+        return False
     group = getattr(bucket_group, "data_parallel_group", None)  # absent with the dist. optimizer
-    return bool(_recoveries) and id(group) in _recoveries
+    if group is None:
+        group = getattr(bucket_group, "inter_distributed_optimizer_instance_group", None)
+    return id(group) in _recoveries
 
 
 def start_grad_sync(bucket_group) -> None:

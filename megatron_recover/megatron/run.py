@@ -50,10 +50,10 @@ def check_start(cfg) -> None:
             raise ValueError("--save/--load are implemented for --recover runs only: add "
                              "--recover (launch with mpirun --with-ft ulfm) or drop them")
         return
-    par = cfg.parallel
-    if par.use_distributed_optimizer:
-        raise ValueError("--recover with --use-distributed-optimizer is not supported yet: "
-                         "drop --use-distributed-optimizer")
+    if cfg.parallel.dp_ranks_per_replica > 1 and (cfg.checkpoint.save or cfg.checkpoint.load):
+        raise ValueError("--save/--load with --recover write one file per TP x PP position and "
+                         "do not hold distributed-optimizer shards yet: drop --save/--load or "
+                         "use one data-parallel rank per instance")
     if cfg.precision.fp16 or cfg.precision.bf16:
         raise ValueError("--recover runs fp32 for now: drop --fp16/--bf16")
     if cfg.recover.failure_schedule:
@@ -168,7 +168,7 @@ def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
         layout=policy.layout, reserve_next=policy.reserve_next, live_replicas=live)
     checkpoint.save(cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer, setup.scheduler,
                     setup.position,
-                    setup.replica_group if cfg.parallel.model_parallel_size > 1 else None,
+                    setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
                     setup.local_rank)
 
 
@@ -195,9 +195,11 @@ class RankSetup:
     scheduler: object
     micro_pass: MicrobatchPass
     group: collective.ULFMGroup | None  # the cross-replica group of this position (ulfm)
-    replica_of_rank: dict[int, int] | None  # world rank -> data-parallel rank
-    replica_group: object  # this replica's TP x PP ranks
+    replica_of_rank: dict[int, int] | None  # world rank -> replica index (its rank in `group`)
+    replica_group: object  # this replica's ranks: TP x PP (x its shards, with instances)
+    shard_group: object | None  # distributed-optimizer instances: the replica's DP ranks here
     dp_rank: int
+    replica_index: int  # the data-parallel rank, or the distributed-optimizer instance
     local_rank: int
     position: tuple[int, int]  # (tensor, pipeline) parallel rank
 
@@ -207,9 +209,12 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     from megatron.core import parallel_state, tensor_parallel
 
     hang_s = cfg.recover.hang_timeout_s if cfg.recover.enabled else 0
+    par = cfg.parallel
+    instances = par.use_distributed_optimizer and par.num_distributed_optimizer_instances > 1
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        num_distributed_optimizer_instances=par.num_distributed_optimizer_instances,
         create_gloo_process_groups=False,
         # A last resort for a TP/PP collective stuck on a peer that answers heartbeats but never
         # joins; a failed or frozen peer is handled much sooner by the replica gate.
@@ -221,8 +226,19 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     model = build_gpt(tconfig, args_mod.padded_vocab_size(cfg, vocab_size),
                       cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
                       share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
-    dp_group_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
-    replica_group = parallel_state.get_model_parallel_group()
+    # A replica is a data-parallel rank's TP x PP ranks or, with distributed-optimizer instances
+    # (Megatron's HSDP form), an instance: its shards reduce-scatter inside it, and only the
+    # all-reduce across instances crosses replicas.
+    if instances:
+        dp_group_ranks = dist.get_process_group_ranks(
+            parallel_state.get_inter_distributed_optimizer_instance_group())
+        replica_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+        shard_group = parallel_state.get_data_parallel_group(with_context_parallel=True,
+                                                             partial_data_parallel=True)
+    else:
+        dp_group_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+        replica_group = parallel_state.get_model_parallel_group()
+        shard_group = None
     group = replica_of_rank = None
     if cfg.recover.cross_replica_backend == "ulfm":
         # Frozen peers are declared failed by the detector within hang_s; waiting on a slow but
@@ -230,16 +246,17 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
         group, replica_of_rank = _cross_replica_groups(
             dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
-    if hang_s and cfg.parallel.model_parallel_size > 1:
+    if hang_s and par.ranks_per_replica > 1:
         runtime.start_replica_gate(dist.get_process_group_ranks(replica_group), hang_s / 4)
     ddp_model = wrap_ddp(model, tconfig, args_mod.to_ddp_config(cfg),
-                         group.process_group if group else None)
+                         group.process_group if group else None, across_instances=instances)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
     tconfig.grad_scale_func = optimizer.scale_loss
     setup = RankSetup(
         ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, micro_pass=None,
         group=group, replica_of_rank=replica_of_rank, replica_group=replica_group,
-        dp_rank=parallel_state.get_data_parallel_rank(),
+        shard_group=shard_group, dp_rank=parallel_state.get_data_parallel_rank(),
+        replica_index=sorted(dp_group_ranks).index(dist.get_rank()),
         local_rank=dist.get_rank(group=replica_group),
         position=(parallel_state.get_tensor_model_parallel_rank(),
                   parallel_state.get_pipeline_model_parallel_rank()))
@@ -261,7 +278,8 @@ def _faults(cfg, ctx, setup: RankSetup):
         # The schedule travels with the run's log (reproducible runs).
         shutil.copy(cfg.recover.failure_schedule,
                     Path(cfg.recover.log).with_suffix(".schedule.yaml"))
-    return ScheduledFaults(entries, setup.dp_rank, setup.local_rank, ctx.rank, marker_path(cfg))
+    return ScheduledFaults(entries, setup.replica_index, setup.local_rank, ctx.rank,
+                           marker_path(cfg))
 
 
 def _trainer(cfg, ctx, setup: RankSetup) -> tuple[ResilientTrainer, int]:
@@ -285,9 +303,10 @@ def _trainer(cfg, ctx, setup: RankSetup) -> tuple[ResilientTrainer, int]:
     trainer = ResilientTrainer(TrainerParts(
         model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
         group=setup.group, policy=policy,
-        replica_group=setup.replica_group if cfg.parallel.model_parallel_size > 1 else None,
+        replica_group=setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
+        shard_group=setup.shard_group,
         computes_loss=parallel_state.is_pipeline_last_stage(),
-        replica=replica_ids[setup.dp_rank], replica_of_rank=replica_of_rank,
+        replica=replica_ids[setup.replica_index], replica_of_rank=replica_of_rank,
         run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,
         restore=cfg.recover.restore),
         increment_samples=cfg.global_batch_size)

@@ -94,6 +94,9 @@ class TrainerParts:
     run_pass: Callable[[int, list[int], dict[int, float]], None]
     faults: object
     restore: bool = True  # False: the --recover-no-restore negative control
+    # Distributed-optimizer instances (HSDP): the replica's data-parallel ranks at this rank's
+    # TP x PP position. They split the replica's microbatches and reduce-scatter its buckets.
+    shard_group: object | None = None
 
 
 class ResilientTrainer:
@@ -105,7 +108,13 @@ class ResilientTrainer:
         buckets = [bucket.grad_data for group in parts.model.bucket_groups
                    for bucket in group.buckets]
         self.recovery = GradientRecovery(parts.group, buckets,
-                                         before_first_reduce=self._before_reduce)
+                                         before_first_reduce=self._before_reduce,
+                                         shard_group=parts.shard_group)
+        if parts.shard_group is None:
+            self._shard, self._shards = 0, 1
+        else:
+            self._shard = dist.get_rank(parts.shard_group)
+            self._shards = dist.get_world_size(parts.shard_group)
         hooks.install(parts.group.process_group, self.recovery, loss_divisor=parts.policy.config.b)
 
     def _before_reduce(self) -> None:
@@ -127,14 +136,13 @@ class ResilientTrainer:
         self.recovery.begin_pass()
         self.recovery.contributing = work.contributes_first_pass
         p.faults.at("pre-forward", iteration)
-        self._run(iteration, list(work.first_pass), losses)
+        self._run(iteration, self._mine(work.first_pass), losses)
 
         while True:
             failed_locally = bool(self.recovery.wait())
             contributed = work.contributed
-            loss_sum = sum(losses[i] for i in contributed) if p.computes_loss else 0.0
-            lane = torch.tensor([loss_sum, float(len(contributed)), float(ids_hash(contributed))],
-                                dtype=torch.float64)
+            lane = torch.tensor([self._loss_sum(contributed, losses), float(len(contributed)),
+                                 float(ids_hash(contributed))], dtype=torch.float64)
             lane_record = p.group.allreduce(lane).wait()
             ok = int(not failed_locally and not lane_record.has_failure
                      and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
@@ -164,6 +172,21 @@ class ResilientTrainer:
 
         return self._commit(iteration, lane, loss_sum, agreed, start, events)
 
+    def _mine(self, ids) -> list[int]:
+        """The ids of the replica's `ids` this rank runs: all, or every S-th with S shards."""
+        return list(ids)[self._shard::self._shards]
+
+    def _loss_sum(self, contributed: IdSet, losses: dict[int, float]) -> float:
+        """The replica's loss sum over `contributed` (each id's loss is on the rank that ran it)."""
+        if not self.p.computes_loss:
+            return 0.0
+        total = sum(loss for i, loss in losses.items() if i in contributed)
+        if self.p.shard_group is None:
+            return total
+        total = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(total, group=self.p.shard_group)  # intra-replica, as the reduce-scatter
+        return float(total.item())
+
     def _replica_verdict(self, agreed, lane) -> tuple[set[int], bool, float]:
         """(dead replicas seen by any position, commit?, loss sum) — equal on a replica's ranks.
 
@@ -184,7 +207,8 @@ class ResilientTrainer:
         return dead, verdict[w_init] == 0, float(verdict[w_init + 1])
 
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float]) -> None:
-        """Run `ids` (possibly none) through the schedule, then post every bucket's reduction."""
+        """Run `ids` (possibly none: every rank still joins the reductions) through the schedule,
+        then post every bucket's reduction."""
         if ids:
             self.p.run_pass(iteration, ids, losses)
         self.recovery.reduce_all()
@@ -209,7 +233,7 @@ class ResilientTrainer:
         self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
         if extension:
-            self.p.run_pass(iteration, list(extension), losses)
+            self.p.run_pass(iteration, self._mine(extension), losses)
         if self.p.restore and counted_before > 0:
             self.recovery.add_snapshots()
         self.recovery.reduce_all()

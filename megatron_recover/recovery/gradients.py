@@ -8,6 +8,12 @@ survivors agreed on and the contributions it summed are still the ones the polic
 other bucket is *stale*: it is rewound from its snapshot and reduced again under the new
 membership. So every bucket of a committed iteration was reduced exactly once, by one membership.
 
+With a distributed optimizer inside each replica (Megatron's HSDP form) a bucket's reduction is
+two steps: a reduce-scatter over the replica's shard group (in place: this rank's shard of the
+bucket receives the replica's sum), then the ulfm all-reduce of that shard across replicas. The
+snapshot is taken before the reduce-scatter, so a rewind — or an extension pass that adds the
+snapshot back — starts again from this rank's own gradient and no shard is counted twice.
+
 Contract: all members of the group call `reduce_bucket` for the same buckets in the same order.
 `wait()` never raises for a peer failure; failures come back as records.
 """
@@ -15,6 +21,7 @@ Contract: all members of the group call `reduce_bucket` for the same buckets in 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
 
@@ -23,6 +30,7 @@ from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
 class _Bucket:
     grad: torch.Tensor
     snapshot: torch.Tensor
+    shard: torch.Tensor  # what the ulfm all-reduce sums: the whole bucket, or this rank's shard
     reduced_epoch: int | None = None  # epoch of the last successful reduction, None: not reduced
     work: ULFMWork | None = None
 
@@ -30,10 +38,15 @@ class _Bucket:
 class GradientRecovery:
     """The cross-replica reduction of one rank's gradient buckets, with rewind."""
 
-    def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None):
+    def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
+                 shard_group=None):
         """`grads`: the gradient buckets, in the order every member reduces them.
-        `before_first_reduce()` runs before the first reduction of each pass (fault point)."""
+        `before_first_reduce()` runs before the first reduction of each pass (fault point).
+        `shard_group`: with a distributed optimizer in the replica, the torch group of the ranks
+        holding the other shards of these buckets (Megatron's intra-instance data-parallel
+        group); None without one."""
         self.group = group
+        self.shard_group = shard_group
         self.contributing = True
         self.before_first_reduce = before_first_reduce
         self._buckets: dict[int, _Bucket] = {}  # data_ptr of the bucket -> state, in order
@@ -44,8 +57,20 @@ class GradientRecovery:
     def _state(self, grad: torch.Tensor) -> _Bucket:
         key = grad.data_ptr()
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(grad=grad, snapshot=torch.empty_like(grad))
+            self._buckets[key] = _Bucket(grad=grad, snapshot=torch.empty_like(grad),
+                                         shard=self._shard(grad))
         return self._buckets[key]
+
+    def _shard(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous 1/S of the bucket, as Megatron's distributed optimizer owns it."""
+        if self.shard_group is None:
+            return grad
+        shards = dist.get_world_size(self.shard_group)
+        if grad.numel() % shards:
+            raise ValueError(f"a gradient bucket of {grad.numel()} elements does not split into "
+                             f"{shards} distributed-optimizer shards")
+        size = grad.numel() // shards
+        return grad.view(-1).narrow(0, dist.get_rank(self.shard_group) * size, size)
 
     def begin_pass(self) -> None:
         """A new round of reductions starts: nothing is posted or reduced in it yet."""
@@ -55,7 +80,8 @@ class GradientRecovery:
         self._posted_in_pass = 0
 
     def reduce_bucket(self, grad: torch.Tensor) -> None:
-        """Snapshot `grad`, zero it on a non-contributing replica, post its ulfm all-reduce."""
+        """Snapshot `grad`, zero it on a non-contributing replica, reduce-scatter it inside the
+        replica when sharded, post the ulfm all-reduce of (this rank's shard of) it."""
         if self._posted_in_pass == 0 and self.before_first_reduce is not None:
             self.before_first_reduce()
         self._posted_in_pass += 1
@@ -63,7 +89,10 @@ class GradientRecovery:
         bucket.snapshot.copy_(grad)
         if not self.contributing:
             grad.zero_()
-        bucket.work = self.group.allreduce(grad)
+        if self.shard_group is not None:
+            # Intra-replica: a dead peer makes this raise and the rank leaves with its replica.
+            dist.reduce_scatter_tensor(bucket.shard, grad, group=self.shard_group)
+        bucket.work = self.group.allreduce(bucket.shard)
 
     def wait(self) -> list[FailureRecord]:
         """Wait for every posted reduction; return the failure records among them."""
