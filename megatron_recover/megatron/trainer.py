@@ -104,6 +104,9 @@ class ResilientTrainer:
         self.p = parts
         self.increment_samples = increment_samples
         self.dead_replicas: set[int] = set()
+        # When this rank last saw every member complete a round (a commit): a victim's last
+        # observed progress. A crash is detected soon after; a frozen rank about the hang timeout.
+        self._last_progress = time.time()
         self._iteration = 0
         buckets = [bucket.grad_data for group in parts.model.bucket_groups
                    for bucket in group.buckets]
@@ -149,6 +152,7 @@ class ResilientTrainer:
             agreed = p.group.consensus([ok]).wait()
             dead, commit, loss_sum = self._replica_verdict(agreed, lane)
             if commit:
+                self._last_progress = time.time()
                 break
             detected = time.time()
             new_dead = sorted(dead - self.dead_replicas)
@@ -159,6 +163,7 @@ class ResilientTrainer:
                 events.append({"event": "failure", "replicas": new_dead,
                                "ranks": list(agreed.failed_ranks), "epoch": agreed.epoch,
                                "detected": detected, "repaired": detected,
+                               "since_last_progress_s": detected - self._last_progress,
                                "restore": decision.restore_mode, "g_ext": decision.g_ext,
                                "promotions": [list(x) for x in decision.promotions]})
                 if decision.boundary:
