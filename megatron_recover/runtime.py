@@ -12,6 +12,7 @@ Nothing here runs on import; `init_distributed()` installs the exit discipline.
 
 import datetime
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -122,6 +123,15 @@ def configure_hang_detection(timeout_s: float) -> None:
         os.environ.setdefault(f"OMPI_MCA_{name}", value)
 
 
+def _end_children() -> None:
+    """Stop the helper processes libraries started (megatron-core's checkpoint writer keeps a
+    multiprocessing manager). `os._exit` skips the exit handlers that would stop them, and an
+    orphan holding this rank's stdout keeps mpirun waiting for it forever."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5.0)
+
+
 def _die_on_uncaught(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     sys.stderr.write(text)
@@ -129,6 +139,7 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
     sys.stdout.flush()
     # A lost or hung peer is the replica gate at work (this rank's replica is gone), not a bug.
     write_status("left" if leaves_with_replica(exc) else "error", error=text[-4000:])
+    _end_children()
     # A signal death is what ULFM detects; a non-zero exit would leave the peers waiting.
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -221,6 +232,7 @@ def finish(finalize: bool = False, **fields) -> None:
     write_status("completed", group_epochs=epochs, **fields)
     sys.stdout.flush()
     sys.stderr.flush()
+    _end_children()
     if finalize:
         _mpi().Finalize()
     os._exit(0)

@@ -33,7 +33,8 @@ def iteration_line(report, train_iters: int, consumed_samples: int, lr: float,
 
 
 class RecoverLog:
-    """Appends one JSON object per committed iteration to `path` (JSONL)."""
+    """Appends one JSON object per committed iteration to `path` (JSONL), with `time`: the
+    writer's wall clock (time.time()) once the iteration committed and the optimizer stepped."""
 
     def __init__(self, path: Path | None):
         self.path = Path(path) if path else None
@@ -43,7 +44,7 @@ class RecoverLog:
     def write(self, report, **extra) -> None:
         if self.path is None:
             return
-        record = {**asdict(report), **extra}
+        record = {**asdict(report), "time": time.time(), **extra}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

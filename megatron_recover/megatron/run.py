@@ -27,7 +27,7 @@ from megatron_recover.megatron import arguments as args_mod
 from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
 from megatron_recover.megatron.report import RecoverLog, iteration_line
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
-from megatron_recover.megatron import checkpoint
+from megatron_recover.megatron import checkpoint, dist_checkpoint
 from megatron_recover.policy import (
     ADAPTIVE,
     EXACT,
@@ -46,9 +46,7 @@ LAST_RESORT_FACTOR = 10
 def check_start(cfg) -> None:
     """What is not implemented yet stops at start-up, naming the change."""
     if not cfg.recover.enabled:
-        if cfg.checkpoint.save or cfg.checkpoint.load:
-            raise ValueError("--save/--load are implemented for --recover runs only: add "
-                             "--recover (launch with mpirun --with-ft ulfm) or drop them")
+        dist_checkpoint.check_start(cfg)  # stock --save/--load: megatron-core dist. checkpoints
         return
     if cfg.parallel.dp_ranks_per_replica > 1 and (cfg.checkpoint.save or cfg.checkpoint.load):
         raise ValueError("--save/--load with --recover write one file per TP x PP position and "
@@ -322,7 +320,9 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     if cfg.recover.enabled:
         _train_resilient(cfg, ctx, setup)
     else:
-        for iteration in range(1, cfg.train_iters + 1):
+        state = (setup.ddp_model, setup.optimizer, setup.scheduler)
+        start = dist_checkpoint.load(cfg.checkpoint.load, *state) + 1 if cfg.checkpoint.load else 1
+        for iteration in range(start, cfg.train_iters + 1):
             loss, grad_norm, ms = _stock_step(cfg, setup.ddp_model, setup.optimizer,
                                               setup.scheduler, setup.micro_pass, setup.dp_rank,
                                               iteration)
@@ -331,6 +331,10 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
                 print(f" iteration {iteration:8d}/{cfg.train_iters:8d} | lm loss: {loss:.6E} |"
                       f" elapsed time per iteration (ms): {ms:.1f} | grad norm: {norm} |",
                       flush=True)
+            # As Megatron-LM: every --save-interval iterations, and once more at the end.
+            if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
+                                        or iteration == cfg.train_iters):
+                dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
     return parameter_digest(setup.ddp_model.module)
 
 

@@ -1,0 +1,166 @@
+"""Checkpoint-restart as Megatron users run it today: megatron-core distributed checkpoints.
+
+Stock runs (no --recover) with `--save DIR --save-interval N` and `--load DIR` save and resume
+the way Megatron-LM's `--ckpt-format torch_dist` does, through `megatron.core.dist_checkpointing`:
+
+  DIR/iter_NNNNNNN/                    one torch_dist checkpoint, written by every rank
+  DIR/latest_checkpointed_iteration.txt  the newest complete one (rank 0, after every rank wrote)
+
+A checkpoint holds what Megatron-LM's `generate_state_dict` puts in one: the model's
+`sharded_state_dict()`, the optimizer's sharded state over it, the scheduler state, the iteration
+and the RNG states (one object per tensor x pipeline position; data-parallel ranks draw alike,
+so data-parallel rank 0 writes it). Replicated tensors are spread over the data-parallel ranks
+for writing (Megatron-LM's default fully parallel save). The data needs no state: a stock
+iteration's microbatch ids depend only on the iteration number.
+
+As in Megatron-LM, `--load` of a directory without a tracker file starts from scratch (a job
+script passes the same `--save`/`--load` on every launch). Rank 0 prints one line per save and
+load with its wall-clock span, which scripts/run_restart_baseline.py reads.
+"""
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a complete checkpoint
+# As Megatron-LM passes them: the optimizer's keys follow the model's (no chained prefix).
+_METADATA = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+
+
+def iteration_dir(directory, iteration: int) -> Path:
+    return Path(directory) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(directory) -> int | None:
+    """The newest complete checkpoint's iteration, or None when `directory` has none."""
+    tracker = Path(directory) / TRACKER
+    if not tracker.is_file():
+        return None
+    return int(tracker.read_text().strip())
+
+
+def check_start(cfg) -> None:
+    """Start-up checks of a stock run's --save/--load (ValueError says what to change)."""
+    if not (cfg.checkpoint.save or cfg.checkpoint.load):
+        return
+    if cfg.parallel.use_distributed_optimizer:
+        # Without Apex or Transformer Engine, megatron-core 0.16.1's DistributedOptimizer cannot
+        # build the sharded state a load needs before its first step (its state_dict asserts).
+        raise ValueError("--save/--load of stock runs do not support --use-distributed-optimizer "
+                         "yet: drop one of them")
+    if cfg.checkpoint.load:
+        check_loadable(cfg.checkpoint.load)
+
+
+def check_loadable(directory) -> None:
+    """A tracker in `directory`, if present, must name a torch_dist checkpoint."""
+    iteration = latest_iteration(directory)
+    if iteration is None:
+        return
+    path = iteration_dir(directory, iteration)
+    if not (path / FORMAT_FILE).is_file():
+        raise ValueError(f"--load {directory}: {path} is not a megatron-core distributed "
+                         f"(torch_dist) checkpoint (no {FORMAT_FILE}); stock runs resume from "
+                         "checkpoints written by stock runs, --recover runs from --recover ones")
+
+
+def _rng_state():
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "cuda_rng_state": torch.cuda.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size())
+    offset = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank())
+    return ShardedObject("rng_state", [state], shape, offset,
+                         replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _set_rng_state(saved) -> None:
+    from megatron.core import tensor_parallel
+
+    state = saved[0]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: bool) -> dict:
+    model = ddp_model.module.sharded_state_dict()
+    return {"model": model,
+            "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                      metadata=_METADATA),
+            "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration,
+            "rng_state": _rng_state()}
+
+
+def _report(message: str, start: float, end: float) -> None:
+    if dist.get_rank() == 0:
+        print(f"  {message} [ {end - start:.3f} s, wall {start:.3f} -> {end:.3f} ]", flush=True)
+
+
+def save(directory, iteration: int, ddp_model, optimizer, scheduler) -> None:
+    """Write iteration `iteration`'s checkpoint; every rank calls, all return once it is complete
+    and the tracker names it."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    start = time.time()
+    path = iteration_dir(directory, iteration)
+    path.mkdir(parents=True, exist_ok=True)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                                parallel_state.get_data_parallel_group())
+    dist_checkpointing.save(_state_dict(ddp_model, optimizer, scheduler, iteration, False),
+                            str(path), sharded_strategy=strategy)
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        tracker = Path(directory) / TRACKER
+        tracker.with_suffix(".tmp").write_text(f"{iteration}\n")
+        tracker.with_suffix(".tmp").replace(tracker)
+    _report(f"successfully saved checkpoint from iteration {iteration:7d} to {directory}",
+            start, time.time())
+
+
+def load(directory, ddp_model, optimizer, scheduler) -> int:
+    """Load the newest checkpoint in `directory` into the model, optimizer, scheduler and RNGs.
+
+    Returns its iteration, or 0 (nothing loaded) when `directory` has no checkpoint yet.
+    """
+    from megatron.core import dist_checkpointing
+
+    start = time.time()
+    iteration = latest_iteration(directory)
+    if iteration is None:
+        _report(f"no checkpoint in {directory}: training starts from iteration 1", start,
+                time.time())
+        return 0
+    path = iteration_dir(directory, iteration)
+    template = _state_dict(ddp_model, optimizer, scheduler, iteration, True)
+    state = dist_checkpointing.load(template, str(path))
+    ddp_model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    _set_rng_state(state["rng_state"])
+    if state["iteration"] != iteration:
+        raise ValueError(f"--load: {path} holds iteration {state['iteration']}, but {TRACKER} "
+                         f"names {iteration}")
+    dist.barrier()  # every rank resumed
+    _report(f"successfully loaded checkpoint from {directory} at iteration {iteration:7d}",
+            start, time.time())
+    return iteration
