@@ -1,0 +1,99 @@
+"""The accounting of scripts/bench_vs_restart.py and scripts/run_restart_baseline.py on made-up
+timelines: failure placement, committed tokens per interval, kept work, the restart phases.
+
+Run: `make test` (or `.venv/bin/python -m pytest tests/test_bench_vs_restart.py`). Pure Python,
+no MPI; the benchmark itself is `scripts/bench_vs_restart.py`.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_vs_restart as bench  # noqa: E402  (scripts/ is not a package)
+import run_restart_baseline as baseline  # noqa: E402
+
+TOKENS = bench.TOKENS_PER_ITERATION
+
+
+def test_failures_land_mid_interval_as_in_the_paper():
+    assert bench.failure_iterations(8) == [12, 20, 28, 36]
+    assert bench.train_iters(8) == 43  # a fifth failure would strike at 44
+    assert bench.failure_iterations(2) == [3, 5, 7, 9]
+
+
+def restart_attempts():
+    """N = 2, failure at 5 (resume from 4): the first launch did 1..4, killed as 5 began at
+    t=10; down at 11; the relaunch loads 4 in 20..21 and does 5..8, iteration 5 at t=22."""
+    first = {"launched": 0.0, "down": 11.0,
+             "iterations": [{"time": 1.0 + i, "iteration": i, "loss": 1.0 / i}
+                            for i in range(1, 5)],
+             "saves": {"2": {"start": 3.1, "end": 3.5, "line_arrived": 3.5},
+                       "4": {"start": 5.1, "end": 5.5, "line_arrived": 5.6}},
+             "load": {"iteration": 0, "start": 0.5, "end": 0.5},
+             "kill": {"iteration": 5, "rank": 7, "pid": 1, "time": 10.0, "iteration_began": 9.9}}
+    second = {"launched": 11.0, "down": 40.0,
+              "iterations": [{"time": 17.0 + i, "iteration": i, "loss": 1.0 / i}
+                             for i in range(5, 9)],
+              "saves": {"6": {"start": 23.1, "end": 23.3, "line_arrived": 23.3}},
+              "load": {"iteration": 4, "start": 20.0, "end": 21.0}, "kill": None}
+    return [first, second]
+
+
+def test_restart_phases_tile_the_failure_window():
+    phases = baseline.breakdown(restart_attempts())[0]
+    assert phases["resumed_from"] == 4
+    assert phases["checkpoint_save_s"] == pytest.approx(0.4)
+    assert phases["run_before_failure_s"] == pytest.approx(4.5)
+    assert phases["failure_handling_s"] == pytest.approx(1.0)
+    assert phases["restart_initialization_s"] == pytest.approx(9.0)
+    assert phases["checkpoint_load_s"] == pytest.approx(1.0)
+    assert phases["rerun_s"] == pytest.approx(1.0)  # iteration 5 completes again at t=22
+    total = sum(phases[k] for k in bench.RESTART_PHASES)
+    assert total == pytest.approx(22.0 - 5.1)  # from the save's start to iteration 5 redone
+    assert baseline.output_delay(restart_attempts())["max"] == pytest.approx(0.1)
+
+
+def test_restart_counts_each_iteration_once():
+    timeline = bench.restart_timeline({"attempts": restart_attempts()})
+    assert [i for _, i, _ in bench.first_completions(timeline)] == list(range(1, 9))
+    kept = bench.last_completions(timeline)
+    assert [i for _, i, _ in kept] == list(range(1, 9))
+    assert bench.live_processes(timeline, 30.0) == bench.RANKS  # a restart keeps them all
+    # Interval 0: end of iteration N=2 (t=3) to the kill (t=10): iterations 3, 4 first done.
+    # Interval 1: kill to the end: 5..8 (the redo of nothing: 5 was never completed before).
+    intervals = bench.intervals(timeline, 2, 8)
+    assert [iv["tokens"] for iv in intervals] == [2 * TOKENS, 4 * TOKENS]
+    assert intervals[1]["runtime_s"] == pytest.approx(25.0 - 10.0)
+    assert intervals[1]["effective_throughput"] == pytest.approx(
+        4 * TOKENS / (15.0 * bench.RANKS))
+    # The cumulative curve never counts what a restart discarded: here nothing was redone.
+    assert bench.curve(timeline)[-1][1] == 8 * TOKENS
+
+
+def test_redone_work_counts_once_and_when_kept():
+    timeline = {"start": 0.0, "end": 9.0, "failures": [4.0], "processes_lost_per_failure": 0,
+                "completions": [(1.0, 1, TOKENS), (2.0, 2, TOKENS), (3.0, 3, TOKENS),
+                                (6.0, 2, TOKENS), (7.0, 3, TOKENS), (8.0, 4, TOKENS)]}
+    assert [(t, i) for t, i, _ in bench.first_completions(timeline)] == [
+        (1.0, 1), (2.0, 2), (3.0, 3), (8.0, 4)]
+    assert [(t, i) for t, i, _ in bench.last_completions(timeline)] == [
+        (1.0, 1), (6.0, 2), (7.0, 3), (8.0, 4)]
+    intervals = bench.intervals(timeline, 1, 4)
+    assert [iv["tokens"] for iv in intervals] == [2 * TOKENS, TOKENS]
+
+
+def test_recover_loses_a_process_per_failure():
+    run = {"launched": 0.0, "ended": 10.0,
+           "records": [{"iteration": i, "time": float(i), "tokens": TOKENS} for i in range(1, 9)],
+           "markers": [{"time": 2.5}, {"time": 5.5}]}
+    timeline = bench.recover_timeline(run)
+    assert bench.live_processes(timeline, 3.0) == bench.RANKS - 1
+    intervals = bench.intervals(timeline, 2, 8)
+    assert [iv["tokens"] for iv in intervals] == [0, 3 * TOKENS, 3 * TOKENS]
+    assert intervals[2]["effective_throughput"] == pytest.approx(
+        3 * TOKENS / (2.5 * (bench.RANKS - 2)))
+    # Process-seconds: 8 x 2.5 + 7 x 3 + 6 x 2.5 at t = 8.
+    assert bench.process_seconds(timeline, 8.0) == pytest.approx(20.0 + 21.0 + 15.0)
