@@ -114,7 +114,8 @@ def configure_hang_detection(timeout_s: float) -> None:
     answering failed; the runtime then kills it and ULFM reports it like a crash. (Without the
     thread a long compute is a false positive; with it MPI_Finalize can hang, which a ULFM run of
     ours never calls: ULFM-NOTES.md.) Works across hosts: the heartbeats are MPI messages.
-    Settings given explicitly to mpirun (--mca) win over these.
+    Settings given explicitly to mpirun (--mca) win over these. The detector thread's start-up
+    race in Open MPI is defused by `init_mpi` (see `_ignore_early_heartbeats`).
     """
     settings = {"mpi_ft_detector": "true", "mpi_ft_detector_thread": "true",
                 "mpi_ft_detector_timeout": f"{timeout_s:g}",
@@ -160,9 +161,82 @@ def track_group(group) -> None:
     _state["groups"].append(group)
 
 
+# Open MPI's BTL active-message tag of ULFM's reliable broadcast (MCA_BTL_TAG_FT_RBCAST in
+# opal/mca/btl/btl.h, 5.0.x), which carries the failure detector's heartbeats.
+_FT_RBCAST_TAG = 0x30
+_early_heartbeats = {"callback": None, "dropped": 0}
+
+
+def _detector_thread_requested() -> bool:
+    """Whether Open MPI will run its failure detector in a thread (set by
+    `configure_hang_detection`; mpirun's --mca settings reach the ranks as these variables too)."""
+    def on(name):
+        return os.environ.get(f"OMPI_MCA_{name}", "").strip().lower() in ("1", "true", "yes",
+                                                                             "t", "y", "enabled")
+    return on("mpi_ft_detector") and on("mpi_ft_detector_thread")
+
+
+def _ignore_early_heartbeats() -> bool:
+    """Make a failure-detector heartbeat that arrives during MPI_Init harmless (call before it).
+
+    Open MPI 5.0.x bug: with mpi_ft_detector_thread, each rank's detector thread starts inside
+    MPI_Init right after the modex fence and at once sends its first heartbeat (BTL tag 0x30) to
+    the next rank, before the second start-up fence. A peer still in its modex wait (its PMIx
+    thread has not yet seen the fence release: common when ranks oversubscribe the cores) polls
+    the shared-memory BTL, finds that fragment and calls the tag's callback, which ULFM registers
+    only later in the same MPI_Init (ompi_comm_rbcast_init): a call through NULL, SIGSEGV in
+    opal_progress > mca_btl_sm_poll_handle_frag. Its peers then crash in ompi_comm_revoke_local,
+    handling that failure inside their own MPI_Init.
+
+    The guard puts a no-op callback in the tag's slot of libopen-pal's (statically zeroed)
+    `mca_btl_base_active_message_trigger` table before MPI_Init; ompi_comm_rbcast_init replaces
+    it with the real one. A heartbeat dropped that early is one the receiving detector would
+    ignore anyway: it is not watching yet, and starts with slack. Returns whether the guard is in
+    place; it is skipped, leaving MPI_Init as it was, when the library is not Open MPI or the slot
+    is already taken.
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            pal = next((line.split()[-1] for line in maps
+                        if "/libopen-pal.so" in line.split()[-1]), None)
+        if pal is None:
+            return False
+        # {cbfunc, cbdata} per tag
+        table = (ctypes.c_void_p * (2 * _FT_RBCAST_TAG + 2)).in_dll(
+            ctypes.CDLL(pal), "mca_btl_base_active_message_trigger")
+    except (OSError, ValueError):
+        return False
+    if table[2 * _FT_RBCAST_TAG] is not None:
+        return False
+
+    def drop(btl, descriptor):
+        _early_heartbeats["dropped"] += 1
+
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(drop)
+    _early_heartbeats["callback"] = callback  # the table may point at it for the process's life
+    table[2 * _FT_RBCAST_TAG] = ctypes.cast(callback, ctypes.c_void_p).value
+    return True
+
+
+def _start_mpi():
+    """mpi4py's MPI module with MPI initialized at MPI_THREAD_MULTIPLE (what mpi4py's own start
+    does); with the detector thread on, MPI_Init runs behind `_ignore_early_heartbeats`."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules and _detector_thread_requested():
+        mpi4py.rc.initialize = False
+    MPI = _mpi()
+    if not MPI.Is_initialized():
+        _ignore_early_heartbeats()
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI
+
+
 def init_mpi(status_dir: Path | None = None) -> DistributedContext:
     """Start MPI for this rank of an `mpirun --with-ft ulfm` job; install the exit discipline."""
-    MPI = _mpi()
+    MPI = _start_mpi()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     status_path = None
