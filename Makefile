@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test test-slow bench demo demo-collective clean
+.PHONY: setup build test bench bench-restart bench-scale demo demo-collective clean
 
 setup: $(VENV)/.package-stamp
 
@@ -38,13 +38,17 @@ $(BACKEND): $(VENV)/.package-stamp build/mpicc-path $(wildcard csrc/ulfm_backend
 build: $(BACKEND)
 
 test: build
-	$(PYTEST) -m "not slow" tests
-
-test-slow: build
-	$(PYTEST) -m slow tests
+	$(PYTEST) tests
 
 bench: build
 	$(PY) scripts/bench_collective.py
+
+# The paper's measurements at CPU scale (about 15 and 6 minutes here); not part of CI.
+bench-restart: build
+	$(PY) scripts/bench_vs_restart.py
+
+bench-scale: build
+	$(PY) scripts/bench_scale.py
 
 demo: build
 	$(PY) scripts/demo.py

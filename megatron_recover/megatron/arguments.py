@@ -30,9 +30,10 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 # Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
-# Hang detection (Open MPI's threaded failure detector) is opt-in: with it on, MPI_Init crashed
-# in about 1 of 6 oversubscribed 4-rank start-ups here (a race in the detector's start-up).
-DEFAULT_HANG_TIMEOUT_S = 0.0
+# Hang detection (Open MPI's threaded failure detector) for --recover runs: a frozen rank is
+# declared failed after this long. Minutes-long stalls are rare on healthy GPU clusters, and a
+# heartbeat every 30 s costs nothing measurable; tests use a few seconds.
+DEFAULT_HANG_TIMEOUT_S = 60.0
 
 # Accepted and not implemented; none changes the training math. (flag, number of values):
 # 0 = a switch, 1 = one value, "*" = any number of values.
@@ -518,7 +519,8 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recover-log", metavar="PATH", help="per-iteration JSONL records")
     g.add_argument("--recover-hang-timeout", type=float, metavar="SECONDS",
                    help="declare a rank that stops answering (frozen) failed after this many "
-                        "seconds (Open MPI's failure detector; default 0: off, see README)")
+                        f"seconds (Open MPI's failure detector; default {DEFAULT_HANG_TIMEOUT_S:g}"
+                        ", 0: off)")
     g.add_argument("--cross-replica-backend", choices=["gloo", "ulfm"],
                    help="backend of the data-parallel group: gloo (default) or ulfm (stock "
                         "Megatron data parallelism over the fault-tolerant collective, no "
