@@ -3,7 +3,7 @@ handled like crashes; a healthy rank computing 3x the bound, or a slow oversubsc
 is not declared failed.
 
 Run: `make test`. CPU only; each run under a hard timeout. --recover-hang-timeout is 3 s here.
-Detection times are printed (`-s`): from the freeze (the victim's marker) to the survivors'
+Detection times go to the test log (even without `-s`): from the freeze (the victim's marker) to the survivors'
 verdict, and the logged time since the victim's last observed progress.
 """
 
@@ -46,6 +46,12 @@ def detection_delays(records, log) -> list[float]:
             for record in records for event in record["events"] if event["event"] == "failure"]
 
 
+def report(capsys, line: str) -> None:
+    """Into the test log as it runs (CI's log shows detection times)."""
+    with capsys.disabled():
+        print(f"\n  {line}", flush=True)
+
+
 def since_last_progress(records) -> list[float]:
     return [event["since_last_progress_s"] for record in records for event in record["events"]
             if event["event"] == "failure"]
@@ -58,7 +64,7 @@ def assert_same_curve(records, reference):
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
-def test_frozen_ranks_are_declared_failed(tmp_path):
+def test_frozen_ranks_are_declared_failed(tmp_path, capsys):
     """DP=4: one replica freezes during backward, another inside a bucket reduce."""
     job = ["--global-batch-size", "16", "--train-iters", "8"]
     (tmp_path / "ref").mkdir()
@@ -70,17 +76,20 @@ def test_frozen_ranks_are_declared_failed(tmp_path):
     assert [m["rank"] for m in read_markers(log.with_suffix(".markers.jsonl"))] == [2, 1]
     assert [r["live_replicas"] for r in records] == [4, 4, 3, 3, 3, 2, 2, 2]
     delays = detection_delays(records, log)
-    print(f"frozen rank -> failure declared after {', '.join(f'{d:.2f}' for d in delays)} s "
-          f"(hang timeout {HANG_S:g} s); since last progress: "
-          f"{', '.join(f'{s:.2f}' for s in since_last_progress(records))} s")
+    report(capsys, f"frozen rank -> failure declared after "
+                   f"{', '.join(f'{d:.2f}' for d in delays)} s (hang timeout {HANG_S:g} s); "
+                   f"since last progress: "
+                   f"{', '.join(f'{s:.2f}' for s in since_last_progress(records))} s")
     assert len(delays) == 2 and all(d <= HANG_S + 3 for d in delays), delays
-    assert all(s >= HANG_S / 2 for s in since_last_progress(records))  # a hang, not a crash
+    # Open MPI declares a rank failed (T - period, T] after its last heartbeat: a hang, while a
+    # crash is detected within an iteration (tens of ms).
+    assert all(s >= HANG_S / 4 for s in since_last_progress(records))
     assert_same_curve(records, reference)
     assert {result.statuses[r]["state"] for r in (0, 3)} == {"completed"}
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
-def test_frozen_rank_takes_its_replica_down(tmp_path):
+def test_frozen_rank_takes_its_replica_down(tmp_path, capsys):
     """TP=2 x DP=2: local rank 1 of replica 1 freezes; its peer, blocked in a TP collective,
     leaves by itself within the bound; replica 0 goes on."""
     job = ["--global-batch-size", "8", "--train-iters", "6", "--tensor-model-parallel-size", "2"]
@@ -90,7 +99,8 @@ def test_frozen_rank_takes_its_replica_down(tmp_path):
     result, records, log = train(tmp_path / "hang", 4, job, [
         "{iteration: 3, replica: 1, local_rank: 1, location: backward, action: stop}"])
     delays = detection_delays(records, log)
-    print(f"TP=2: frozen rank -> replica lost after {', '.join(f'{d:.2f}' for d in delays)} s")
+    report(capsys, f"TP=2: frozen rank -> replica lost after "
+                   f"{', '.join(f'{d:.2f}' for d in delays)} s")
     assert len(delays) == 1 and delays[0] <= HANG_S + 3
     assert result.statuses[2]["state"] == "left", result.statuses[2]  # the frozen rank's peer
     assert "replica gate" in result.statuses[2]["error"], result.statuses[2]
