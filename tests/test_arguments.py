@@ -1,4 +1,5 @@
-"""The argument layer of pretrain_gpt_recover.py (megatron_recover/megatron/arguments.py).
+"""The argument layer of pretrain_gpt_recover.py: megatron_recover/megatron/arguments.py (the
+parser), config.py (the TrainConfig) and mcore_config.py (megatron-core config objects).
 
 Run:  .venv/bin/python -m pytest tests/test_arguments.py -q -p no:cacheprovider
 Hardware: none beyond a CPU; pure in-process, a few seconds. `cuda_available` is a parameter
@@ -23,8 +24,10 @@ from megatron_recover.megatron.arguments import (
     DEFAULT_HANG_TIMEOUT_S,
     LEGACY_DEFAULT_SPLIT,
     ignored_args_message,
-    padded_vocab_size,
     parse_args,
+)
+from megatron_recover.megatron.mcore_config import (
+    padded_vocab_size,
     to_ddp_config,
     to_optimizer_config,
     to_policy_config,

@@ -1,4 +1,4 @@
-"""Megatron's GPT arguments for `pretrain_gpt_recover.py`: parse, validate, derive, build configs.
+"""Megatron's GPT arguments for `pretrain_gpt_recover.py`: parse, validate, derive a TrainConfig.
 
 Users keep their Megatron-LM command lines, so every argument here has Megatron-LM's name,
 meaning and default (megatron/training/arguments.py at core_v0.16.1). What we add is the
@@ -15,15 +15,26 @@ meaning and default (megatron/training/arguments.py at core_v0.16.1). What we ad
 Any other argument is an argparse error (exit status 2), as in Megatron-LM.
 
 `parse_args` raises `ValueError` for every user mistake it can see, all of them in one message,
-one line each. The `to_*` helpers build megatron-core 0.16.1's config objects from a TrainConfig.
+one line each. The dataclasses live in `config.py`; megatron-core's config objects are built
+from them in `mcore_config.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_recover.megatron.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RecoverConfig,
+    TrainConfig,
+)
 
 # The tokenizers that load offline from files the user names (DESIGN.md, issue 4).
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -49,7 +60,7 @@ IGNORED_ARGS = (
     ("--exit-duration-in-mins", 1),
     ("--use-flash-attn", 0), ("--attention-backend", 1),
     ("--distributed-backend", 1), ("--distributed-timeout-minutes", 1),
-    # We build every megatron-core config with these fusions off (see to_transformer_config),
+    # We build every megatron-core config with these fusions off (see mcore_config.to_transformer_config),
     # so the switches that turn them off ask for what already happens.
     ("--no-masked-softmax-fusion", 0), ("--no-bias-dropout-fusion", 0),
     ("--no-bias-gelu-fusion", 0), ("--no-bias-swiglu-fusion", 0), ("--no-rope-fusion", 0),
@@ -62,325 +73,6 @@ IGNORED_ARGS = (
 )
 
 
-# ---------------------------------------------------------------------------------------------
-# The configuration
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The GPT model (megatron-core GPTModel + TransformerConfig)."""
-
-    num_layers: int
-    """Number of transformer layers (--num-layers)."""
-    hidden_size: int
-    """Transformer hidden size (--hidden-size)."""
-    ffn_hidden_size: int
-    """MLP hidden size (--ffn-hidden-size); default 4*hidden, or int(4*hidden*2/3 / 64)*64 with
-    --swiglu (Megatron's rule: two fc1 projections, same parameter count, a multiple of 64)."""
-    num_attention_heads: int
-    """Attention heads (--num-attention-heads)."""
-    kv_channels: int
-    """Per-head projection size: hidden_size // num_attention_heads (Megatron's default)."""
-    num_query_groups: int | None
-    """Query groups with --group-query-attention (--num-query-groups), None otherwise."""
-    seq_length: int
-    """Tokens per sample (--seq-length)."""
-    max_position_embeddings: int
-    """Size of the learned position table (--max-position-embeddings); defaults to seq_length
-    (Megatron-LM requires it; we accept its absence because rope models do not use it)."""
-    position_embedding_type: str
-    """"learned_absolute" (default) or "rope" (--position-embedding-type)."""
-    rotary_base: int
-    """RoPE base (--rotary-base, default 10000)."""
-    rotary_percent: float
-    """Fraction of each head's channels that RoPE rotates (--rotary-percent, default 1.0)."""
-    normalization: str
-    """"LayerNorm" (default) or "RMSNorm" (--normalization)."""
-    norm_epsilon: float
-    """Epsilon of every LayerNorm/RMSNorm (--norm-epsilon, default 1e-5)."""
-    swiglu: bool
-    """Gated linear unit with SiLU instead of GeLU in the MLP (--swiglu)."""
-    untie_embeddings_and_output_weights: bool
-    """Separate output layer instead of reusing the word embeddings (--untie-...)."""
-    add_bias_linear: bool
-    """Bias in every linear layer; --disable-bias-linear turns it off."""
-    init_method_std: float
-    """Std of the normal weight initialization (--init-method-std, default 0.02)."""
-    hidden_dropout: float
-    """Dropout on hidden states (--hidden-dropout, default 0.1)."""
-    attention_dropout: float
-    """Dropout on attention probabilities (--attention-dropout, default 0.1)."""
-    make_vocab_size_divisible_by: int
-    """The vocabulary is padded to a multiple of this times TP (default 128)."""
-    transformer_impl: str | None
-    """--transformer-impl "local" or "transformer_engine"; None (not given): the entry point uses
-    Transformer Engine's layer spec when it is installed, the local spec otherwise."""
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Adam and its learning-rate schedule (OptimizerConfig + OptimizerParamScheduler).
-
-    Megatron's scheduler counts steps in samples and is stepped by the global batch size once per
-    iteration; `to_scheduler_kwargs` converts the iteration counts here exactly as Megatron-LM does.
-    """
-
-    lr: float
-    """Peak learning rate (--lr); required."""
-    min_lr: float
-    """Learning rate floor (--min-lr, default 0.0)."""
-    lr_decay_style: str
-    """constant | linear (default) | cosine | inverse-square-root | WSD (--lr-decay-style)."""
-    lr_decay_iters: int
-    """Iterations over which the learning rate decays (--lr-decay-iters, default --train-iters)."""
-    lr_warmup_iters: int
-    """Linear warmup length in iterations (--lr-warmup-iters, default 0); see warmup_iters."""
-    lr_warmup_fraction: float | None
-    """Warmup as a fraction of lr_decay_iters (--lr-warmup-fraction); excludes lr_warmup_iters."""
-    lr_warmup_init: float
-    """Learning rate at the start of warmup (--lr-warmup-init, default 0.0)."""
-    lr_wsd_decay_style: str
-    """Annealing shape of the WSD schedule (--lr-wsd-decay-style, default exponential)."""
-    lr_wsd_decay_iters: int | None
-    """Iterations of WSD's annealing phase (--lr-wsd-decay-iters); required for WSD."""
-    weight_decay: float
-    """Decoupled weight decay, constant over the run (--weight-decay, default 0.01)."""
-    clip_grad: float
-    """Global L2 gradient-norm clip (--clip-grad, default 1.0)."""
-    adam_beta1: float
-    """Adam beta1 (--adam-beta1, default 0.9)."""
-    adam_beta2: float
-    """Adam beta2 (--adam-beta2, default 0.999)."""
-    adam_eps: float
-    """Adam epsilon (--adam-eps, default 1e-8)."""
-
-    @property
-    def warmup_iters(self) -> float:
-        """Warmup length in iterations, resolved from --lr-warmup-fraction when it was given
-        (fraction x lr_decay_iters; may be fractional, as Megatron's scheduler allows)."""
-        if self.lr_warmup_fraction is not None:
-            return self.lr_warmup_fraction * self.lr_decay_iters
-        return float(self.lr_warmup_iters)
-
-
-@dataclass(frozen=True)
-class PrecisionConfig:
-    """Parameter precision and loss scaling (--fp16 / --bf16; fp32 when neither)."""
-
-    fp16: bool
-    """Parameters and compute in float16, with loss scaling (--fp16); needs CUDA."""
-    bf16: bool
-    """Parameters and compute in bfloat16 (--bf16); needs CUDA."""
-    loss_scale: float | None
-    """Static loss scale for fp16 (--loss-scale); None: dynamic scaling."""
-    initial_loss_scale: float
-    """Initial dynamic loss scale (--initial-loss-scale, default 2**32)."""
-    min_loss_scale: float
-    """Smallest dynamic loss scale (--min-loss-scale, default 1.0)."""
-    loss_scale_window: float
-    """Iterations between dynamic loss-scale raises (--loss-scale-window, default 1000)."""
-    hysteresis: int
-    """Dynamic loss-scale hysteresis (--hysteresis, default 2)."""
-    accumulate_allreduce_grads_in_fp32: bool
-    """Gradient buffers and their reduction in fp32 (--accumulate-allreduce-grads-in-fp32);
-    forced on with --bf16, as Megatron-LM does."""
-    attention_softmax_in_fp32: bool
-    """Attention masking and softmax in fp32 (--attention-softmax-in-fp32, default off as in
-    Megatron-LM; megatron-core's own default is on)."""
-
-    @property
-    def params_dtype(self):
-        """torch dtype of the parameters: float16, bfloat16 or float32."""
-        import torch
-
-        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the world is cut into TP x PP model-parallel groups, data-parallel ranks and replicas.
-
-    A replica is the unit of survival: the TP x PP ranks of one data-parallel rank, or, with
-    distributed-optimizer instances, one instance = dp_ranks_per_replica data-parallel ranks
-    (optimizer state is sharded inside it and all-reduced across replicas).
-    """
-
-    world_size: int
-    """Ranks at launch (from MPI, not an argument)."""
-    tensor_model_parallel_size: int
-    """TP degree (--tensor-model-parallel-size, default 1)."""
-    pipeline_model_parallel_size: int
-    """PP degree (--pipeline-model-parallel-size, default 1)."""
-    use_distributed_optimizer: bool
-    """Shard optimizer state (--use-distributed-optimizer); with --recover only within a replica."""
-    num_distributed_optimizer_instances: int
-    """Optimizer-state copies across the data-parallel group (--num-distributed-optimizer-instances,
-    default 1); each instance shards the state over data_parallel_size // this ranks."""
-    overlap_grad_reduce: bool
-    """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
-    ddp_bucket_size: int | None
-    """Max parameters per gradient bucket (--ddp-bucket-size); None: megatron-core's default,
-    max(40M, 1M x dp)."""
-    sequence_parallel: bool
-    """Sequence parallelism inside TP groups (--sequence-parallel); off when TP == 1."""
-    use_cpu_initialization: bool
-    """Initialize full weights on the CPU and scatter them (--use-cpu-initialization)."""
-    gradient_accumulation_fusion: bool
-    """Fuse weight-gradient accumulation into the GEMM (Megatron's default on CUDA; off on CPU,
-    where the kernel does not exist). --no-gradient-accumulation-fusion turns it off."""
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks holding one copy of the model: TP x PP."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Data-parallel ranks: world_size // (TP x PP)."""
-        return self.world_size // self.model_parallel_size
-
-    @property
-    def num_replicas(self) -> int:
-        """Replicas at launch (W_init): the distributed-optimizer instances when the optimizer is
-        distributed, else the data-parallel ranks."""
-        if self.use_distributed_optimizer:
-            return self.num_distributed_optimizer_instances
-        return self.data_parallel_size
-
-    @property
-    def dp_ranks_per_replica(self) -> int:
-        """Data-parallel ranks inside one replica (1 unless distributed-optimizer instances)."""
-        return self.data_parallel_size // self.num_replicas
-
-    @property
-    def ranks_per_replica(self) -> int:
-        """Processes in one replica: dp_ranks_per_replica x TP x PP."""
-        return self.dp_ranks_per_replica * self.model_parallel_size
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where samples and tokens come from (megatron-core GPTDataset + tokenizer)."""
-
-    data_path: str | None
-    """The one indexed dataset prefix (PREFIX.bin / PREFIX.idx) of --data-path; None with
-    --mock-data. Megatron's blend syntax is accepted for a single dataset only."""
-    mock_data: bool
-    """Synthetic samples from megatron-core's MockGPTDataset (--mock-data)."""
-    split: str | None
-    """Train/valid/test proportions (--split); Megatron's legacy "969, 30, 1" when --data-path
-    is given without it; None with --mock-data (megatron-core then splits evenly)."""
-    data_cache_path: str | None
-    """Directory for the dataset's cached index files (--data-cache-path)."""
-    reset_position_ids: bool
-    """Restart position ids after each end-of-document token (--reset-position-ids)."""
-    reset_attention_mask: bool
-    """Block attention across end-of-document tokens (--reset-attention-mask)."""
-    eod_mask_loss: bool
-    """Exclude end-of-document tokens from the loss (--eod-mask-loss)."""
-    tokenizer_type: str
-    """GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer (--tokenizer-type); inferred as
-    GPT2BPETokenizer from --vocab-file + --merge-file, NullTokenizer from --vocab-size alone."""
-    vocab_file: str | None
-    """GPT-2 vocab.json (--vocab-file)."""
-    merge_file: str | None
-    """GPT-2 merges.txt (--merge-file)."""
-    tokenizer_model: str | None
-    """Local HuggingFace tokenizer directory or file (--tokenizer-model)."""
-    vocab_size: int | None
-    """Vocabulary size for NullTokenizer (--vocab-size)."""
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Checkpoints (written by the lowest live replica)."""
-
-    save: str | None
-    """Directory to save checkpoints to (--save)."""
-    load: str | None
-    """Directory to resume from (--load)."""
-    save_interval: int | None
-    """Iterations between saves (--save-interval); required with --save, as in Megatron-LM."""
-
-
-@dataclass(frozen=True)
-class RecoverConfig:
-    """In-step recovery (our flags). With enabled False the job is stock Megatron."""
-
-    enabled: bool
-    """--recover: survive replica failures in-step."""
-    policy: str
-    """--recover-policy: "static" (default; the batch stays B) or "adaptive" (drop-and-go)."""
-    mode: str
-    """--recover-mode: "exact" (default; failure-free microbatch ids) or "reserve" (the paper's)."""
-    failure_schedule: Path | None
-    """--recover-failure-schedule: YAML of faults to inject (tests, demo)."""
-    log: Path | None
-    """--recover-log: per-iteration JSONL records."""
-    hang_timeout_s: float
-    """--recover-hang-timeout: seconds after which a frozen rank is declared failed (0: off)."""
-    restore: bool = True
-    """False with --recover-no-restore (a diagnostic negative control)."""
-    cross_replica_backend: str = "gloo"
-    """--cross-replica-backend: the data-parallel group's backend ("ulfm" with --recover)."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything `pretrain_gpt_recover.py` needs, validated; one per rank, equal on all ranks."""
-
-    model: ModelConfig
-    optim: OptimConfig
-    precision: PrecisionConfig
-    parallel: ParallelConfig
-    data: DataConfig
-    checkpoint: CheckpointConfig
-    recover: RecoverConfig
-    micro_batch_size: int
-    """Samples per microbatch on one data-parallel rank (--micro-batch-size)."""
-    global_batch_size: int
-    """Samples per iteration, all ranks together (--global-batch-size, default mbs x dp)."""
-    train_iters: int
-    """Iterations to train, counted from 1 (--train-iters)."""
-    seed: int
-    """Base random seed (--seed, default 1234)."""
-    log_interval: int
-    """Iterations between console lines (--log-interval, default 100)."""
-    ignored_args: tuple[str, ...]
-    """Flags the user gave that are accepted but not implemented, in command-line order; the
-    entry point prints them once at start-up."""
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Data-parallel ranks at launch."""
-        return self.parallel.data_parallel_size
-
-    @property
-    def num_replicas(self) -> int:
-        """Replicas at launch (W_init)."""
-        return self.parallel.num_replicas
-
-    @property
-    def dp_ranks_per_replica(self) -> int:
-        """Data-parallel ranks in one replica."""
-        return self.parallel.dp_ranks_per_replica
-
-    @property
-    def b(self) -> int:
-        """B: microbatches per iteration over all data-parallel ranks, GBS // mbs. Fixed for the
-        run; a microbatch id names one data-parallel rank's micro-batch (DESIGN.md)."""
-        return self.global_batch_size // self.micro_batch_size
-
-    @property
-    def num_microbatches_per_dp_rank(self) -> int:
-        """Megatron's num_microbatches at launch: GBS // (mbs x dp)."""
-        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
-
-    @property
-    def num_microbatches_per_replica(self) -> int:
-        """G_init: microbatch ids one replica contributes per iteration at launch (B // W_init)."""
-        return self.b // self.num_replicas
 
 
 # ---------------------------------------------------------------------------------------------
@@ -993,111 +685,3 @@ def ignored_args_message(cfg: TrainConfig) -> str | None:
         return None
     return ("megatron-recover: accepted but not implemented (no effect on training): "
             + " ".join(cfg.ignored_args))
-
-
-def padded_vocab_size(cfg: TrainConfig, vocab_size: int) -> int:
-    """The tokenizer's vocabulary padded as Megatron-LM pads it: up to a multiple of
-    --make-vocab-size-divisible-by x TP."""
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
-
-
-# ---------------------------------------------------------------------------------------------
-# megatron-core config objects
-# ---------------------------------------------------------------------------------------------
-
-
-def to_transformer_config(cfg: TrainConfig):
-    """megatron-core TransformerConfig for the GPT model, as Megatron-LM builds it from its args.
-
-    Every fusion is off: their kernels come from Apex or Megatron's compiled extensions, which a
-    megatron-core install alone does not have (and never on CPU); with Transformer Engine's layer
-    spec, TE's own fused paths apply regardless. Position embeddings and the vocabulary are
-    GPTModel arguments, not part of this config.
-    """
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    m, p, par = cfg.model, cfg.precision, cfg.parallel
-    return TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels,
-        num_query_groups=m.num_query_groups,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-        normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
-        # Megatron-LM keeps the QKV bias in step with --disable-bias-linear.
-        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear,
-        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        init_method_std=m.init_method_std,
-        tensor_model_parallel_size=par.tensor_model_parallel_size,
-        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        sequence_parallel=par.sequence_parallel,
-        use_cpu_initialization=par.use_cpu_initialization,
-        gradient_accumulation_fusion=par.gradient_accumulation_fusion,
-        fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype, pipeline_dtype=p.params_dtype,
-        attention_softmax_in_fp32=p.attention_softmax_in_fp32,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False,
-        deallocate_pipeline_outputs=True,  # as Megatron-LM sets it
-    )
-
-
-def to_ddp_config(cfg: TrainConfig):
-    """megatron-core DistributedDataParallelConfig (gradient buffers, buckets, reduction)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    par = cfg.parallel
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=par.overlap_grad_reduce,
-        use_distributed_optimizer=par.use_distributed_optimizer,
-        num_distributed_optimizer_instances=par.num_distributed_optimizer_instances,
-        bucket_size=par.ddp_bucket_size,
-    )
-
-
-def to_optimizer_config(cfg: TrainConfig):
-    """megatron-core OptimizerConfig for Adam (Megatron-LM's only optimizer we accept)."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    o, p = cfg.optim, cfg.precision
-    return OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad, fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype,
-        loss_scale=p.loss_scale, initial_loss_scale=p.initial_loss_scale,
-        min_loss_scale=p.min_loss_scale, loss_scale_window=p.loss_scale_window,
-        hysteresis=p.hysteresis,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
-
-
-def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
-    """Keyword arguments of megatron-core's OptimizerParamScheduler (all but `optimizer`).
-
-    Steps are samples, as in Megatron-LM's iteration-based set-up: the caller steps the scheduler
-    by global_batch_size (= B x micro_batch_size) once per committed iteration.
-    """
-    o, gbs = cfg.optim, cfg.global_batch_size
-    decay_steps = o.lr_decay_iters * gbs
-    if o.lr_warmup_fraction is not None:
-        warmup_steps = o.lr_warmup_fraction * decay_steps  # Megatron's order of operations
-    else:
-        warmup_steps = o.lr_warmup_iters * gbs
-    return dict(
-        init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
-        lr_decay_style=o.lr_decay_style,
-        start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=cfg.train_iters * gbs, wd_incr_style="constant",
-        wsd_decay_steps=None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * gbs,
-        lr_wsd_decay_style=o.lr_wsd_decay_style,
-    )
-
-
-def to_policy_config(cfg: TrainConfig):
-    """The layer-3 PolicyConfig: W_init replicas, G_init microbatch ids each, policy and mode."""
-    from megatron_recover.policy import PolicyConfig
-
-    return PolicyConfig(w_init=cfg.num_replicas, g_init=cfg.num_microbatches_per_replica,
-                        policy=cfg.recover.policy, mode=cfg.recover.mode)

@@ -23,7 +23,7 @@ from megatron_recover.faults.schedule import (
     ScheduledFaults,
     load_schedule,
 )
-from megatron_recover.megatron import arguments as args_mod
+from megatron_recover.megatron import mcore_config
 from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
 from megatron_recover.megatron.report import RecoverLog, iteration_line
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
@@ -83,9 +83,9 @@ def _optimizer_and_scheduler(cfg, ddp_model):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    optimizer = get_megatron_optimizer(args_mod.to_optimizer_config(cfg), [ddp_model],
+    optimizer = get_megatron_optimizer(mcore_config.to_optimizer_config(cfg), [ddp_model],
                                        use_gloo_process_groups=False)
-    scheduler = OptimizerParamScheduler(optimizer, **args_mod.to_scheduler_kwargs(cfg))
+    scheduler = OptimizerParamScheduler(optimizer, **mcore_config.to_scheduler_kwargs(cfg))
     return optimizer, scheduler
 
 
@@ -220,8 +220,8 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     )
     torch.manual_seed(cfg.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    tconfig = args_mod.to_transformer_config(cfg)
-    model = build_gpt(tconfig, args_mod.padded_vocab_size(cfg, vocab_size),
+    tconfig = mcore_config.to_transformer_config(cfg)
+    model = build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size),
                       cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
                       share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
     # A replica is a data-parallel rank's TP x PP ranks or, with distributed-optimizer instances
@@ -246,7 +246,7 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
         runtime.track_group(group)
     if hang_s and par.ranks_per_replica > 1:
         runtime.start_replica_gate(dist.get_process_group_ranks(replica_group), hang_s / 4)
-    ddp_model = wrap_ddp(model, tconfig, args_mod.to_ddp_config(cfg),
+    ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg),
                          group.process_group if group else None, across_instances=instances)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
     tconfig.grad_scale_func = optimizer.scale_loss
@@ -284,7 +284,7 @@ def _trainer(cfg, ctx, setup: RankSetup) -> tuple[ResilientTrainer, int]:
     """The resilient trainer of this rank and the first iteration to run (after a --load)."""
     from megatron.core import parallel_state
 
-    policy = WorkloadPolicy(args_mod.to_policy_config(cfg))
+    policy = WorkloadPolicy(mcore_config.to_policy_config(cfg))
     replica_ids = list(range(cfg.num_replicas))
     start = 1
     if cfg.checkpoint.load:

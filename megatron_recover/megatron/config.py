@@ -1,0 +1,327 @@
+"""The validated configuration of one `pretrain_gpt_recover.py` run: frozen dataclasses.
+
+`arguments.parse_args` builds a `TrainConfig` from a Megatron command line; `mcore_config` turns
+it into megatron-core's config objects. Each field's docstring names the flag it comes from and
+Megatron-LM's default. Nothing here parses, validates or imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GPT model (megatron-core GPTModel + TransformerConfig)."""
+
+    num_layers: int
+    """Number of transformer layers (--num-layers)."""
+    hidden_size: int
+    """Transformer hidden size (--hidden-size)."""
+    ffn_hidden_size: int
+    """MLP hidden size (--ffn-hidden-size); default 4*hidden, or int(4*hidden*2/3 / 64)*64 with
+    --swiglu (Megatron's rule: two fc1 projections, same parameter count, a multiple of 64)."""
+    num_attention_heads: int
+    """Attention heads (--num-attention-heads)."""
+    kv_channels: int
+    """Per-head projection size: hidden_size // num_attention_heads (Megatron's default)."""
+    num_query_groups: int | None
+    """Query groups with --group-query-attention (--num-query-groups), None otherwise."""
+    seq_length: int
+    """Tokens per sample (--seq-length)."""
+    max_position_embeddings: int
+    """Size of the learned position table (--max-position-embeddings); defaults to seq_length
+    (Megatron-LM requires it; we accept its absence because rope models do not use it)."""
+    position_embedding_type: str
+    """"learned_absolute" (default) or "rope" (--position-embedding-type)."""
+    rotary_base: int
+    """RoPE base (--rotary-base, default 10000)."""
+    rotary_percent: float
+    """Fraction of each head's channels that RoPE rotates (--rotary-percent, default 1.0)."""
+    normalization: str
+    """"LayerNorm" (default) or "RMSNorm" (--normalization)."""
+    norm_epsilon: float
+    """Epsilon of every LayerNorm/RMSNorm (--norm-epsilon, default 1e-5)."""
+    swiglu: bool
+    """Gated linear unit with SiLU instead of GeLU in the MLP (--swiglu)."""
+    untie_embeddings_and_output_weights: bool
+    """Separate output layer instead of reusing the word embeddings (--untie-...)."""
+    add_bias_linear: bool
+    """Bias in every linear layer; --disable-bias-linear turns it off."""
+    init_method_std: float
+    """Std of the normal weight initialization (--init-method-std, default 0.02)."""
+    hidden_dropout: float
+    """Dropout on hidden states (--hidden-dropout, default 0.1)."""
+    attention_dropout: float
+    """Dropout on attention probabilities (--attention-dropout, default 0.1)."""
+    make_vocab_size_divisible_by: int
+    """The vocabulary is padded to a multiple of this times TP (default 128)."""
+    transformer_impl: str | None
+    """--transformer-impl "local" or "transformer_engine"; None (not given): the entry point uses
+    Transformer Engine's layer spec when it is installed, the local spec otherwise."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam and its learning-rate schedule (OptimizerConfig + OptimizerParamScheduler).
+
+    Megatron's scheduler counts steps in samples and is stepped by the global batch size once per
+    iteration; `to_scheduler_kwargs` converts the iteration counts here exactly as Megatron-LM does.
+    """
+
+    lr: float
+    """Peak learning rate (--lr); required."""
+    min_lr: float
+    """Learning rate floor (--min-lr, default 0.0)."""
+    lr_decay_style: str
+    """constant | linear (default) | cosine | inverse-square-root | WSD (--lr-decay-style)."""
+    lr_decay_iters: int
+    """Iterations over which the learning rate decays (--lr-decay-iters, default --train-iters)."""
+    lr_warmup_iters: int
+    """Linear warmup length in iterations (--lr-warmup-iters, default 0); see warmup_iters."""
+    lr_warmup_fraction: float | None
+    """Warmup as a fraction of lr_decay_iters (--lr-warmup-fraction); excludes lr_warmup_iters."""
+    lr_warmup_init: float
+    """Learning rate at the start of warmup (--lr-warmup-init, default 0.0)."""
+    lr_wsd_decay_style: str
+    """Annealing shape of the WSD schedule (--lr-wsd-decay-style, default exponential)."""
+    lr_wsd_decay_iters: int | None
+    """Iterations of WSD's annealing phase (--lr-wsd-decay-iters); required for WSD."""
+    weight_decay: float
+    """Decoupled weight decay, constant over the run (--weight-decay, default 0.01)."""
+    clip_grad: float
+    """Global L2 gradient-norm clip (--clip-grad, default 1.0)."""
+    adam_beta1: float
+    """Adam beta1 (--adam-beta1, default 0.9)."""
+    adam_beta2: float
+    """Adam beta2 (--adam-beta2, default 0.999)."""
+    adam_eps: float
+    """Adam epsilon (--adam-eps, default 1e-8)."""
+
+    @property
+    def warmup_iters(self) -> float:
+        """Warmup length in iterations, resolved from --lr-warmup-fraction when it was given
+        (fraction x lr_decay_iters; may be fractional, as Megatron's scheduler allows)."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * self.lr_decay_iters
+        return float(self.lr_warmup_iters)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Parameter precision and loss scaling (--fp16 / --bf16; fp32 when neither)."""
+
+    fp16: bool
+    """Parameters and compute in float16, with loss scaling (--fp16); needs CUDA."""
+    bf16: bool
+    """Parameters and compute in bfloat16 (--bf16); needs CUDA."""
+    loss_scale: float | None
+    """Static loss scale for fp16 (--loss-scale); None: dynamic scaling."""
+    initial_loss_scale: float
+    """Initial dynamic loss scale (--initial-loss-scale, default 2**32)."""
+    min_loss_scale: float
+    """Smallest dynamic loss scale (--min-loss-scale, default 1.0)."""
+    loss_scale_window: float
+    """Iterations between dynamic loss-scale raises (--loss-scale-window, default 1000)."""
+    hysteresis: int
+    """Dynamic loss-scale hysteresis (--hysteresis, default 2)."""
+    accumulate_allreduce_grads_in_fp32: bool
+    """Gradient buffers and their reduction in fp32 (--accumulate-allreduce-grads-in-fp32);
+    forced on with --bf16, as Megatron-LM does."""
+    attention_softmax_in_fp32: bool
+    """Attention masking and softmax in fp32 (--attention-softmax-in-fp32, default off as in
+    Megatron-LM; megatron-core's own default is on)."""
+
+    @property
+    def params_dtype(self):
+        """torch dtype of the parameters: float16, bfloat16 or float32."""
+        import torch
+
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is cut into TP x PP model-parallel groups, data-parallel ranks and replicas.
+
+    A replica is the unit of survival: the TP x PP ranks of one data-parallel rank, or, with
+    distributed-optimizer instances, one instance = dp_ranks_per_replica data-parallel ranks
+    (optimizer state is sharded inside it and all-reduced across replicas).
+    """
+
+    world_size: int
+    """Ranks at launch (from MPI, not an argument)."""
+    tensor_model_parallel_size: int
+    """TP degree (--tensor-model-parallel-size, default 1)."""
+    pipeline_model_parallel_size: int
+    """PP degree (--pipeline-model-parallel-size, default 1)."""
+    use_distributed_optimizer: bool
+    """Shard optimizer state (--use-distributed-optimizer); with --recover only within a replica."""
+    num_distributed_optimizer_instances: int
+    """Optimizer-state copies across the data-parallel group (--num-distributed-optimizer-instances,
+    default 1); each instance shards the state over data_parallel_size // this ranks."""
+    overlap_grad_reduce: bool
+    """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
+    ddp_bucket_size: int | None
+    """Max parameters per gradient bucket (--ddp-bucket-size); None: megatron-core's default,
+    max(40M, 1M x dp)."""
+    sequence_parallel: bool
+    """Sequence parallelism inside TP groups (--sequence-parallel); off when TP == 1."""
+    use_cpu_initialization: bool
+    """Initialize full weights on the CPU and scatter them (--use-cpu-initialization)."""
+    gradient_accumulation_fusion: bool
+    """Fuse weight-gradient accumulation into the GEMM (Megatron's default on CUDA; off on CPU,
+    where the kernel does not exist). --no-gradient-accumulation-fusion turns it off."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: TP x PP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: world_size // (TP x PP)."""
+        return self.world_size // self.model_parallel_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas at launch (W_init): the distributed-optimizer instances when the optimizer is
+        distributed, else the data-parallel ranks."""
+        if self.use_distributed_optimizer:
+            return self.num_distributed_optimizer_instances
+        return self.data_parallel_size
+
+    @property
+    def dp_ranks_per_replica(self) -> int:
+        """Data-parallel ranks inside one replica (1 unless distributed-optimizer instances)."""
+        return self.data_parallel_size // self.num_replicas
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Processes in one replica: dp_ranks_per_replica x TP x PP."""
+        return self.dp_ranks_per_replica * self.model_parallel_size
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples and tokens come from (megatron-core GPTDataset + tokenizer)."""
+
+    data_path: str | None
+    """The one indexed dataset prefix (PREFIX.bin / PREFIX.idx) of --data-path; None with
+    --mock-data. Megatron's blend syntax is accepted for a single dataset only."""
+    mock_data: bool
+    """Synthetic samples from megatron-core's MockGPTDataset (--mock-data)."""
+    split: str | None
+    """Train/valid/test proportions (--split); Megatron's legacy "969, 30, 1" when --data-path
+    is given without it; None with --mock-data (megatron-core then splits evenly)."""
+    data_cache_path: str | None
+    """Directory for the dataset's cached index files (--data-cache-path)."""
+    reset_position_ids: bool
+    """Restart position ids after each end-of-document token (--reset-position-ids)."""
+    reset_attention_mask: bool
+    """Block attention across end-of-document tokens (--reset-attention-mask)."""
+    eod_mask_loss: bool
+    """Exclude end-of-document tokens from the loss (--eod-mask-loss)."""
+    tokenizer_type: str
+    """GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer (--tokenizer-type); inferred as
+    GPT2BPETokenizer from --vocab-file + --merge-file, NullTokenizer from --vocab-size alone."""
+    vocab_file: str | None
+    """GPT-2 vocab.json (--vocab-file)."""
+    merge_file: str | None
+    """GPT-2 merges.txt (--merge-file)."""
+    tokenizer_model: str | None
+    """Local HuggingFace tokenizer directory or file (--tokenizer-model)."""
+    vocab_size: int | None
+    """Vocabulary size for NullTokenizer (--vocab-size)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints (written by the lowest live replica)."""
+
+    save: str | None
+    """Directory to save checkpoints to (--save)."""
+    load: str | None
+    """Directory to resume from (--load)."""
+    save_interval: int | None
+    """Iterations between saves (--save-interval); required with --save, as in Megatron-LM."""
+
+
+@dataclass(frozen=True)
+class RecoverConfig:
+    """In-step recovery (our flags). With enabled False the job is stock Megatron."""
+
+    enabled: bool
+    """--recover: survive replica failures in-step."""
+    policy: str
+    """--recover-policy: "static" (default; the batch stays B) or "adaptive" (drop-and-go)."""
+    mode: str
+    """--recover-mode: "exact" (default; failure-free microbatch ids) or "reserve" (the paper's)."""
+    failure_schedule: Path | None
+    """--recover-failure-schedule: YAML of faults to inject (tests, demo)."""
+    log: Path | None
+    """--recover-log: per-iteration JSONL records."""
+    hang_timeout_s: float
+    """--recover-hang-timeout: seconds after which a frozen rank is declared failed (0: off)."""
+    restore: bool = True
+    """False with --recover-no-restore (a diagnostic negative control)."""
+    cross_replica_backend: str = "gloo"
+    """--cross-replica-backend: the data-parallel group's backend ("ulfm" with --recover)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `pretrain_gpt_recover.py` needs, validated; one per rank, equal on all ranks."""
+
+    model: ModelConfig
+    optim: OptimConfig
+    precision: PrecisionConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    recover: RecoverConfig
+    micro_batch_size: int
+    """Samples per microbatch on one data-parallel rank (--micro-batch-size)."""
+    global_batch_size: int
+    """Samples per iteration, all ranks together (--global-batch-size, default mbs x dp)."""
+    train_iters: int
+    """Iterations to train, counted from 1 (--train-iters)."""
+    seed: int
+    """Base random seed (--seed, default 1234)."""
+    log_interval: int
+    """Iterations between console lines (--log-interval, default 100)."""
+    ignored_args: tuple[str, ...]
+    """Flags the user gave that are accepted but not implemented, in command-line order; the
+    entry point prints them once at start-up."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks at launch."""
+        return self.parallel.data_parallel_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas at launch (W_init)."""
+        return self.parallel.num_replicas
+
+    @property
+    def dp_ranks_per_replica(self) -> int:
+        """Data-parallel ranks in one replica."""
+        return self.parallel.dp_ranks_per_replica
+
+    @property
+    def b(self) -> int:
+        """B: microbatches per iteration over all data-parallel ranks, GBS // mbs. Fixed for the
+        run; a microbatch id names one data-parallel rank's micro-batch (DESIGN.md)."""
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def num_microbatches_per_dp_rank(self) -> int:
+        """Megatron's num_microbatches at launch: GBS // (mbs x dp)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def num_microbatches_per_replica(self) -> int:
+        """G_init: microbatch ids one replica contributes per iteration at launch (B // W_init)."""
+        return self.b // self.num_replicas

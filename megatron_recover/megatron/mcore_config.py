@@ -1,0 +1,118 @@
+"""megatron-core 0.16.1 config objects built from a `TrainConfig`.
+
+One builder per object the entry point hands to megatron-core; each maps our fields to
+megatron-core's names as Megatron-LM's own set-up does (megatron/training at core_v0.16.1).
+"""
+
+from __future__ import annotations
+
+from megatron_recover.megatron.config import TrainConfig
+
+
+def padded_vocab_size(cfg: TrainConfig, vocab_size: int) -> int:
+    """The tokenizer's vocabulary padded as Megatron-LM pads it: up to a multiple of
+    --make-vocab-size-divisible-by x TP."""
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-core config objects
+# ---------------------------------------------------------------------------------------------
+
+
+
+def to_transformer_config(cfg: TrainConfig):
+    """megatron-core TransformerConfig for the GPT model, as Megatron-LM builds it from its args.
+
+    Every fusion is off: their kernels come from Apex or Megatron's compiled extensions, which a
+    megatron-core install alone does not have (and never on CPU); with Transformer Engine's layer
+    spec, TE's own fused paths apply regardless. Position embeddings and the vocabulary are
+    GPTModel arguments, not part of this config.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    m, p, par = cfg.model, cfg.precision, cfg.parallel
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels,
+        num_query_groups=m.num_query_groups,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
+        # Megatron-LM keeps the QKV bias in step with --disable-bias-linear.
+        add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_bias_linear,
+        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        use_cpu_initialization=par.use_cpu_initialization,
+        gradient_accumulation_fusion=par.gradient_accumulation_fusion,
+        fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype, pipeline_dtype=p.params_dtype,
+        attention_softmax_in_fp32=p.attention_softmax_in_fp32,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False,
+        deallocate_pipeline_outputs=True,  # as Megatron-LM sets it
+    )
+
+
+def to_ddp_config(cfg: TrainConfig):
+    """megatron-core DistributedDataParallelConfig (gradient buffers, buckets, reduction)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    par = cfg.parallel
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        num_distributed_optimizer_instances=par.num_distributed_optimizer_instances,
+        bucket_size=par.ddp_bucket_size,
+    )
+
+
+def to_optimizer_config(cfg: TrainConfig):
+    """megatron-core OptimizerConfig for Adam (Megatron-LM's only optimizer we accept)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o, p = cfg.optim, cfg.precision
+    return OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype,
+        loss_scale=p.loss_scale, initial_loss_scale=p.initial_loss_scale,
+        min_loss_scale=p.min_loss_scale, loss_scale_window=p.loss_scale_window,
+        hysteresis=p.hysteresis,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+
+
+def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
+    """Keyword arguments of megatron-core's OptimizerParamScheduler (all but `optimizer`).
+
+    Steps are samples, as in Megatron-LM's iteration-based set-up: the caller steps the scheduler
+    by global_batch_size (= B x micro_batch_size) once per committed iteration.
+    """
+    o, gbs = cfg.optim, cfg.global_batch_size
+    decay_steps = o.lr_decay_iters * gbs
+    if o.lr_warmup_fraction is not None:
+        warmup_steps = o.lr_warmup_fraction * decay_steps  # Megatron's order of operations
+    else:
+        warmup_steps = o.lr_warmup_iters * gbs
+    return dict(
+        init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=cfg.train_iters * gbs, wd_incr_style="constant",
+        wsd_decay_steps=None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * gbs,
+        lr_wsd_decay_style=o.lr_wsd_decay_style,
+    )
+
+
+def to_policy_config(cfg: TrainConfig):
+    """The layer-3 PolicyConfig: W_init replicas, G_init microbatch ids each, policy and mode."""
+    from megatron_recover.policy import PolicyConfig
+
+    return PolicyConfig(w_init=cfg.num_replicas, g_init=cfg.num_microbatches_per_replica,
+                        policy=cfg.recover.policy, mode=cfg.recover.mode)
