@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test bench bench-restart bench-scale demo demo-collective clean
+.PHONY: setup build test bench bench-restart bench-scale demo demo-collective mutations clean
 
 setup: $(VENV)/.package-stamp
 
@@ -49,6 +49,10 @@ bench-restart: build
 
 bench-scale: build
 	$(PY) scripts/bench_scale.py
+
+# Break layer 2 or the data path on purpose; the ledger invariant must catch each (also in CI).
+mutations: build
+	$(PY) scripts/ledger_mutations.py
 
 demo: build
 	$(PY) scripts/demo.py

@@ -14,8 +14,8 @@ blocking restore, a death after the commit, two at once) and through every locat
 of the live replicas and the layout has spares.
 
 Runs the job twice, a failure-free reference and the failure run, and reports from their
-per-iteration logs and the victims' markers: the invariant of every iteration (contributions == B,
-ids hash == the policy's expected hash == the reference's), the failures injected and survived,
+per-iteration logs and the victims' markers: the ledger invariant of every iteration (B gradients
+of the failure-free batches, checksum == the reference's), the failures injected and survived,
 what each one did to the policy (replayed from the agreed failure records in the log), the time
 from each kill to its detection, restore and commit, the largest loss difference to the
 reference, the survivors' parameter digests, wall and start-up time and the ranks' peak memory
@@ -355,19 +355,20 @@ def recovery_times(deaths: list[dict], markers: list[dict]) -> list[dict]:
 
 
 def invariant_violations(records: list[dict], reference: list[dict]) -> list[str]:
-    """Iterations that broke the invariant or committed other ids than the reference."""
+    """Iterations whose gradient ledger broke the invariant or committed other batches than the
+    reference (the ledger checksum sums the committed batches' checksums)."""
     problems = []
-    ref_hash = {r["iteration"]: r["ids_hash"] for r in reference}
+    ref_checksum = {r["iteration"]: r["ledger_checksum"] for r in reference}
     for r in records:
         t = r["iteration"]
         if r["contributions"] != r["B"]:
             problems.append(f"iteration {t}: {r['contributions']} contributions, B = {r['B']}")
-        if not r["invariant_ok"] or r["ids_hash"] != r["expected_ids_hash"]:
-            problems.append(f"iteration {t}: invariant_ok {r['invariant_ok']}, ids hash "
-                            f"{r['ids_hash']} vs expected {r['expected_ids_hash']}")
-        if r["ids_hash"] != ref_hash.get(t):
-            problems.append(f"iteration {t}: ids hash {r['ids_hash']} vs reference "
-                            f"{ref_hash.get(t)}")
+        if not r["invariant_ok"]:
+            problems.append(f"iteration {t}: ledger invariant violated: "
+                            + "; ".join(r["ledger_problems"]))
+        if r["ledger_checksum"] != ref_checksum.get(t):
+            problems.append(f"iteration {t}: ledger checksum {r['ledger_checksum']} vs reference "
+                            f"{ref_checksum.get(t)}")
     return problems
 
 
@@ -524,7 +525,7 @@ def print_report(s: dict) -> None:
           f"{s['failures_survived']} survived; {s['boundary_failures']} made a policy boundary, "
           f"{s['promotion_failures']} were absorbed by a promotion, {s['spare_failures']} "
           f"killed a spare; the run went as planned: {s['plan_matches_run']}")
-    print(f"invariant (contributions == B, ids hash == expected == reference) in every "
+    print(f"ledger invariant (B gradients, the failure-free batches, == reference) in every "
           f"iteration: {not s['invariant_violations']}")
     for problem in s["invariant_violations"] + s["policy_replay_disagreements"]:
         print(f"  {problem}")

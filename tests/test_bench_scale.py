@@ -39,18 +39,19 @@ def test_the_plan_leaves_a_survivor():
         bench_scale.plan_failures(PolicyConfig(4, 2), 4, 0)
 
 
-def _record(iteration, contributions=8, ids_hash=1, expected=1, ok=True, events=()):
+def _record(iteration, contributions=8, checksum=1, ok=True, events=()):
     return {"iteration": iteration, "loss": 2.0, "contributions": contributions, "B": 8,
-            "ids_hash": ids_hash, "expected_ids_hash": expected, "invariant_ok": ok,
-            "events": list(events)}
+            "ledger_checksum": checksum, "invariant_ok": ok,
+            "ledger_problems": [] if ok else ["ids missing: [3]"], "events": list(events)}
 
 
 def test_invariant_checks_can_fail():
     reference = [_record(1), _record(2)]
     assert bench_scale.invariant_violations(reference, reference) == []
-    broken = [_record(1, contributions=7), _record(2, ids_hash=5, expected=5)]
+    broken = [_record(1, contributions=7, ok=False), _record(2, checksum=5)]
     problems = bench_scale.invariant_violations(broken, reference)
     assert any("7 contributions" in p for p in problems)
+    assert any("ids missing" in p for p in problems)
     assert any("vs reference" in p for p in problems)
 
 

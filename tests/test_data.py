@@ -239,7 +239,9 @@ def source(demo, gpt2):
 
 def test_microbatch_is_megatrons_gpt_batch(source, gpt2):
     batch = source.microbatch(2, 1)
-    assert set(batch) == {"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}
+    assert set(batch) == {"tokens", "labels", "loss_mask", "attention_mask", "position_ids",
+                          "iteration", "microbatch_id"}
+    assert (batch["iteration"], batch["microbatch_id"]) == (2, 1)
     for key in ("tokens", "labels", "position_ids"):
         assert batch[key].dtype == torch.int64 and batch[key].shape == (MBS, SEQ)
     assert batch["loss_mask"].dtype == torch.float32 and bool(torch.all(batch["loss_mask"] == 1))

@@ -13,7 +13,8 @@ Contract of `MicrobatchSource(config)`:
   attention_mask: None by default, because megatron-core's attention builds the causal mask
   itself when given None (AttnMaskType.causal, Megatron-LM's
   --no-create-attention-mask-in-dataloader), or bool [mbs, 1, seq, seq] (True = masked) with
-  `create_attention_mask`.
+  `create_attention_mask`. The batch also names itself: `iteration` and `microbatch_id` (ints),
+  which the schedule's forward step reads to register the microbatch in the gradient ledger.
 - Determinism: the same config gives bitwise the same microbatch in every process and run, built
   or loaded from the cache, because megatron-core's indices are seeded by `seed` alone.
 
@@ -43,12 +44,15 @@ during start-up. Mock data is built in memory and not cached (megatron's behavio
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
+
+from megatron_recover.recovery.ledger import CHECKSUM_MODULUS
 
 LOCK_NAME = ".build.lock"
 
@@ -57,6 +61,17 @@ DEFAULT_SPLIT = "969,30,1"
 DEFAULT_SEED = 1234
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def batch_checksum(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> int:
+    """A checksum of what a microbatch trains on (its tokens, labels and loss mask), in
+    [0, 2^31 - 1) so that sums of them ride exactly in the float64 commit lane. Equal batches give
+    equal checksums in every process."""
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor, dtype in ((tokens, torch.int64), (labels, torch.int64),
+                          (loss_mask, torch.float32)):
+        digest.update(tensor.detach().to("cpu", dtype).contiguous().view(-1).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") % CHECKSUM_MODULUS
 
 
 @dataclass(frozen=True)
@@ -177,10 +192,11 @@ class MicrobatchSource:
     def microbatch(self, iteration: int, microbatch_id: int) -> Dict[str, Optional[torch.Tensor]]:
         """Megatron's GPT batch for one microbatch id of one iteration, as CPU tensors."""
         samples = [self.dataset[index] for index in self.sample_range(iteration, microbatch_id)]
-        return {
+        batch = {
             key: torch.stack([sample[key] for sample in samples]) if key in samples[0] else None
             for key in BATCH_KEYS
         }
+        return {**batch, "iteration": iteration, "microbatch_id": microbatch_id}
 
 
 def _build_training_split(config: MicrobatchSourceConfig):

@@ -15,6 +15,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_recover.megatron import hooks
+from megatron_recover.megatron.data import batch_checksum
+
 _SEED_STRIDE = 1_000_003  # > any B: (iteration, id) pairs map to distinct seeds
 
 
@@ -74,8 +77,11 @@ def _loss_func(loss_mask, microbatch_id, on_first_loss, output_tensor):
 class MicrobatchPass:
     """`run(iteration, ids, losses)`: forward/backward of `ids` through megatron's schedule.
 
-    `microbatch(iteration, id)` yields megatron's GPT batch dict; `faults.at("backward", t)` fires
-    after the first forward of the first pass of an iteration, before its backward.
+    `microbatch(iteration, id)` yields megatron's GPT batch dict, which names its own iteration
+    and id; the forward step registers that batch (with a checksum of what it trains on) in the
+    gradient ledger, so the ledger records what the schedule consumed, not what it was asked to
+    run. `faults.at("backward", t)` fires after the first forward of the first pass of an
+    iteration, before its backward.
     """
 
     def __init__(self, ddp_model, microbatch, seq_length: int, micro_batch_size: int, seed: int,
@@ -94,10 +100,13 @@ class MicrobatchPass:
         for microbatch_id in ids:
             if self.reseed:
                 seed_microbatch(self.seed, iteration, microbatch_id)
-            yield microbatch_id, self.microbatch(iteration, microbatch_id)
+            yield self.microbatch(iteration, microbatch_id)
 
     def _forward_step(self, iteration, data_iterator, model):
-        microbatch_id, batch = next(data_iterator)
+        batch = next(data_iterator)
+        microbatch_id = batch["microbatch_id"]
+        hooks.register_microbatch(batch["iteration"], microbatch_id, batch_checksum(
+            batch["tokens"], batch["labels"], batch["loss_mask"]))
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                        labels=batch["labels"])
 

@@ -40,5 +40,12 @@ def finish_grad_sync(bucket_group) -> None:
     """Nothing: see start_grad_sync."""
 
 
+def register_microbatch(iteration: int, microbatch_id: int, checksum: int) -> None:
+    """The schedule consumed this microbatch: its gradient goes into this rank's buckets (the
+    gradient ledger of layer 2). Nothing without an installed recovery."""
+    for recovery in _recoveries.values():
+        recovery.register(iteration, microbatch_id, checksum)
+
+
 def loss_divisor(num_microbatches: int) -> int:
     return num_microbatches if _loss_divisor is None else _loss_divisor

@@ -48,3 +48,16 @@ class RecoverLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+
+    def write_missing(self, report, **extra) -> None:
+        """Taking over from a writer that died: drop the line it may have left half-written,
+        then write `report` unless the log already has its iteration."""
+        if self.path is None or not self.path.exists():
+            return self.write(report, **extra)
+        text = self.path.read_text()
+        complete = text[:text.rfind("\n") + 1]
+        if complete != text:
+            self.path.write_text(complete)
+        lines = complete.splitlines()
+        if not lines or json.loads(lines[-1])["iteration"] < report.iteration:
+            self.write(report, **extra)

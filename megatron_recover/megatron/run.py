@@ -24,6 +24,7 @@ from megatron_recover.faults.schedule import (
     load_schedule,
 )
 from megatron_recover.megatron import mcore_config
+from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
 from megatron_recover.megatron.report import RecoverLog, iteration_line
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
@@ -184,6 +185,12 @@ def parameter_digest(model) -> str:
     return digest.hexdigest()
 
 
+def save_parameters(model, path: Path) -> None:
+    """This rank's final parameters, by name, as CPU tensors (torch.save)."""
+    torch.save({name: param.detach().cpu().clone() for name, param in model.named_parameters()},
+               path)
+
+
 @dataclass
 class RankSetup:
     """What one rank built: megatron's model and optimizer, and its place among the replicas."""
@@ -280,7 +287,7 @@ def _faults(cfg, ctx, setup: RankSetup):
                            marker_path(cfg))
 
 
-def _trainer(cfg, ctx, setup: RankSetup) -> tuple[ResilientTrainer, int]:
+def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int]:
     """The resilient trainer of this rank and the first iteration to run (after a --load)."""
     from megatron.core import parallel_state
 
@@ -306,19 +313,23 @@ def _trainer(cfg, ctx, setup: RankSetup) -> tuple[ResilientTrainer, int]:
         computes_loss=parallel_state.is_pipeline_last_stage(),
         replica=replica_ids[setup.replica_index], replica_of_rank=replica_of_rank,
         run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,
+        audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
+                          micro_batch_size=cfg.micro_batch_size, train_iters=cfg.train_iters,
+                          policy=cfg.recover.policy, mode=cfg.recover.mode),
         restore=cfg.recover.restore),
         increment_samples=cfg.global_batch_size)
     return trainer, start
 
 
-def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> str:
-    """Train for cfg.train_iters iterations; the lowest live rank prints and logs.
+def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int):
+    """Train for cfg.train_iters iterations on `source` (a MicrobatchSource); the lowest live
+    rank prints and logs.
 
-    Returns the digest of this rank's final parameters.
+    Returns this rank's model (megatron's GPTModel, unwrapped) after the last iteration.
     """
-    setup = build(cfg, ctx, microbatch, vocab_size)
+    setup = build(cfg, ctx, source.microbatch, vocab_size)
     if cfg.recover.enabled:
-        _train_resilient(cfg, ctx, setup)
+        _train_resilient(cfg, ctx, setup, source.dataset)
     else:
         state = (setup.ddp_model, setup.optimizer, setup.scheduler)
         start = dist_checkpoint.load(cfg.checkpoint.load, *state) + 1 if cfg.checkpoint.load else 1
@@ -335,24 +346,32 @@ def train(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
             if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
                                         or iteration == cfg.train_iters):
                 dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
-    return parameter_digest(setup.ddp_model.module)
+    return setup.ddp_model.module
 
 
-def _train_resilient(cfg, ctx, setup: RankSetup) -> None:
-    trainer, start = _trainer(cfg, ctx, setup)
+def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> None:
+    trainer, start = _trainer(cfg, ctx, setup, dataset)
     log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None)
+    previous = None  # the last committed iteration's record, held by every rank
     for iteration in range(start, cfg.train_iters + 1):
         lr = setup.optimizer.param_groups[0]["lr"]
         report = trainer.train_step(iteration)
+        record = dict(lr=lr, tokens=report.contributions * cfg.micro_batch_size
+                      * cfg.model.seq_length)
         if cfg.checkpoint.save and iteration % cfg.checkpoint.save_interval == 0:
             save_checkpoint(cfg, trainer, setup, iteration)
         # The lowest live rank: position 0 of the lowest live replica.
         if setup.group.rank != 0 or setup.local_rank != 0:
+            previous = (report, record)
             continue
         if log.path is None and cfg.recover.log:
-            log = RecoverLog(cfg.recover.log)  # the writer moved to the lowest live rank
-        log.write(report, lr=lr,
-                  tokens=report.contributions * cfg.micro_batch_size * cfg.model.seq_length)
+            # The writer moved here: the last writer may have died after the previous commit,
+            # before its record was out.
+            log = RecoverLog(cfg.recover.log)
+            if previous is not None:
+                log.write_missing(previous[0], **previous[1])
+        previous = (report, record)
+        log.write(report, **record)
         if iteration % cfg.log_interval == 0 or report.events:
             print(iteration_line(report, cfg.train_iters, iteration * cfg.global_batch_size, lr,
                                  cfg.global_batch_size), flush=True)

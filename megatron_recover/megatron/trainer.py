@@ -6,15 +6,18 @@ One `ResilientTrainer.train_step(t)` per iteration, on every rank, drives the th
      megatron's schedule (pipeline flush and intra-replica syncs included), then every bucket's
      ulfm all-reduce is posted (layer 2 snapshots each bucket first; a spare zeroes its bucket
      after the snapshot).
-  2. The commit lane — this replica's loss sum, contribution count and an order-independent hash
-     of its contributed ids — is all-reduced on the same group, then a consensus gives every
-     survivor the same failure record. The census says whether each survivor's reductions all
-     succeeded under the current epoch.
+  2. The commit lane — this replica's loss sum and the gradient ledger its buckets sent (which
+     microbatch gradients they hold, with checksums of the batches; layer 2) — is all-reduced on
+     the same group, then a consensus gives every survivor the same failure record. The census
+     says whether each survivor's reductions all succeeded under the current epoch. The summed
+     ledger is checked against the failure-free iteration (`audit.LedgerAudit`), not against
+     the policy's plan.
   3. One verdict per replica: every intra-replica position (TP x PP rank) has its own
      cross-replica group, and the groups may learn of a dead replica in different rounds. The
      ranks of a replica exchange their records (an all-reduce on the intra-replica group): the
      dead replicas are the union, and the round commits only if no position saw a failure. Each
-     position's record is agreed by all replicas, so every live replica reaches the same verdict.
+     position's record is agreed by all replicas, so every live replica reaches the same verdict;
+     the invariant holds only if it holds at every position.
      A rank whose replica lost a member fails in this exchange and leaves (the replica gate).
   4. Otherwise the new dead replicas go to the policy: a promotion or a drop means a blocking
      restore (rewind every bucket, reduce again under the new membership); a boundary means a
@@ -35,24 +38,9 @@ import torch.distributed as dist
 
 from megatron_recover.collective import ULFMGroup
 from megatron_recover.megatron import hooks
-from megatron_recover.policy import ADAPTIVE, IdSet, WorkloadPolicy
-from megatron_recover.recovery import GradientRecovery
-
-_HASH_MODULUS = (1 << 31) - 1
-
-
-def ids_hash(ids: IdSet) -> int:
-    """Order-independent hash of a set of microbatch ids (a sum of mixed ids modulo 2^31-1).
-
-    Sums stay exact in float64 for any B below 2^22, so the hash can ride in the commit lane.
-    """
-    total = 0
-    for i in ids:
-        x = (i + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        total += (x ^ (x >> 31)) % _HASH_MODULUS
-    return total
+from megatron_recover.megatron.audit import LedgerAudit
+from megatron_recover.policy import ADAPTIVE, RESERVE, WorkloadPolicy
+from megatron_recover.recovery import GradientRecovery, LaneLayout
 
 
 @dataclass
@@ -61,13 +49,13 @@ class StepReport:
 
     iteration: int
     loss: float
-    contributions: int
+    contributions: int  # microbatch gradients in the committed buckets (the ledger's count)
     B: int
     live_replicas: int
     epoch: int
-    ids_hash: int
-    expected_ids_hash: int
-    invariant_ok: bool
+    ledger_checksum: int  # sum of the committed batches' checksums (this position)
+    invariant_ok: bool  # the committed ledger is the expected one, at every position
+    ledger_problems: list[str]  # what this position's audit found (empty when it holds)
     grad_norm: float | None
     iteration_ms: float
     extension_rounds: int
@@ -93,6 +81,7 @@ class TrainerParts:
     replica_of_rank: dict[int, int]
     run_pass: Callable[[int, list[int], dict[int, float]], None]
     faults: object
+    audit: LedgerAudit
     restore: bool = True  # False: the --recover-no-restore negative control
     # Distributed-optimizer instances (HSDP): the replica's data-parallel ranks at this rank's
     # TP x PP position. They split the replica's microbatches and reduce-scatter its buckets.
@@ -108,6 +97,10 @@ class ResilientTrainer:
         # observed progress. A crash is detected soon after; a frozen rank about the hang timeout.
         self._last_progress = time.time()
         self._iteration = 0
+        self._extended = False  # an extension pass ran in the iteration in progress
+        config = parts.policy.config
+        self.lane_layout = LaneLayout(config.b, reserve=config.mode == RESERVE
+                                      and config.policy != ADAPTIVE)
         buckets = [bucket.grad_data for group in parts.model.bucket_groups
                    for bucket in group.buckets]
         self.recovery = GradientRecovery(parts.group, buckets,
@@ -136,6 +129,8 @@ class ResilientTrainer:
         # without dropping it, backward would add each first microbatch's gradient twice.
         p.model.zero_grad_buffer()
         p.optimizer.zero_grad()
+        self.recovery.begin_iteration()
+        self._extended = False
         self.recovery.begin_pass()
         self.recovery.contributing = work.contributes_first_pass
         p.faults.at("pre-forward", iteration)
@@ -143,14 +138,18 @@ class ResilientTrainer:
 
         while True:
             failed_locally = bool(self.recovery.wait())
-            contributed = work.contributed
-            lane = torch.tensor([self._loss_sum(contributed, losses), float(len(contributed)),
-                                 float(ids_hash(contributed))], dtype=torch.float64)
+            lane = self._lane(iteration, losses)
             lane_record = p.group.allreduce(lane).wait()
             ok = int(not failed_locally and not lane_record.has_failure
                      and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
             agreed = p.group.consensus([ok]).wait()
-            dead, commit, loss_sum = self._replica_verdict(agreed, lane)
+            totals, problems = None, []
+            if not agreed.failed_ranks and agreed.census[0] == agreed.size:
+                # This position's round succeeded everywhere: its lane is the committed ledger.
+                totals = self.lane_layout.decode(lane[1:])
+                problems = p.audit.problems(iteration, totals, self._divisor())
+            dead, commit, loss_sum, invariant_ok = self._replica_verdict(agreed, lane,
+                                                                         bool(problems))
             if commit:
                 self._last_progress = time.time()
                 break
@@ -175,41 +174,58 @@ class ResilientTrainer:
             self._blocking_restore(iteration, work)
             events[-1]["restored"] = time.time()
 
-        return self._commit(iteration, lane, loss_sum, agreed, start, events)
+        p.audit.committed(totals)
+        return self._commit(iteration, totals, problems, invariant_ok, loss_sum, agreed, start,
+                            events)
 
     def _mine(self, ids) -> list[int]:
         """The ids of the replica's `ids` this rank runs: all, or every S-th with S shards."""
         return list(ids)[self._shard::self._shards]
 
-    def _loss_sum(self, contributed: IdSet, losses: dict[int, float]) -> float:
-        """The replica's loss sum over `contributed` (each id's loss is on the rank that ran it)."""
-        if not self.p.computes_loss:
-            return 0.0
-        total = sum(loss for i, loss in losses.items() if i in contributed)
-        if self.p.shard_group is None:
-            return total
-        total = torch.tensor([total], dtype=torch.float64)
-        dist.all_reduce(total, group=self.p.shard_group)  # intra-replica, as the reduce-scatter
-        return float(total.item())
+    def _divisor(self) -> int:
+        """What the iteration's loss and gradient are divided by if it commits now."""
+        config = self.p.policy.config
+        return self.p.policy.state.contributions() if config.policy == ADAPTIVE else config.b
 
-    def _replica_verdict(self, agreed, lane) -> tuple[set[int], bool, float]:
-        """(dead replicas seen by any position, commit?, loss sum) — equal on a replica's ranks.
+    def _lane(self, iteration: int, losses: dict[int, float]) -> torch.Tensor:
+        """[loss sum, ledger] of what this rank's buckets sent to their reductions; with
+        distributed-optimizer shards, summed over the replica's shards (the union of their
+        ledgers, as the reduce-scatter summed their gradients).
+
+        The loss sum is over the ids in the sent ledger, so the logged loss is the loss of the
+        gradients that were reduced (each id's loss is on the last pipeline stage that ran it).
+        """
+        sent, consistent = self.recovery.sent_ledger()
+        loss_sum = 0.0
+        if sent is not None and self.p.computes_loss:
+            loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
+        lane = torch.cat([torch.tensor([loss_sum], dtype=torch.float64),
+                          self.lane_layout.encode(sent, iteration, poison=int(not consistent))])
+        if self.p.shard_group is not None:
+            dist.all_reduce(lane, group=self.p.shard_group)  # intra-replica, as the reduce-scatter
+        return lane
+
+    def _replica_verdict(self, agreed, lane, ledger_bad: bool) -> tuple[set[int], bool, float,
+                                                                       bool]:
+        """(dead replicas seen by any position, commit?, loss sum, invariant held at every
+        position?) — equal on a replica's ranks.
 
         Without pipeline stages every position holds the loss; with them only the last stage
         does, and the others report 0, so the maximum is the replica's loss sum.
         """
         p = self.p
         w_init = p.policy.config.w_init
-        verdict = torch.zeros(w_init + 2, dtype=torch.float64)
+        verdict = torch.zeros(w_init + 3, dtype=torch.float64)
         for rank in agreed.failed_ranks:
             verdict[p.replica_of_rank[rank]] = 1.0
         verdict[w_init] = float(bool(agreed.failed_ranks) or agreed.census[0] != agreed.size)
         verdict[w_init + 1] = lane[0]
+        verdict[w_init + 2] = float(ledger_bad)
         if p.replica_group is not None:
             # A peer that died makes this raise; the exit hook then takes this rank down too.
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=p.replica_group)
         dead = {r for r in range(w_init) if verdict[r] > 0}
-        return dead, verdict[w_init] == 0, float(verdict[w_init + 1])
+        return dead, verdict[w_init] == 0, float(verdict[w_init + 1]), verdict[w_init + 2] == 0
 
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float]) -> None:
         """Run `ids` (possibly none: every rank still joins the reductions) through the schedule,
@@ -219,39 +235,43 @@ class ResilientTrainer:
         self.recovery.reduce_all()
 
     def _blocking_restore(self, iteration: int, work) -> None:
-        """Rewind every bucket and reduce it again under the new membership and roles."""
+        """Rewind every bucket and reduce it again under the new membership and roles.
+
+        The snapshot holds what the replica's latest reduction started from: its first pass
+        (which an unpromoted spare keeps out of the reduce) or, after an extension pass, exactly
+        the ids it contributes (extension ids, plus its earlier contributions added back).
+        """
         self.p.faults.at("during-restore", iteration)
         self.recovery.begin_pass()
         if self.p.restore:
             self.recovery.rewind()
-        self.recovery.contributing = work.contributes_first_pass
+        self.recovery.contributing = work.contributes_first_pass or self._extended
         self.recovery.reduce_all()
 
     def _extension_pass(self, iteration: int, work, losses: dict[int, float]) -> None:
         """Run the extension ids on empty buckets (so the schedule's intra-replica syncs see only
         the new gradients), then add back what this replica already counts, then reduce."""
         self.recovery.begin_pass()
+        self._extended = True
         extension = work.extension
         counted_before = len(work.contributed) - len(extension)
         if self.p.restore:
             self.recovery.zero()
         self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
-        if extension:
-            self.p.run_pass(iteration, self._mine(extension), losses)
+        # A shard may get none of its instance's extension ids: megatron's schedule cannot run
+        # zero microbatches, and the shard has nothing to add but still joins the reductions.
+        mine = self._mine(extension)
+        if mine:
+            self.p.run_pass(iteration, mine, losses)
         if self.p.restore and counted_before > 0:
             self.recovery.add_snapshots()
         self.recovery.reduce_all()
 
-    def _commit(self, iteration, lane, loss_sum, agreed, start, events) -> StepReport:
+    def _commit(self, iteration, totals, problems, invariant_ok, loss_sum, agreed, start,
+                events) -> StepReport:
         p = self.p
         result = p.policy.commit()
-        _, contributions, lane_hash = lane.tolist()
-        expected_hash = ids_hash(result.committed)
-        invariant_ok = (int(contributions) == result.contributions
-                        and int(lane_hash) == expected_hash
-                        and (p.policy.config.policy == ADAPTIVE
-                             or result.contributions == p.policy.config.b))
         if result.divisor != p.policy.config.b:
             # Losses were divided by B in the schedule; drop-and-go divides by what it committed.
             p.model.scale_gradients(p.policy.config.b / result.divisor)
@@ -263,9 +283,10 @@ class ResilientTrainer:
             event["committed"] = time.time()
         return StepReport(
             iteration=iteration, loss=loss_sum / result.divisor,
-            contributions=int(contributions), B=p.policy.config.b,
-            live_replicas=len(result.roles), epoch=agreed.epoch, ids_hash=int(lane_hash),
-            expected_ids_hash=expected_hash, invariant_ok=invariant_ok,
+            contributions=totals.count, B=p.policy.config.b,
+            live_replicas=len(result.roles), epoch=agreed.epoch,
+            ledger_checksum=totals.checksum, invariant_ok=bool(invariant_ok),
+            ledger_problems=problems,
             grad_norm=None if grad_norm is None else float(grad_norm),
             iteration_ms=(time.perf_counter() - start) * 1e3,
             extension_rounds=len(result.extension_rounds),

@@ -14,16 +14,21 @@ bucket receives the replica's sum), then the ulfm all-reduce of that shard acros
 snapshot is taken before the reduce-scatter, so a rewind — or an extension pass that adds the
 snapshot back — starts again from this rank's own gradient and no shard is counted twice.
 
+Every bucket carries a gradient ledger (`ledger.py`) that each of these operations updates as it
+updates the gradient; `sent_ledger()` is what this rank's buckets handed to their latest
+reductions, the evidence the commit lane carries.
+
 Contract: all members of the group call `reduce_bucket` for the same buckets in the same order.
 `wait()` never raises for a peer failure; failures come back as records.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
+from megatron_recover.recovery.ledger import Entry, Ledger
 
 
 @dataclass
@@ -33,6 +38,9 @@ class _Bucket:
     shard: torch.Tensor  # what the ulfm all-reduce sums: the whole bucket, or this rank's shard
     reduced_epoch: int | None = None  # epoch of the last successful reduction, None: not reduced
     work: ULFMWork | None = None
+    ledger: Ledger = field(default_factory=Ledger)  # what `grad` holds now
+    snapshot_ledger: Ledger = field(default_factory=Ledger)  # what `snapshot` holds
+    sent: Ledger | None = None  # what the latest reduction of this pass summed from this rank
 
 
 class GradientRecovery:
@@ -72,12 +80,31 @@ class GradientRecovery:
         size = grad.numel() // shards
         return grad.view(-1).narrow(0, dist.get_rank(self.shard_group) * size, size)
 
+    def begin_iteration(self) -> None:
+        """The gradient buffers were just zeroed for a new iteration: every ledger is empty."""
+        for bucket in self._buckets.values():
+            bucket.ledger.clear()
+            bucket.snapshot_ledger.clear()
+
     def begin_pass(self) -> None:
         """A new round of reductions starts: nothing is posted or reduced in it yet."""
         for bucket in self._buckets.values():
             assert bucket.work is None, "begin_pass with reductions in flight"
             bucket.reduced_epoch = None
+            bucket.sent = None
         self._posted_in_pass = 0
+
+    def register(self, iteration: int, microbatch_id: int, checksum: int) -> None:
+        """A microbatch's backward accumulates into every bucket of this rank: record it."""
+        entry = Entry(iteration, microbatch_id, checksum)
+        for bucket in self._buckets.values():
+            bucket.ledger.register(entry)
+
+    def sent_ledger(self) -> tuple[Ledger | None, bool]:
+        """(What this rank's buckets sent to their latest reductions, whether they all sent the
+        same). None when nothing was posted in this pass."""
+        sent = [bucket.sent for bucket in self._buckets.values()]
+        return sent[0], all(ledger == sent[0] for ledger in sent)
 
     def reduce_bucket(self, grad: torch.Tensor) -> None:
         """Snapshot `grad`, zero it on a non-contributing replica, reduce-scatter it inside the
@@ -87,8 +114,13 @@ class GradientRecovery:
         self._posted_in_pass += 1
         bucket = self._state(grad)
         bucket.snapshot.copy_(grad)
+        bucket.snapshot_ledger = bucket.ledger.copy()
         if not self.contributing:
             grad.zero_()
+            bucket.ledger.clear()
+        bucket.sent = bucket.ledger.copy()
+        # From here on `grad` holds the replica's (then the replicas') sum, not this rank's own.
+        bucket.ledger = Ledger(known=False)
         if self.shard_group is not None:
             # Intra-replica: a dead peer makes this raise and the rank leaves with its replica.
             dist.reduce_scatter_tensor(bucket.shard, grad, group=self.shard_group)
@@ -122,18 +154,21 @@ class GradientRecovery:
         """Restore every bucket to its pre-reduce contents (the snapshot)."""
         for bucket in self._buckets.values():
             bucket.grad.copy_(bucket.snapshot)
+            bucket.ledger = bucket.snapshot_ledger.copy()
             bucket.reduced_epoch = None
 
     def zero(self) -> None:
         """Empty every bucket, so that a pass accumulates (and syncs) only its own gradients."""
         for bucket in self._buckets.values():
             bucket.grad.zero_()
+            bucket.ledger.clear()
             bucket.reduced_epoch = None
 
     def add_snapshots(self) -> None:
         """Add the pre-reduce contents back on top of what a pass accumulated since `zero()`."""
         for bucket in self._buckets.values():
             bucket.grad.add_(bucket.snapshot)
+            bucket.ledger.add(bucket.snapshot_ledger)
 
     def reduce_all(self) -> None:
         """Post every bucket's reduction, in order (after a rewind the snapshot is retaken and

@@ -1,0 +1,100 @@
+"""The per-iteration invariant: what the buckets committed against what the failure-free run uses.
+
+The committed side comes from the gradient ledger (layer 2) as the commit lane summed it: which
+(iteration, id) gradients the reduced buckets held and the sum of the checksums of the batches the
+schedule consumed. The expected side is computed here without the policy: from the microbatch ids
+an iteration has by definition (DESIGN.md, "Exact semantics") and from megatron's `GPTDataset`,
+indexed directly rather than through `MicrobatchSource`.
+
+  exact      ids 0..B-1 of the iteration, each exactly once, and their dataset checksums;
+  reserve    B distinct ids; reserve ids (>= B) never committed before in the run;
+  adaptive   distinct failure-free ids, as many as the loss was divided by.
+In every mode the checksum sum equals the dataset checksums of the ids committed, no entry belongs
+to another iteration and no bucket was reduced with contents the ledger could not name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_recover.megatron.data import batch_checksum
+from megatron_recover.policy import ADAPTIVE, RESERVE
+from megatron_recover.recovery import LaneTotals
+
+
+class LedgerAudit:
+    """Checks one position's summed lane each round; keeps the run's committed reserve ids.
+
+    dataset: megatron's training-split dataset (`MicrobatchSource.dataset`), indexed by sample.
+    The sample arithmetic (iteration t's global batch is samples [(t-1)GBS, tGBS); reserve id B+j
+    is samples train_iters*GBS + j*mbs onwards) is DESIGN.md's, written out again on purpose.
+    """
+
+    def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int,
+                 train_iters: int, policy: str, mode: str):
+        self.dataset = dataset
+        self.gbs = global_batch_size
+        self.mbs = micro_batch_size
+        self.b = global_batch_size // micro_batch_size
+        self.train_iters = train_iters
+        self.policy = policy
+        self.mode = mode
+        self._checksums: dict[tuple[int, int], int] = {}
+        self._committed_reserve: set[int] = set()
+
+    def checksum(self, iteration: int, microbatch_id: int) -> int:
+        key = (iteration, microbatch_id)
+        if key not in self._checksums:
+            if microbatch_id < self.b:
+                first = (iteration - 1) * self.gbs + microbatch_id * self.mbs
+            else:
+                first = self.train_iters * self.gbs + (microbatch_id - self.b) * self.mbs
+            samples = [self.dataset[i] for i in range(first, first + self.mbs)]
+            self._checksums[key] = batch_checksum(
+                *(torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask")))
+            if len(self._checksums) > 8 * self.b:  # keep the cache to a few iterations
+                self._checksums.pop(next(iter(self._checksums)))
+        return self._checksums[key]
+
+    def problems(self, iteration: int, totals: LaneTotals, divisor: int) -> list[str]:
+        """What is wrong with the committed ledger `totals` of `iteration` (empty: the invariant
+        holds). `divisor`: what the iteration's loss and gradient are divided by."""
+        problems = []
+        if totals.poison:
+            problems.append(f"{totals.poison} bucket(s) reduced with contents the ledger cannot "
+                            "name, or a rank whose buckets' ledgers disagree")
+        if totals.foreign:
+            problems.append(f"{totals.foreign} gradient(s) of another iteration")
+        if totals.reserve_clash:
+            problems.append(f"reserve ids held twice ({totals.reserve_clash} entries)")
+        twice = [k for k, n in enumerate(totals.main_counts) if n > 1]
+        if twice:
+            problems.append(f"ids held more than once: {twice}")
+        main = totals.main_ids
+        if self.mode == RESERVE and self.policy != ADAPTIVE:
+            if totals.count != self.b:
+                problems.append(f"{totals.count} microbatch gradients, B = {self.b}")
+            again = sorted(self._committed_reserve.intersection(totals.reserve))
+            if again:
+                problems.append(f"reserve ids committed in an earlier iteration: {again}")
+        elif self.policy == ADAPTIVE:
+            if totals.reserve:
+                problems.append(f"reserve ids {list(totals.reserve)} in drop-and-go")
+            if totals.count != divisor:
+                problems.append(f"{totals.count} microbatch gradients, divided by {divisor}")
+        else:
+            missing = [k for k, n in enumerate(totals.main_counts) if n == 0]
+            if missing:
+                problems.append(f"ids missing: {missing}")
+            if totals.reserve:
+                problems.append(f"reserve ids {list(totals.reserve)} in exact mode")
+        expected = sum(self.checksum(iteration, k) for k in (*main, *totals.reserve))
+        expected += sum((n - 1) * self.checksum(iteration, k)
+                        for k, n in enumerate(totals.main_counts) if n > 1)
+        if totals.checksum != expected:
+            problems.append(f"batch checksums {totals.checksum} != {expected} from the dataset")
+        return problems
+
+    def committed(self, totals: LaneTotals) -> None:
+        """The iteration committed: its reserve ids may not come again."""
+        self._committed_reserve.update(totals.reserve)
