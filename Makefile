@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test bench bench-restart bench-scale demo demo-collective mutations clean
+.PHONY: setup build test bench bench-restart bench-scale demo demo-bf16 demo-collective mutations clean
 
 setup: $(VENV)/.package-stamp
 
@@ -56,6 +56,10 @@ mutations: build
 
 demo: build
 	$(PY) scripts/demo.py
+
+# The same demo in bf16 (megatron's Float16Module, fp32 main parameters and gradients).
+demo-bf16: build
+	$(PY) scripts/demo.py --precision bf16 --out runs/demo-bf16
 
 demo-collective: build
 	$(PY) scripts/demo_collective.py

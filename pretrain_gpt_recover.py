@@ -37,7 +37,8 @@ def main() -> None:
         import megatron.core
 
         print(f"megatron-recover: megatron-core {megatron.core.__version__} from "
-              f"{Path(megatron.core.__file__).parent}, {ctx.world_size} ranks", flush=True)
+              f"{Path(megatron.core.__file__).parent}, {ctx.world_size} ranks; "
+              f"{cfg.precision.describe()}", flush=True)
         if arguments.ignored_args_message(cfg):
             print(arguments.ignored_args_message(cfg), flush=True)
     if not torch.cuda.is_available():
@@ -59,12 +60,13 @@ def main() -> None:
     except collective.BackendUnavailable as error:
         runtime.stop_at_startup(str(error), finalize=True)  # MPI without fault tolerance
     runtime.init_torch_distributed(ctx)
-    model = run.train(cfg, ctx, source, vocab_size)
+    trained = run.train(cfg, ctx, source, vocab_size)
     if status_dir:
         # Test and benchmark harnesses compare final parameters across runs.
-        run.save_parameters(model, Path(status_dir) / f"rank-{ctx.rank}.params.pt")
+        run.save_parameters(trained.model, Path(status_dir) / f"rank-{ctx.rank}.params.pt")
     runtime.finish(finalize=cfg.recover.cross_replica_backend != "ulfm",
-                   param_digest=run.parameter_digest(model))
+                   param_digest=run.parameter_digest(trained.model),
+                   loss_scale=trained.loss_scale, skipped_iterations=trained.skipped_iterations)
 
 
 if __name__ == "__main__":

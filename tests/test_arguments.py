@@ -3,7 +3,7 @@ parser), config.py (the TrainConfig) and mcore_config.py (megatron-core config o
 
 Run:  .venv/bin/python -m pytest tests/test_arguments.py -q -p no:cacheprovider
 Hardware: none beyond a CPU; pure in-process, a few seconds. `cuda_available` is a parameter
-of parse_args, so the CUDA-only paths (fp16, bf16, gradient-accumulation fusion) are checked here
+of parse_args, so the CUDA-only paths (gradient-accumulation fusion, Transformer Engine) are checked here
 without a GPU; the megatron-core config objects are built but no model is.
 
 What it checks: a Megatron GPT command line from Megatron-LM's examples parses with Megatron's
@@ -230,8 +230,6 @@ def test_padded_vocab_size():
     (["--virtual-pipeline-model-parallel-size", "2"], ["drop --virtual-pipeline-model-parallel"]),
     (["--train-samples", "1000"], ["--train-samples", "use --train-iters"]),
     (["--lr-warmup-samples", "10"], ["--lr-warmup-samples", "--lr-warmup-fraction"]),
-    (["--fp16"], ["--fp16 needs a CUDA device", "drop --fp16"]),
-    (["--bf16"], ["--bf16 needs a CUDA device", "drop --bf16"]),
     (["--gradient-accumulation-fusion"],
      ["--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"]),
     (["--transformer-impl", "transformer_engine"], ["--transformer-impl local"]),
@@ -243,15 +241,24 @@ def test_refused_on_cpu(extra, expected):
         assert text in message, (text, message)
 
 
+def test_mixed_precision_on_either_device():
+    for cuda in (False, True):
+        assert small("--bf16", cuda_available=cuda).precision.bf16
+        assert small("--fp16", cuda_available=cuda).precision.fp16
+
+
 def test_cuda_only_options_pass_with_cuda():
-    assert small("--bf16", cuda_available=True).precision.bf16
-    assert small("--fp16", cuda_available=True).precision.fp16
     cfg = small("--sequence-parallel", "--tensor-model-parallel-size", "2", cuda_available=True)
     assert cfg.parallel.sequence_parallel and cfg.ignored_args == ()
 
 
 def test_both_precisions():
     assert "pass one of them" in refused("--fp16", "--bf16", cuda_available=True)
+
+
+def test_grad_reduce_in_bf16_needs_bf16():
+    assert "needs --bf16" in refused("--grad-reduce-in-bf16")
+    assert "needs --bf16" in refused("--fp16", "--grad-reduce-in-bf16")
 
 
 def test_world_not_divisible_by_model_parallel():
@@ -393,8 +400,9 @@ def test_save_needs_interval(tmp_path):
 
 
 def test_every_problem_in_one_message():
-    message = refused("--fp16", "--context-parallel-size", "2", "--recover-mode", "exact")
-    assert "--fp16" in message and "--context-parallel-size" in message
+    message = refused("--gradient-accumulation-fusion", "--context-parallel-size", "2",
+                      "--recover-mode", "exact")
+    assert "--gradient-accumulation-fusion" in message and "--context-parallel-size" in message
     assert "without --recover" in message
     assert len(message.splitlines()) == 4  # a header and one line per problem
 
@@ -480,8 +488,22 @@ def test_ddp_config():
     assert ddp.overlap_grad_reduce and ddp.bucket_size == 1000
     assert ddp.use_distributed_optimizer and ddp.num_distributed_optimizer_instances == 2
     assert not ddp.grad_reduce_in_fp32
-    # bf16 gradients are accumulated and reduced in fp32, as Megatron-LM forces it.
-    assert to_ddp_config(small("--bf16", cuda_available=True)).grad_reduce_in_fp32
+    # As Megatron-LM's validate_args: bf16 gradients are accumulated and reduced in fp32 unless
+    # --grad-reduce-in-bf16; fp16 only with --accumulate-allreduce-grads-in-fp32.
+    assert to_ddp_config(small("--bf16")).grad_reduce_in_fp32
+    assert not to_ddp_config(small("--bf16", "--grad-reduce-in-bf16")).grad_reduce_in_fp32
+    assert not to_ddp_config(small("--fp16")).grad_reduce_in_fp32
+    assert to_ddp_config(small("--fp16", "--accumulate-allreduce-grads-in-fp32")).grad_reduce_in_fp32
+
+
+def test_precision_startup_line():
+    assert small("--bf16").precision.describe() == (
+        "bf16 parameters (fp32 main copy in the optimizer), gradients accumulated and reduced "
+        "in fp32")
+    assert "reduced in bf16" in small("--bf16", "--grad-reduce-in-bf16").precision.describe()
+    assert small("--fp16", "--initial-loss-scale", "4096").precision.describe().endswith(
+        "reduced in fp16, dynamic loss scale from 4096")
+    assert small().precision.describe() == "fp32 parameters, gradients accumulated and reduced in fp32"
 
 
 def test_optimizer_config():

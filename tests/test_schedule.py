@@ -7,9 +7,11 @@ import pytest
 from megatron_recover.cli import main as cli
 from megatron_recover.faults.schedule import (
     LOCATIONS,
+    Overflow,
     ScheduleEntry,
     generate_schedule,
     injection_report,
+    load_overflows,
     load_schedule,
     write_schedule,
 )
@@ -41,6 +43,18 @@ def test_round_trip(tmp_path):
 def test_bad_entries_name_the_problem(tmp_path, entry, message):
     with pytest.raises(ValueError, match=message):
         load_schedule(write(tmp_path, f"entries:\n  - {entry}\n"), 4, 2, 10)
+
+
+def test_overflows(tmp_path):
+    path = write(tmp_path, "entries: []\noverflows:\n  - {iteration: 3, microbatch_id: 5}\n")
+    assert load_schedule(path, 4, 1, 10) == []
+    assert load_overflows(path, 8, 10) == [Overflow(3, 5)]
+    assert load_overflows(write(tmp_path, "entries: []\n"), 8, 10) == []
+    for bad, message in (("{iteration: 3, microbatch_id: 8}", "microbatch_id in 0..7"),
+                         ("{iteration: 0, microbatch_id: 1}", "iteration must be in 1..10"),
+                         ("{iteration: 3}", "exactly the keys")):
+        with pytest.raises(ValueError, match=message):
+            load_overflows(write(tmp_path, f"entries: []\noverflows:\n  - {bad}\n"), 8, 10)
 
 
 def test_a_rank_dies_once(tmp_path):

@@ -38,6 +38,14 @@ def test_schedule_naming_what_does_not_exist(tmp_path, replica, location, expect
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
+def test_forced_overflow_needs_fp16(tmp_path):
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("entries: []\noverflows:\n  - {iteration: 1, microbatch_id: 0}\n")
+    refused(tmp_path, ["--bf16", "--recover", "--recover-failure-schedule", str(schedule)],
+            "add --fp16 or drop 'overflows'")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
 def test_global_batch_not_divisible(tmp_path):
     refused(tmp_path, ["--global-batch-size", "3", "--recover"], "--global-batch-size")
 

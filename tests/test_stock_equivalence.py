@@ -2,7 +2,8 @@
 
 Run: `make test`. CPU only. The unpatched copy is megatron-core's verified source distribution
 (downloaded by `make setup`) extracted without our patches and put first on PYTHONPATH; both runs
-are the same 4-rank job on the same data, and must end with bitwise-equal parameters.
+are the same 4-rank job on the same data, and must end with bitwise-equal parameters, in fp32,
+bf16 and fp16 (Float16Module and megatron's mixed-precision optimizer).
 """
 
 import shutil
@@ -38,8 +39,9 @@ def unpatched_megatron(tmp_path: Path) -> Path:
     return source
 
 
-def stock_run(tmp_path: Path, name: str):
-    result = launch(LaunchConfig(4, [*ENTRY, *JOB], tmp_path / name, timeout_s=TIMEOUT_S))
+def stock_run(tmp_path: Path, name: str, precision: list[str]):
+    result = launch(LaunchConfig(4, [*ENTRY, *JOB, *precision], tmp_path / name,
+                                 timeout_s=TIMEOUT_S))
     assert result.succeeded, result.output[-4000:]
     losses = [line.split("lm loss:")[1].split("|")[0].strip()
               for line in result.output.splitlines() if "lm loss:" in line]
@@ -48,12 +50,14 @@ def stock_run(tmp_path: Path, name: str):
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
-def test_patched_without_recover_equals_unpatched(tmp_path, monkeypatch):
-    _, patched_losses, patched_digests = stock_run(tmp_path, "patched")
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]],
+                         ids=["fp32", "bf16", "fp16"])
+def test_patched_without_recover_equals_unpatched(tmp_path, monkeypatch, precision):
+    _, patched_losses, patched_digests = stock_run(tmp_path, "patched", precision)
     source = unpatched_megatron(tmp_path)
     assert "recover_hooks" not in (source / "megatron/core/pipeline_parallel/schedules.py").read_text()
     monkeypatch.setenv("PYTHONPATH", str(source))
-    output, unpatched_losses, unpatched_digests = stock_run(tmp_path, "unpatched")
+    output, unpatched_losses, unpatched_digests = stock_run(tmp_path, "unpatched", precision)
     assert f"from {source}/megatron/core" in output, output[-2000:]
     assert len(patched_losses) == 4 and patched_losses == unpatched_losses
     assert len(patched_digests) == 1 and patched_digests == unpatched_digests

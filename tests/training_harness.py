@@ -72,10 +72,10 @@ def loss_rdiff(records: list[dict], reference: list[dict]) -> float:
 
 
 def param_rdiff(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """Max over tensors of max |a - b| / max |b|."""
+    """Max over tensors of max |a - b| / max |b| (computed in fp32 whatever the precision)."""
     assert params.keys() == reference.keys()
-    return max(float((params[k] - reference[k]).abs().max() / reference[k].abs().max())
-               for k in reference)
+    return max(float((params[k].float() - reference[k].float()).abs().max()
+                     / reference[k].float().abs().max()) for k in reference)
 
 
 def assert_exact(run: TrainingRun, reference: TrainingRun, label: str) -> tuple[float, float]:

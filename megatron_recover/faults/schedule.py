@@ -15,6 +15,11 @@ Locations, in the order an iteration reaches them:
   optimizer-step    after the commit, before the optimizer step
 The victim writes a marker {location, iteration, rank, time} right before it SIGKILLs itself; an
 entry whose point the run never reaches is reported as not injected (`injection_report`).
+
+An optional top-level `overflows` list of {iteration, microbatch_id} forces an fp16 overflow: the
+backward of that microbatch, on whichever replica runs it (again, after a failure), is scaled to
+inf, so the loss scaler must skip the step. Each firing leaves a marker with location `overflow`.
+A schedule may hold only overflows (`entries: []`): the failure-free reference of such a run.
 """
 
 import os
@@ -88,6 +93,31 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
     return entries
 
 
+@dataclass(frozen=True)
+class Overflow:
+    iteration: int
+    microbatch_id: int
+
+
+def load_overflows(path: Path, b: int, train_iters: int) -> list[Overflow]:
+    """The schedule's forced fp16 overflows; ValueError names the entry and what to change."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    raws = data.get("overflows", []) if isinstance(data, dict) else []
+    if not isinstance(raws, list):
+        raise ValueError(f"{path}: 'overflows' must be a list of {{iteration, microbatch_id}}")
+    overflows = []
+    for i, raw in enumerate(raws):
+        if not isinstance(raw, dict) or set(raw) != {"iteration", "microbatch_id"}:
+            raise ValueError(f"{path}: overflow {i} must have exactly the keys iteration, "
+                             "microbatch_id")
+        overflow = Overflow(int(raw["iteration"]), int(raw["microbatch_id"]))
+        if not 1 <= overflow.iteration <= train_iters or not 0 <= overflow.microbatch_id < b:
+            raise ValueError(f"{path}: overflow {i}: iteration must be in 1..{train_iters} and "
+                             f"microbatch_id in 0..{b - 1}")
+        overflows.append(overflow)
+    return overflows
+
+
 def write_schedule(entries: list[ScheduleEntry], path: Path) -> None:
     Path(path).write_text(yaml.safe_dump({"entries": [asdict(e) for e in entries]},
                                          sort_keys=False))
@@ -116,8 +146,9 @@ class ScheduledFaults:
     """The entries that concern this rank, fired at their points by the trainer."""
 
     def __init__(self, entries: list[ScheduleEntry], replica: int, local_rank: int,
-                 world_rank: int, marker_path: Path):
+                 world_rank: int, marker_path: Path, overflows: list[Overflow] = ()):
         self.mine = [e for e in entries if (e.replica, e.local_rank) == (replica, local_rank)]
+        self.overflows = {(o.iteration, o.microbatch_id) for o in overflows}
         self.world_rank = world_rank
         self.marker_path = Path(marker_path)
 
@@ -140,6 +171,15 @@ class ScheduledFaults:
                 pass
             return
         os.kill(os.getpid(), signal.SIGSTOP if entry.action == "stop" else signal.SIGKILL)
+
+    def overflow(self, iteration: int, microbatch_id: int) -> bool:
+        """Whether this microbatch's backward is to overflow (leaves a marker when it does)."""
+        if (iteration, microbatch_id) not in self.overflows:
+            return False
+        write_marker(self.marker_path, "overflow", self.world_rank,
+                     {"location": "overflow", "iteration": iteration,
+                      "microbatch_id": microbatch_id})
+        return True
 
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         """Arm the native points of `iteration` (reduce: its `bucket_index`-th bucket, from 1)."""
@@ -171,6 +211,9 @@ class NoFaults:
 
     def at(self, location: str, iteration: int) -> None:
         pass
+
+    def overflow(self, iteration: int, microbatch_id: int) -> bool:
+        return False
 
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         pass

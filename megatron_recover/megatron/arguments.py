@@ -11,7 +11,7 @@ meaning and default (megatron/training/arguments.py at core_v0.16.1). What we ad
   refused       parsed only to stop at start-up with a message saying what to change: they would
                 change the math or break the invariant that every committed iteration sums exactly
                 B microbatch gradients (context / expert parallelism, batch ramp-up, per-token loss,
-                virtual pipeline stages, sample-based schedules, precisions the device cannot do).
+                virtual pipeline stages, sample-based schedules, kernels the device cannot run).
 Any other argument is an argparse error (exit status 2), as in Megatron-LM.
 
 `parse_args` raises `ValueError` for every user mistake it can see, all of them in one message,
@@ -150,6 +150,7 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
 
 
@@ -319,12 +320,6 @@ def _device_refusals(ns, cuda_available: bool) -> list[str]:
     if cuda_available:
         return []
     problems = []
-    if ns.fp16:
-        problems.append("--fp16 needs a CUDA device (no fp16 training on CPU): drop --fp16 to "
-                        "train in fp32 on this machine")
-    if ns.bf16:
-        problems.append("--bf16 needs a CUDA device (megatron-core's bf16 path, Float16Module with "
-                        "fp32 main grads, is not run on CPU here): drop --bf16 to train in fp32")
     if ns.gradient_accumulation_fusion:
         problems.append("--gradient-accumulation-fusion needs the CUDA kernel of Apex or "
                         "Transformer Engine: drop it (or pass --no-gradient-accumulation-fusion)")
@@ -340,7 +335,17 @@ def _device_refusals(ns, cuda_available: bool) -> list[str]:
 def _precision(ns) -> list[str]:
     if ns.fp16 and ns.bf16:
         return ["--fp16 and --bf16 were both given: pass one of them (or neither for fp32)"]
+    if ns.grad_reduce_in_bf16 and not ns.bf16:
+        return ["--grad-reduce-in-bf16 reduces bf16 gradient buffers: it needs --bf16"]
     return []
+
+
+def _grads_in_fp32(ns) -> bool:
+    """Megatron-LM's validate_args: bf16 accumulates and reduces gradients in fp32 unless
+    --grad-reduce-in-bf16; fp16 and fp32 only when --accumulate-allreduce-grads-in-fp32."""
+    if ns.bf16:
+        return not ns.grad_reduce_in_bf16
+    return ns.accumulate_allreduce_grads_in_fp32
 
 
 def _model_shape(ns) -> list[str]:
@@ -585,8 +590,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
     """Parse a Megatron GPT command line into a validated TrainConfig.
 
     argv: the arguments without the program name. world_size: ranks at launch (from MPI).
-    cuda_available: whether this rank trains on CUDA; on CPU, fp16/bf16 and CUDA-only kernels
-    are refused. Raises ValueError (one message, a line per problem, each saying what to change)
+    cuda_available: whether this rank trains on CUDA; on CPU, CUDA-only kernels are refused. Raises ValueError (one message, a line per problem, each saying what to change)
     for a bad combination; argparse exits with status 2 on unknown or malformed arguments.
     Pure: reads only argv and the files it names (dataset, tokenizer, failure schedule).
     """
@@ -623,8 +627,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
             fp16=ns.fp16, bf16=ns.bf16, loss_scale=ns.loss_scale,
             initial_loss_scale=ns.initial_loss_scale, min_loss_scale=ns.min_loss_scale,
             loss_scale_window=ns.loss_scale_window, hysteresis=ns.hysteresis,
-            # bf16 gradients are accumulated and reduced in fp32 (Megatron-LM's validate_args).
-            accumulate_allreduce_grads_in_fp32=ns.accumulate_allreduce_grads_in_fp32 or ns.bf16,
+            accumulate_allreduce_grads_in_fp32=_grads_in_fp32(ns),
             attention_softmax_in_fp32=ns.attention_softmax_in_fp32),
         parallel=ParallelConfig(
             world_size=world_size, tensor_model_parallel_size=tp,

@@ -113,9 +113,9 @@ class PrecisionConfig:
     """Parameter precision and loss scaling (--fp16 / --bf16; fp32 when neither)."""
 
     fp16: bool
-    """Parameters and compute in float16, with loss scaling (--fp16); needs CUDA."""
+    """Parameters and compute in float16, with loss scaling (--fp16)."""
     bf16: bool
-    """Parameters and compute in bfloat16 (--bf16); needs CUDA."""
+    """Parameters and compute in bfloat16 (--bf16)."""
     loss_scale: float | None
     """Static loss scale for fp16 (--loss-scale); None: dynamic scaling."""
     initial_loss_scale: float
@@ -128,7 +128,7 @@ class PrecisionConfig:
     """Dynamic loss-scale hysteresis (--hysteresis, default 2)."""
     accumulate_allreduce_grads_in_fp32: bool
     """Gradient buffers and their reduction in fp32 (--accumulate-allreduce-grads-in-fp32);
-    forced on with --bf16, as Megatron-LM does."""
+    on with --bf16 unless --grad-reduce-in-bf16, as Megatron-LM sets it."""
     attention_softmax_in_fp32: bool
     """Attention masking and softmax in fp32 (--attention-softmax-in-fp32, default off as in
     Megatron-LM; megatron-core's own default is on)."""
@@ -139,6 +139,18 @@ class PrecisionConfig:
         import torch
 
         return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+    def describe(self) -> str:
+        """One start-up line: parameter, gradient and loss-scaling precision."""
+        params = "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
+        grads = "fp32" if self.accumulate_allreduce_grads_in_fp32 or params == "fp32" else params
+        line = f"{params} parameters (fp32 main copy in the optimizer)" if params != "fp32" \
+            else "fp32 parameters"
+        line += f", gradients accumulated and reduced in {grads}"
+        if self.fp16:
+            line += (f", static loss scale {self.loss_scale:g}" if self.loss_scale is not None
+                     else f", dynamic loss scale from {self.initial_loss_scale:g}")
+        return line
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from functools import partial
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.transformer.module import Float16Module
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -65,13 +66,16 @@ def seed_microbatch(seed: int, iteration: int, microbatch_id: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(mixed)
 
 
-def _loss_func(loss_mask, microbatch_id, on_first_loss, output_tensor):
+def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, output_tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
     on_first_loss()
-    # The schedule divides the returned loss in place; report a copy.
-    return loss, {"id": microbatch_id, "lm loss": loss.detach().clone()}
+    # The schedule divides the returned loss in place; report a copy (never the forced overflow).
+    reported = {"id": microbatch_id, "lm loss": loss.detach().clone()}
+    if overflow():
+        loss = loss * float("inf")  # a failure-schedule test of fp16's loss scaler
+    return loss, reported
 
 
 class MicrobatchPass:
@@ -115,7 +119,8 @@ class MicrobatchPass:
                 self._fired_backward_for = iteration
                 self.faults.at("backward", iteration)
 
-        return output, partial(_loss_func, batch["loss_mask"], microbatch_id, on_first_loss)
+        return output, partial(_loss_func, batch["loss_mask"], microbatch_id, on_first_loss,
+                               partial(self.faults.overflow, batch["iteration"], microbatch_id))
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float]) -> None:
         outputs = self.forward_backward(

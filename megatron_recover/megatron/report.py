@@ -18,9 +18,12 @@ def iteration_line(report, train_iters: int, consumed_samples: int, lr: float,
             f" consumed samples: {consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {report.iteration_ms:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |"
-            f" lm loss: {report.loss:.6E} | grad norm: {grad_norm} |"
-            f" live replicas: {report.live_replicas} | contributions: {report.contributions}/"
-            f"{report.B} |")
+            f" lm loss: {report.loss:.6E} | loss scale: {report.loss_scale:.1f} |"
+            f" grad norm: {grad_norm} |")
+    if report.skipped:
+        line += " skipped (inf/nan gradient) |"
+    line += (f" live replicas: {report.live_replicas} |"
+             f" contributions: {report.contributions}/{report.B} |")
     for event in report.events:
         if event["event"] == "failure":
             line += (f"\n     replica(s) {event['replicas']} lost (ranks {event['ranks']}),"

@@ -21,11 +21,12 @@ from megatron_recover import collective, runtime
 from megatron_recover.faults.schedule import (
     NoFaults,
     ScheduledFaults,
+    load_overflows,
     load_schedule,
 )
 from megatron_recover.megatron import mcore_config
 from megatron_recover.megatron.audit import LedgerAudit
-from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
+from megatron_recover.megatron.gpt import Float16Module, MicrobatchPass, build_gpt, wrap_ddp
 from megatron_recover.megatron.report import RecoverLog, iteration_line
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
 from megatron_recover.megatron import checkpoint, dist_checkpoint
@@ -53,11 +54,14 @@ def check_start(cfg) -> None:
         raise ValueError("--save/--load with --recover write one file per TP x PP position and "
                          "do not hold distributed-optimizer shards yet: drop --save/--load or "
                          "use one data-parallel rank per instance")
-    if cfg.precision.fp16 or cfg.precision.bf16:
-        raise ValueError("--recover runs fp32 for now: drop --fp16/--bf16")
     if cfg.recover.failure_schedule:
         load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
                       cfg.parallel.ranks_per_replica, cfg.train_iters)
+        overflows = load_overflows(cfg.recover.failure_schedule, cfg.b, cfg.train_iters)
+        if overflows and not cfg.precision.fp16:
+            raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
+                             "scaler, which skips the step; without --fp16 the inf gradient "
+                             "would reach the parameters: add --fp16 or drop 'overflows'")
 
 
 def _cross_replica_groups(replica_group_ranks: list[int],
@@ -91,7 +95,8 @@ def _optimizer_and_scheduler(cfg, ddp_model):
 
 
 def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, iteration):
-    """One iteration of plain Megatron data parallelism over the same ids as the policy's."""
+    """One iteration of plain Megatron data parallelism over the same ids as the policy's:
+    (loss, grad norm, milliseconds, skipped by the fp16 loss scaler?)."""
     # Megatron's sampler order: data-parallel rank r's m-th microbatch is slice m * dp + r.
     dp = cfg.data_parallel_size
     ids = [m * dp + dp_rank for m in range(cfg.num_microbatches_per_dp_rank)]
@@ -100,11 +105,13 @@ def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, itera
     optimizer.zero_grad()
     losses = {}
     micro_pass.run(iteration, ids, losses)
-    _, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=cfg.global_batch_size)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:  # as Megatron-LM: a step skipped by the fp16 loss scaler keeps the lr
+        scheduler.step(increment=cfg.global_batch_size)
     total = torch.tensor([sum(losses.values())], dtype=torch.float64)
     dist.all_reduce(total)
-    return total.item() / cfg.b, grad_norm, (time.perf_counter() - start) * 1e3
+    return (total.item() / cfg.b, grad_norm, (time.perf_counter() - start) * 1e3,
+            not update_successful)
 
 
 def microbatch_source(cfg):
@@ -231,6 +238,9 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     model = build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size),
                       cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
                       share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
+    if cfg.precision.fp16 or cfg.precision.bf16:
+        # As Megatron-LM's get_model: fp16/bf16 parameters and compute, fp32 outputs.
+        model = Float16Module(tconfig, model)
     # A replica is a data-parallel rank's TP x PP ranks or, with distributed-optimizer instances
     # (Megatron's HSDP form), an instance: its shards reduce-scatter inside it, and only the
     # all-reduce across instances crosses replicas.
@@ -284,7 +294,8 @@ def _faults(cfg, ctx, setup: RankSetup):
         shutil.copy(cfg.recover.failure_schedule,
                     Path(cfg.recover.log).with_suffix(".schedule.yaml"))
     return ScheduledFaults(entries, setup.replica_index, setup.local_rank, ctx.rank,
-                           marker_path(cfg))
+                           marker_path(cfg),
+                           load_overflows(cfg.recover.failure_schedule, cfg.b, cfg.train_iters))
 
 
 def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int]:
@@ -321,41 +332,62 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int
     return trainer, start
 
 
-def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int):
-    """Train for cfg.train_iters iterations on `source` (a MicrobatchSource); the lowest live
-    rank prints and logs.
+@dataclass
+class Trained:
+    """What a rank ends training with (its status file reports the scaler's part)."""
 
-    Returns this rank's model (megatron's GPTModel, unwrapped) after the last iteration.
-    """
+    model: object  # megatron's GPTModel, unwrapped
+    loss_scale: float  # the optimizer's final loss scale (1.0 without fp16 scaling)
+    skipped_iterations: list[int]  # iterations whose step the fp16 loss scaler skipped
+
+
+def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trained:
+    """Train for cfg.train_iters iterations on `source` (a MicrobatchSource); the lowest live
+    rank prints and logs."""
     setup = build(cfg, ctx, source.microbatch, vocab_size)
+    skipped = []
     if cfg.recover.enabled:
-        _train_resilient(cfg, ctx, setup, source.dataset)
+        skipped = _train_resilient(cfg, ctx, setup, source.dataset)
     else:
         state = (setup.ddp_model, setup.optimizer, setup.scheduler)
         start = dist_checkpoint.load(cfg.checkpoint.load, *state) + 1 if cfg.checkpoint.load else 1
         for iteration in range(start, cfg.train_iters + 1):
-            loss, grad_norm, ms = _stock_step(cfg, setup.ddp_model, setup.optimizer,
-                                              setup.scheduler, setup.micro_pass, setup.dp_rank,
-                                              iteration)
+            loss, grad_norm, ms, was_skipped = _stock_step(
+                cfg, setup.ddp_model, setup.optimizer, setup.scheduler, setup.micro_pass,
+                setup.dp_rank, iteration)
+            if was_skipped:
+                skipped.append(iteration)
             if ctx.rank == 0 and iteration % cfg.log_interval == 0:
                 norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
                 print(f" iteration {iteration:8d}/{cfg.train_iters:8d} | lm loss: {loss:.6E} |"
-                      f" elapsed time per iteration (ms): {ms:.1f} | grad norm: {norm} |",
+                      f" elapsed time per iteration (ms): {ms:.1f} |"
+                      f" loss scale: {float(setup.optimizer.get_loss_scale()):.1f} |"
+                      f" grad norm: {norm} | number of skipped iterations: {len(skipped)} |",
                       flush=True)
             # As Megatron-LM: every --save-interval iterations, and once more at the end.
             if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
                                         or iteration == cfg.train_iters):
                 dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
-    return setup.ddp_model.module
+    return Trained(unwrap(setup.ddp_model), float(setup.optimizer.get_loss_scale()), skipped)
 
 
-def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> None:
+def unwrap(ddp_model):
+    """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""
+    model = ddp_model.module
+    return model.module if isinstance(model, Float16Module) else model
+
+
+def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
+    """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped."""
     trainer, start = _trainer(cfg, ctx, setup, dataset)
+    skipped = []
     log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None)
     previous = None  # the last committed iteration's record, held by every rank
     for iteration in range(start, cfg.train_iters + 1):
         lr = setup.optimizer.param_groups[0]["lr"]
         report = trainer.train_step(iteration)
+        if report.skipped:
+            skipped.append(iteration)
         record = dict(lr=lr, tokens=report.contributions * cfg.micro_batch_size
                       * cfg.model.seq_length)
         if cfg.checkpoint.save and iteration % cfg.checkpoint.save_interval == 0:
@@ -375,3 +407,4 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> None:
         if iteration % cfg.log_interval == 0 or report.events:
             print(iteration_line(report, cfg.train_iters, iteration * cfg.global_batch_size, lr,
                                  cfg.global_batch_size), flush=True)
+    return skipped

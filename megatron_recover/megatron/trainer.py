@@ -57,6 +57,8 @@ class StepReport:
     invariant_ok: bool  # the committed ledger is the expected one, at every position
     ledger_problems: list[str]  # what this position's audit found (empty when it holds)
     grad_norm: float | None
+    loss_scale: float  # the optimizer's loss scale after this step (1.0 without fp16 scaling)
+    skipped: bool  # the fp16 loss scaler found inf/nan: no update, the lr scheduler kept still
     iteration_ms: float
     extension_rounds: int
     buckets: int
@@ -276,8 +278,11 @@ class ResilientTrainer:
             # Losses were divided by B in the schedule; drop-and-go divides by what it committed.
             p.model.scale_gradients(p.policy.config.b / result.divisor)
         p.faults.at("optimizer-step", iteration)
-        _, grad_norm, _ = p.optimizer.step()
-        if p.scheduler is not None:
+        # Every survivor holds the same reduced gradient, so the loss scaler's found-inf decision
+        # (taken on the intra-replica group) and its new scale are the same on all of them.
+        update_successful, grad_norm, _ = p.optimizer.step()
+        if update_successful and p.scheduler is not None:
+            # As Megatron-LM: a skipped step consumed its samples but does not move the lr.
             p.scheduler.step(increment=self.increment_samples)
         for event in events:
             event["committed"] = time.time()
@@ -288,6 +293,7 @@ class ResilientTrainer:
             ledger_checksum=totals.checksum, invariant_ok=bool(invariant_ok),
             ledger_problems=problems,
             grad_norm=None if grad_norm is None else float(grad_norm),
+            loss_scale=float(p.optimizer.get_loss_scale()), skipped=not update_successful,
             iteration_ms=(time.perf_counter() - start) * 1e3,
             extension_rounds=len(result.extension_rounds),
             buckets=len(self.recovery.grads), events=events)
