@@ -11,7 +11,8 @@ import sys
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-recover", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Not dest="command": `launch` has a positional of that name (the program to run).
+    sub = parser.add_subparsers(dest="subcommand", required=True)
 
     from megatron_recover.policy import plan_cli
     plan_cli.add_arguments(sub.add_parser("plan", help="simulate the workload policy under failures"))
@@ -24,7 +25,7 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     commands = {"plan": plan_cli.run, "launch": launch.run, "schedule": schedule_cli.run}
-    return commands[args.command](args)
+    return commands[args.subcommand](args)
 
 
 if __name__ == "__main__":

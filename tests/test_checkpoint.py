@@ -1,7 +1,9 @@
-"""Checkpoint after replica 0 died, resumed on fewer replicas: the loss goes on as the
-uninterrupted run's.
+"""Checkpoints under --recover as Megatron users run them: a checkpoint written after replica 0
+died resumes on fewer replicas; a job script's `--save d --load d` with an empty `d` starts from
+scratch, saves at the end, and its relaunch continues the uninterrupted run (DP, TP, and
+distributed-optimizer instances, whose Adam moments megatron's state_dict leaves out).
 
-Run: `make test`. CPU only; 3 then 2 oversubscribed ranks, each run under a hard timeout.
+Run: `make test`. CPU only; 2-4 oversubscribed ranks, each run under a hard timeout.
 """
 
 import json
@@ -31,6 +33,12 @@ def train(run_dir, ranks, extra):
     return result, {r["iteration"]: r for r in map(json.loads, log.read_text().splitlines())}
 
 
+def params_rdiff(run_dir, reference_dir, ranks):
+    return max(param_rdiff(torch.load(run_dir / "status" / f"rank-{r}.params.pt"),
+                           torch.load(reference_dir / "status" / f"rank-{r}.params.pt"))
+               for r in ranks)
+
+
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_resume_on_fewer_replicas_after_replica_0_died(tmp_path):
     _, reference = train(tmp_path / "reference", 3, ["--train-iters", "8"])
@@ -41,6 +49,10 @@ def test_resume_on_fewer_replicas_after_replica_0_died(tmp_path):
     _, first = train(tmp_path / "first", 3, [
         "--train-iters", "4", "--save", str(ckpt), "--save-interval", "4",
         "--recover-failure-schedule", str(schedule)])
+    markers = [json.loads(line) for line in
+               (tmp_path / "first/log.markers.jsonl").read_text().splitlines()]
+    assert [(m["rank"], m["iteration"], m["location"]) for m in markers] == [
+        (0, 2, "during-reduce")]  # the fault fired
     assert first[4]["live_replicas"] == 2
     state = json.loads((ckpt / "iter_0000004/recover_state.json").read_text())
     assert state["live_replicas"] == [1, 2] and state["b"] == 12 and state["w_init"] == 3
@@ -60,3 +72,40 @@ def test_resume_on_fewer_replicas_after_replica_0_died(tmp_path):
           f"final parameters {params:.2e}")
     assert max(diffs.values()) <= EXACT_LOSS_RTOL, diffs
     assert params <= EXACT_PARAM_RTOL, params
+
+
+LAYOUTS = {
+    "dp": (3, []),
+    "tp2xdp2": (4, ["--tensor-model-parallel-size", "2"]),
+    "do-2x2": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]),
+}
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_job_script_save_and_load_the_same_directory(tmp_path, layout):
+    """Megatron-LM's job-script form: every launch passes `--save d --load d`."""
+    ranks, extra = LAYOUTS[layout]
+    _, reference = train(tmp_path / "reference", ranks, [*extra, "--train-iters", "8"])
+    ckpt = tmp_path / "ckpt"
+    same_dir = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]
+    result, first = train(tmp_path / "first", ranks, [*extra, *same_dir, "--train-iters", "4"])
+    assert "holds no checkpoint" in result.output and "training from scratch" in result.output
+    assert sorted(first) == [1, 2, 3, 4]
+    # Every --save-interval iterations and once more when training ends, as Megatron-LM does.
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    files = sorted(p.name for p in (ckpt / "iter_0000004").glob("*.pt"))
+    if layout == "do-2x2":
+        assert files == ["mp_rank_00_000_shard_00.pt", "mp_rank_00_000_shard_01.pt"]
+        saved = torch.load(ckpt / "iter_0000004" / files[1], weights_only=False)
+        (moments,) = saved["parameter_state"]
+        assert moments and all(float(s["exp_avg_sq"].abs().sum()) > 0 for s in moments.values())
+
+    result, resumed = train(tmp_path / "resumed", ranks, [*extra, *same_dir, "--train-iters", "8"])
+    assert "resumed iteration 4" in result.output
+    assert sorted(resumed) == [5, 6, 7, 8]
+    loss = max(abs(resumed[t]["loss"] - reference[t]["loss"]) / reference[t]["loss"]
+               for t in resumed)
+    params = params_rdiff(tmp_path / "resumed", tmp_path / "reference", range(ranks))
+    print(f"{layout}: relaunch vs uninterrupted: loss {loss:.2e}, parameters {params:.2e}")
+    assert loss <= EXACT_LOSS_RTOL and params <= EXACT_PARAM_RTOL

@@ -50,10 +50,6 @@ def check_start(cfg) -> None:
     if not cfg.recover.enabled:
         dist_checkpoint.check_start(cfg)  # stock --save/--load: megatron-core dist. checkpoints
         return
-    if cfg.parallel.dp_ranks_per_replica > 1 and (cfg.checkpoint.save or cfg.checkpoint.load):
-        raise ValueError("--save/--load with --recover write one file per TP x PP position and "
-                         "do not hold distributed-optimizer shards yet: drop --save/--load or "
-                         "use one data-parallel rank per instance")
     if cfg.recover.failure_schedule:
         load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
                       cfg.parallel.ranks_per_replica, cfg.train_iters)
@@ -173,7 +169,7 @@ def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
         g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
         layout=policy.layout, reserve_next=policy.reserve_next, live_replicas=live)
     checkpoint.save(cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer, setup.scheduler,
-                    setup.position,
+                    setup.checkpoint_position,
                     setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
                     setup.local_rank)
 
@@ -214,6 +210,14 @@ class RankSetup:
     replica_index: int  # the data-parallel rank, or the distributed-optimizer instance
     local_rank: int
     position: tuple[int, int]  # (tensor, pipeline) parallel rank
+
+    @property
+    def checkpoint_position(self) -> tuple[int, ...]:
+        """Which file of a checkpoint is this rank's: its (tensor, pipeline) position and, with
+        distributed-optimizer shards, its shard (each holds its own optimizer state)."""
+        if self.shard_group is None or dist.get_world_size(self.shard_group) == 1:
+            return self.position
+        return (*self.position, dist.get_rank(self.shard_group))
 
 
 def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> RankSetup:
@@ -305,9 +309,14 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int
     policy = WorkloadPolicy(mcore_config.to_policy_config(cfg))
     replica_ids = list(range(cfg.num_replicas))
     start = 1
-    if cfg.checkpoint.load:
+    if cfg.checkpoint.load and checkpoint.latest_iteration(cfg.checkpoint.load) is None:
+        # As Megatron-LM: a job script passes the same --load on its first launch.
+        if ctx.rank == 0:
+            print(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
+                  f"{checkpoint.TRACKER}): training from scratch", flush=True)
+    elif cfg.checkpoint.load:
         state = checkpoint.load(cfg.checkpoint.load, setup.ddp_model, setup.optimizer,
-                                setup.scheduler, setup.position)
+                                setup.scheduler, setup.checkpoint_position)
         policy, replica_ids = resumed_policy(cfg, state, cfg.num_replicas)
         start = state.iteration + 1
         if ctx.rank == 0:
@@ -390,7 +399,9 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
             skipped.append(iteration)
         record = dict(lr=lr, tokens=report.contributions * cfg.micro_batch_size
                       * cfg.model.seq_length)
-        if cfg.checkpoint.save and iteration % cfg.checkpoint.save_interval == 0:
+        # As Megatron-LM: every --save-interval iterations, and once more at the end.
+        if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
+                                    or iteration == cfg.train_iters):
             save_checkpoint(cfg, trainer, setup, iteration)
         # The lowest live rank: position 0 of the lowest live replica.
         if setup.group.rank != 0 or setup.local_rank != 0:
