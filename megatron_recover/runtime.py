@@ -133,10 +133,23 @@ def _end_children() -> None:
         child.join(timeout=5.0)
 
 
+def write_to_terminal(text: str) -> None:
+    """Write `text` to file descriptor 2 now, in full, bypassing `sys.stderr`.
+
+    For a rank about to kill itself: under plain `mpirun`, a traceback written through
+    `sys.stderr` (and flushed) right before the SIGKILL was measured never to reach the
+    terminal, while the same bytes written to the descriptor did.
+    """
+    data = text.encode(errors="replace")
+    while data:
+        data = data[os.write(2, data):]
+
+
 def _die_on_uncaught(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(text)
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "?")
     sys.stderr.flush()
+    write_to_terminal(f"megatron-recover: rank {rank} stops on an error:\n{text}")
     sys.stdout.flush()
     # A lost or hung peer is the replica gate at work (this rank's replica is gone), not a bug.
     write_status("left" if leaves_with_replica(exc) else "error", error=text[-4000:])
