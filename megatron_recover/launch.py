@@ -216,11 +216,18 @@ def run(args: argparse.Namespace) -> int:
     status_dir = args.status_dir or Path(tempfile.mkdtemp(prefix="megatron-recover-"))
     cfg = LaunchConfig(args.num_ranks, command, status_dir, args.timeout, args.mpirun)
     result = launch(cfg, stream=True)
-    summary = {rank: s.get("state") for rank, s in result.statuses.items()}
-    verdict = "succeeded" if result.succeeded else "FAILED"
+    if result.statuses:
+        succeeded = result.succeeded
+        summary = {rank: s.get("state") for rank, s in result.statuses.items()}
+        basis = f"rank states {summary}; status files in {status_dir}"
+    else:
+        # A program that does not use megatron_recover.runtime writes no status: mpirun's
+        # exit status is all there is.
+        succeeded = result.returncode == 0
+        basis = f"no rank wrote a status file; mpirun exited with {result.returncode}"
+    verdict = "succeeded" if succeeded else "FAILED"
     print(f"megatron-recover launch: run {verdict} in {result.elapsed_s:.1f}s"
-          f"{' (timed out)' if result.timed_out else ''}; rank states {summary}; "
-          f"status files in {status_dir}")
-    if args.status_dir is None and result.succeeded:
+          f"{' (timed out)' if result.timed_out else ''}; {basis}")
+    if args.status_dir is None and succeeded:
         shutil.rmtree(status_dir, ignore_errors=True)
-    return 0 if result.succeeded else 1
+    return 0 if succeeded else 1

@@ -62,6 +62,9 @@ def main() -> int:
                         help="--recover-hang-timeout of the watchdog mode (the tests' value: "
                              "the shortest heartbeat period, so the largest cost)")
     args = parser.parse_args()
+    if args.iterations <= WARMUP_ITERATIONS:
+        parser.error(f"--iterations must exceed the {WARMUP_ITERATIONS} warm-up iterations "
+                     "that are not measured")
     samples = {"stock": [], "ulfm": [], "recover": [], "watchdog": []}
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         for round_index in range(args.rounds):

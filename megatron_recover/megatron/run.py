@@ -293,6 +293,8 @@ def _faults(cfg, ctx, setup: RankSetup):
         return NoFaults()
     entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
                             cfg.parallel.ranks_per_replica, cfg.train_iters)
+    # Victims write their markers beside the log: its directory may not exist yet.
+    marker_path(cfg).parent.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0 and cfg.recover.log:
         # The schedule travels with the run's log (reproducible runs).
         shutil.copy(cfg.recover.failure_schedule,

@@ -1,0 +1,147 @@
+"""Every command the README shows runs, with sizes scaled down, so documented commands cannot break
+silently.
+
+Run: `make test`. CPU only; each command runs bounded (its process group is killed on timeout).
+The README's commands are read from the README itself: its `sh` blocks and the inline code spans
+that start a command. Each must have an entry in COMMANDS — how this test runs it (scaled down),
+or why it does not run here — so a command added to the README without one fails the first test.
+"""
+
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_recover.launch import run_bounded
+
+pytestmark = pytest.mark.mpi
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+VENV = Path(sys.executable).parent
+TIMEOUT_S = 300
+STARTS = ("make ", ".venv/bin/", "megatron-recover ", "mpirun ", "scripts/", "git ", "for ",
+          "pip ")
+
+# The README's pretrain command, scaled down: 2 ranks, a batch of 4, 2 iterations, the demo
+# corpus built in the test's directory, the optional flags at their first choice, and the failure
+# schedule written by the README's own `megatron-recover schedule` command.
+SCALE = [("-np 8", "-np 2"), ("--global-batch-size 32", "--global-batch-size 4"),
+         ("--train-iters 100", "--train-iters 2"), ("data/", "{tmp}/data/"),
+         ("runs/job/", "{tmp}/job/"), ("faults.yaml", "{tmp}/faults.yaml"),
+         ("static|adaptive", "static"), ("exact|reserve", "exact"), ("[", ""), ("]", ""),
+         ("--replicas R", "--replicas 2"), ("--seed S", "--seed 1"), ("--count K", "--count 1"),
+         ("--iterations A:B", "--iterations 1:2")]
+
+# README command -> ("run", what to run, scaled) or ("skip", why it does not run here).
+COMMANDS = {
+    "make demo": ("run", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
+                         "--out {tmp}/demo"),
+    "make demo-bf16": ("run", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
+                              "--precision bf16 --out {tmp}/demo-bf16"),
+    "scripts/demo.py --precision bf16\\|fp16\\|fp32": ("skip", "the synopsis of make demo-bf16"),
+    "make demo-collective": ("run", ".venv/bin/python scripts/demo_collective.py --ranks 3 "
+                                    "--steps 4 --kill-step 2"),
+    "make test": ("skip", "this suite itself"),
+    "make setup": ("run", "make setup"),
+    "make build": ("run", "make build"),
+    "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
+    "make mutations": ("skip", "tests/test_ledger_mutations.py runs it"),
+    "make bench": ("run", ".venv/bin/python scripts/bench_collective.py --reps-scale 0.05"),
+    "make bench-restart": ("skip", "15 minutes; tests/test_bench_vs_restart.py runs it scaled"),
+    "scripts/bench_vs_restart.py --json": ("skip", "as make bench-restart"),
+    "make bench-scale": ("skip", "6 minutes and 14 GiB; tests/test_bench_scale.py runs it scaled"),
+    "scripts/bench_scale.py --json": ("skip", "as make bench-scale"),
+    "scripts/bench_overhead.py --json": ("run", ".venv/bin/python scripts/bench_overhead.py "
+                                                "--json --ranks 2 --iterations 7 --rounds 1"),
+    "megatron-recover plan --w-init 32 --g-init 8 --iterations 5 --fail 1:31 --json":
+        ("run", ".venv/bin/megatron-recover plan --w-init 32 --g-init 8 --iterations 5 "
+                "--fail 1:31 --json"),
+    "megatron-recover schedule --replicas R --seed S --count K --iterations A:B -o faults.yaml":
+        ("run", "scaled"),
+    "mpirun --with-ft ulfm -np 8 .venv/bin/python pretrain_gpt_recover.py --num-layers 2 "
+    "--hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 1 "
+    "--global-batch-size 32 --train-iters 100 --lr 3e-3 --data-path data/corpus_text_document "
+    "--split 100,0,0 --tokenizer-type GPT2BPETokenizer --vocab-file data/vocab.json "
+    "--merge-file data/merges.txt --recover --recover-log runs/job/log.jsonl "
+    "[--recover-policy static|adaptive] [--recover-mode exact|reserve] "
+    "[--recover-failure-schedule faults.yaml]": ("run", "scaled"),
+    "mpirun --with-ft ulfm": ("skip", "a fragment of the pretrain command"),
+    ".venv/bin/megatron-recover launch -n 4 -- .venv/bin/python my_job.py":
+        ("run", ".venv/bin/megatron-recover launch -n 2 -- .venv/bin/python {tmp}/my_job.py"),
+    "megatron-recover launch": ("skip", "the name of the command above"),
+    "megatron-recover schedule": ("skip", "the name of the schedule command above"),
+    "git clone https://github.com/NVIDIA/Megatron-LM && cd Megatron-LM && git checkout "
+    "core_v0.16.1": ("skip", "needs github.com; make setup applies the same patches to the "
+                             "verified sdist"),
+    'for p in /path/to/megatron-recover/patches/*.patch; do patch -p1 --forward < "$p" || '
+    "break; done": ("skip", "applies to that checkout; make setup applies the same patches"),
+    "pip install --no-deps --no-build-isolation .": ("skip", "installs that checkout"),
+}
+
+
+def readme_commands() -> list[str]:
+    text = README.read_text()
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line:
+                commands.append(" ".join(line.split()))
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    for span in re.findall(r"`([^`]+)`", prose):
+        span = " ".join(span.split())
+        if span.startswith(STARTS) and " " in span:
+            commands.append(span)
+    return list(dict.fromkeys(commands))
+
+
+def test_every_readme_command_has_an_entry():
+    missing = [c for c in readme_commands() if c not in COMMANDS]
+    assert not missing, f"README commands this test does not know how to run: {missing}"
+    stale = [c for c in COMMANDS if c not in readme_commands()]
+    assert not stale, f"entries for commands the README no longer shows: {stale}"
+
+
+def scaled(command: str, tmp: Path) -> str:
+    for old, new in SCALE:
+        command = command.replace(old, new.format(tmp=tmp))
+    return command
+
+
+def run(command: str, tmp: Path) -> str:
+    env = dict(os.environ, PATH=f"{VENV}:{os.environ['PATH']}")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    rc, output, _ = run_bounded(["bash", "-c", f"cd {shlex.quote(str(ROOT))} && {command}"],
+                                env, TIMEOUT_S)
+    assert rc == 0, f"{command}\nexit {rc}\n{output[-4000:]}"
+    return output
+
+
+RUNNABLE = [c for c, (kind, _) in COMMANDS.items() if kind == "run" and _ != "scaled"]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("command", RUNNABLE)
+def test_readme_command_runs(tmp_path, command):
+    (tmp_path / "my_job.py").write_text("print('my job ran')\n")
+    output = run(COMMANDS[command][1].format(tmp=tmp_path), tmp_path)
+    if "launch" in command:
+        assert output.count("my job ran") == 2 and "run succeeded" in output
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_readme_training_command_with_its_failure_schedule(tmp_path):
+    """The README's schedule command writes faults.yaml; its pretrain command trains with it."""
+    run(f".venv/bin/python scripts/make_demo_corpus.py --output-dir {tmp_path}/data", tmp_path)
+    schedule, pretrain = (c for c, (_, how) in COMMANDS.items() if how == "scaled")
+    run(scaled(schedule, tmp_path).replace("megatron-recover", ".venv/bin/megatron-recover"),
+        tmp_path)
+    assert "entries" in (tmp_path / "faults.yaml").read_text()
+    output = run(scaled(pretrain, tmp_path).replace("mpirun", f"{VENV}/mpirun"), tmp_path)
+    records = (tmp_path / "job/log.jsonl").read_text().splitlines()
+    assert len(records) == 2 and "stops on an error" not in output, output[-3000:]
+    assert (tmp_path / "job/log.markers.jsonl").exists(), output[-3000:]  # the failure fired
