@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test bench bench-restart bench-scale demo demo-bf16 demo-collective mutations clean
+.PHONY: setup build test bench bench-restart bench-scale demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -49,6 +49,12 @@ bench-restart: build
 
 bench-scale: build
 	$(PY) scripts/bench_scale.py
+
+# Seeded failure schedules against failure-free references (30 cases: about 10 minutes here).
+N ?= 30
+SEED ?= 1
+fault-campaign: build
+	$(PY) scripts/fault_campaign.py --cases $(N) --seed $(SEED)
 
 # Break layer 2 or the data path on purpose; the ledger invariant must catch each (also in CI).
 mutations: build

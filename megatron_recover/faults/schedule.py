@@ -13,6 +13,10 @@ Locations, in the order an iteration reaches them:
   during-restore    after a failure, while stale buckets are rewound and reduced again
   during-extension  inside an extension pass, before its first backward
   optimizer-step    after the commit, before the optimizer step
+  grad-norm         in the optimizer step, entering the gradient-norm all-reduce of --clip-grad
+                    (on the replica's model-parallel group: its peers wait inside it)
+  param-gather      in the distributed optimizer's step, entering the parameter all-gather of
+                    the replica's shards (its peers wait inside it)
 The victim writes a marker {location, iteration, rank, time} right before it SIGKILLs itself; an
 entry whose point the run never reaches is reported as not injected (`injection_report`).
 
@@ -34,7 +38,10 @@ import yaml
 from megatron_recover.faults.injection import read_markers, write_marker
 
 LOCATIONS = ("pre-forward", "backward", "before-reduce", "during-reduce", "during-consensus",
-             "during-restore", "during-extension", "optimizer-step")
+             "during-restore", "during-extension", "optimizer-step", "grad-norm", "param-gather")
+# Reached inside megatron's optimizer step, where the trainer does not call: the iteration is
+# the one the trainer armed last.
+OPTIMIZER_LOCATIONS = ("grad-norm", "param-gather")
 
 
 ACTIONS = ("kill", "stop", "stall")
@@ -149,6 +156,7 @@ class ScheduledFaults:
                  world_rank: int, marker_path: Path, overflows: list[Overflow] = ()):
         self.mine = [e for e in entries if (e.replica, e.local_rank) == (replica, local_rank)]
         self.overflows = {(o.iteration, o.microbatch_id) for o in overflows}
+        self.iteration = 0  # the iteration in progress (set by arm_iteration)
         self.world_rank = world_rank
         self.marker_path = Path(marker_path)
 
@@ -181,8 +189,17 @@ class ScheduledFaults:
                       "microbatch_id": microbatch_id})
         return True
 
+    def wants(self, location: str) -> bool:
+        """Whether any of this rank's entries is at `location`."""
+        return any(entry.location == location for entry in self.mine)
+
+    def at_current(self, location: str) -> None:
+        """`at(location, the iteration in progress)`, for points inside megatron's own calls."""
+        self.at(location, self.iteration)
+
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         """Arm the native points of `iteration` (reduce: its `bucket_index`-th bucket, from 1)."""
+        self.iteration = iteration
         for location, point in NATIVE_LOCATIONS.items():
             entry = self._due(location, iteration)
             if entry is None:
@@ -213,6 +230,9 @@ class NoFaults:
         pass
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:
+        return False
+
+    def wants(self, location: str) -> bool:
         return False
 
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:

@@ -282,10 +282,31 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     # Exact mode reseeds dropout per microbatch id; stock Megatron draws in sequence, and so does
     # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
     reseed = cfg.recover.enabled and cfg.recover.mode == EXACT
+    faults = _faults(cfg, ctx, setup)
+    _optimizer_fault_points(faults, optimizer, ddp_model)
     setup.micro_pass = MicrobatchPass(ddp_model, microbatch, cfg.model.seq_length,
-                                      cfg.micro_batch_size, cfg.seed, _faults(cfg, ctx, setup),
+                                      cfg.micro_batch_size, cfg.seed, faults,
                                       reseed_per_microbatch=reseed)
     return setup
+
+
+def _optimizer_fault_points(faults, optimizer, ddp_model) -> None:
+    """Failure-schedule points inside megatron's optimizer step: wrap, on this rank's objects
+    only, the call that enters the gradient-norm all-reduce (`clip_grad_norm`, or
+    `get_grad_norm` of a chained optimizer) and the distributed optimizer's parameter
+    all-gather (`start_param_sync` of the DDP model)."""
+    def before(location, method):
+        def call(*args, **kwargs):
+            faults.at_current(location)
+            return method(*args, **kwargs)
+        return call
+
+    if faults.wants("grad-norm"):
+        for target in [optimizer, *getattr(optimizer, "chained_optimizers", [])]:
+            for name in ("clip_grad_norm", "get_grad_norm"):
+                setattr(target, name, before("grad-norm", getattr(target, name)))
+    if faults.wants("param-gather"):
+        ddp_model.start_param_sync = before("param-gather", ddp_model.start_param_sync)
 
 
 def _faults(cfg, ctx, setup: RankSetup):
