@@ -42,15 +42,25 @@ SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 3
          "--vocab-size 100").split()
 
 
-def small(*extra, world_size=4, cuda_available=False):
-    return parse_args(SMALL + list(extra), world_size=world_size, cuda_available=cuda_available)
+def _small_argv(extra, drop=()) -> list[str]:
+    """SMALL + extra, without the flags in `drop` (and their values)."""
+    argv = list(SMALL)
+    for flag in drop:
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    return argv + list(extra)
 
 
-def refused(*extra, world_size=4, cuda_available=False, argv=None) -> str:
+def small(*extra, world_size=4, cuda_available=False, drop=()):
+    return parse_args(_small_argv(extra, drop), world_size=world_size,
+                      cuda_available=cuda_available)
+
+
+def refused(*extra, world_size=4, cuda_available=False, argv=None, drop=()) -> str:
     """The ValueError message for SMALL + extra (or argv); fails the test if it parses."""
     with pytest.raises(ValueError) as info:
-        parse_args(argv if argv is not None else SMALL + list(extra), world_size=world_size,
-                   cuda_available=cuda_available)
+        parse_args(argv if argv is not None else _small_argv(extra, drop),
+                   world_size=world_size, cuda_available=cuda_available)
     return str(info.value)
 
 
@@ -97,7 +107,8 @@ def test_megatron_gpt3_example_parses(gpt2_files):
     assert m.ffn_hidden_size == 4 * 12288 and m.kv_channels == 128
     assert (m.seq_length, m.max_position_embeddings) == (2048, 2048)
     assert m.init_method_std == 0.006 and m.position_embedding_type == "learned_absolute"
-    assert (o.lr, o.min_lr, o.lr_decay_style, o.lr_decay_iters) == (6e-5, 6e-6, "cosine", 430000)
+    assert (o.lr, o.min_lr, o.lr_decay_style) == (6e-5, 6e-6, "cosine")
+    assert o.lr_decay_samples == 430000 * 1536  # iterations x GBS: Megatron's scheduler steps
     assert (o.weight_decay, o.adam_beta2, o.clip_grad) == (0.1, 0.95, 1.0)
     assert p.fp16 and not p.bf16 and p.params_dtype == torch.float16
     assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size) == (8, 16)
@@ -109,7 +120,8 @@ def test_megatron_gpt3_example_parses(gpt2_files):
     assert cfg.dp_ranks_per_replica == 1 and par.ranks_per_replica == 128
     assert cfg.b == 1536 and cfg.num_microbatches_per_dp_rank == 192
     assert cfg.num_microbatches_per_replica == 192
-    assert o.warmup_iters == pytest.approx(430.0)
+    assert o.lr_warmup_samples == pytest.approx(430.0 * 1536)
+    assert cfg.train_samples == 500000 * 1536
     assert cfg.ignored_args == ("--attention-backend", "--eval-interval", "--eval-iters",
                                 "--tensorboard-dir")
     assert "--tensorboard-dir" in ignored_args_message(cfg)
@@ -127,11 +139,10 @@ def test_megatron_defaults():
     assert (m.hidden_dropout, m.attention_dropout, m.init_method_std) == (0.1, 0.1, 0.02)
     assert m.add_bias_linear and not m.swiglu and not m.untie_embeddings_and_output_weights
     assert m.num_query_groups is None and m.make_vocab_size_divisible_by == 128
-    assert (o.min_lr, o.lr_decay_style, o.lr_decay_iters, o.lr_warmup_iters) == (
-        0.0, "linear", 20, 0)
+    assert (o.min_lr, o.lr_decay_style, o.lr_decay_samples, o.lr_warmup_samples) == (
+        0.0, "linear", 20 * 8, 0.0)
     assert (o.weight_decay, o.clip_grad, o.adam_beta1, o.adam_beta2, o.adam_eps) == (
         0.01, 1.0, 0.9, 0.999, 1e-8)
-    assert o.warmup_iters == 0.0
     assert cfg.seed == 1234 and cfg.log_interval == 100
     assert p.params_dtype == torch.float32 and not p.accumulate_allreduce_grads_in_fp32
     assert not par.gradient_accumulation_fusion  # no such kernel on CPU
@@ -200,10 +211,42 @@ def test_recover_options():
     assert small("--recover", "--recover-mode", "reserve").recover.mode == "reserve"
 
 
-def test_warmup_iters_resolved_from_fraction():
+def test_warmup_resolved_from_fraction():
     cfg = small("--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10")
-    assert cfg.optim.warmup_iters == 2.5
-    assert small("--lr-warmup-iters", "3").optim.warmup_iters == 3.0
+    gbs = cfg.global_batch_size
+    assert cfg.optim.lr_warmup_samples == 2.5 * gbs
+    assert small("--lr-warmup-iters", "3").optim.lr_warmup_samples == 3.0 * gbs
+
+
+def test_sample_based_training():
+    """Megatron-LM's sample-based form: --train-samples with the schedule in samples."""
+    cfg = small("--train-samples", "100", "--lr-decay-samples", "90", "--lr-warmup-samples", "10",
+                drop=("--train-iters",))
+    gbs = cfg.global_batch_size
+    assert cfg.train_iters == 100 // gbs and cfg.train_samples == 100  # whole batches only
+    assert (cfg.optim.lr_decay_samples, cfg.optim.lr_warmup_samples) == (90, 10.0)
+    kwargs = to_scheduler_kwargs(cfg)
+    assert (kwargs["lr_decay_steps"], kwargs["lr_warmup_steps"], kwargs["wd_incr_steps"]) == (
+        90, 10.0, 100)
+    default = small("--train-samples", "64", "--lr-warmup-fraction", "0.25",
+                    drop=("--train-iters",))
+    assert default.optim.lr_decay_samples == 64 and default.optim.lr_warmup_samples == 16.0
+    wsd = small("--train-samples", "64", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples",
+                "8", drop=("--train-iters",))
+    assert to_scheduler_kwargs(wsd)["wsd_decay_steps"] == 8
+
+
+@pytest.mark.parametrize("extra, drop, expected", [
+    (["--train-samples", "64"], (), "exactly one of --train-iters"),
+    ([], ("--train-iters",), "pass --train-iters (or --train-samples)"),
+    (["--lr-decay-samples", "64"], (), "--lr-decay-samples with iteration-based training"),
+    (["--train-samples", "64", "--lr-warmup-iters", "2"], ("--train-iters",),
+     "--lr-warmup-iters with sample-based training"),
+    (["--train-samples", "64", "--lr-decay-style", "WSD"], ("--train-iters",),
+     "--lr-wsd-decay-samples"),
+])
+def test_training_unit_mixed_up(extra, drop, expected):
+    assert expected in refused(*extra, drop=drop)
 
 
 def test_padded_vocab_size():
@@ -228,8 +271,6 @@ def test_padded_vocab_size():
      ["virtual pipeline", "drop --num-layers-per-virtual-pipeline-stage"]),
     (["--num-virtual-stages-per-pipeline-rank", "2"], ["drop --num-virtual-stages-per-pipeline"]),
     (["--virtual-pipeline-model-parallel-size", "2"], ["drop --virtual-pipeline-model-parallel"]),
-    (["--train-samples", "1000"], ["--train-samples", "use --train-iters"]),
-    (["--lr-warmup-samples", "10"], ["--lr-warmup-samples", "--lr-warmup-fraction"]),
     (["--gradient-accumulation-fusion"],
      ["--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"]),
     (["--transformer-impl", "transformer_engine"], ["--transformer-impl local"]),

@@ -49,6 +49,9 @@ COMMANDS = {
     "make build": ("run", "make build"),
     "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
     "make mutations": ("skip", "tests/test_ledger_mutations.py runs it"),
+    "make fault-campaign N=30 SEED=1": ("run", "make fault-campaign N=1 SEED=5 "
+                                               "OUT={tmp}/campaign"),
+    "make fault-campaign": ("skip", "the target of the command above"),
     "make bench": ("run", ".venv/bin/python scripts/bench_collective.py --reps-scale 0.05"),
     "make bench-restart": ("skip", "15 minutes; tests/test_bench_vs_restart.py runs it scaled"),
     "scripts/bench_vs_restart.py --json": ("skip", "as make bench-restart"),
@@ -131,6 +134,8 @@ def test_readme_command_runs(tmp_path, command):
     output = run(COMMANDS[command][1].format(tmp=tmp_path), tmp_path)
     if "launch" in command:
         assert output.count("my job ran") == 2 and "run succeeded" in output
+    if "fault-campaign" in command:
+        assert '"cases_passed": 1' in output and '"failed_cases": []' in output
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)

@@ -114,6 +114,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--global-batch-size", type=int)
     g.add_argument("--train-iters", type=int)
+    # Sample-based training, as in Megatron-LM: the run and its schedule counted in samples.
+    g.add_argument("--train-samples", type=int)
+    g.add_argument("--lr-decay-samples", type=int)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-wsd-decay-samples", type=int)
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -134,10 +139,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rampup-batch-size", nargs="*")
     g.add_argument("--decrease-batch-size-if-needed", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true")
-    g.add_argument("--train-samples", type=int)
-    g.add_argument("--lr-decay-samples", type=int)
-    g.add_argument("--lr-warmup-samples", type=int)
-    g.add_argument("--lr-wsd-decay-samples", type=int)
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -252,8 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _required(ns) -> list[str]:
     missing = [flag for flag in ("--num-layers", "--hidden-size", "--num-attention-heads",
-                                 "--seq-length", "--micro-batch-size", "--train-iters", "--lr")
+                                 "--seq-length", "--micro-batch-size", "--lr")
                if getattr(ns, flag[2:].replace("-", "_")) is None]
+    if ns.train_iters is None and ns.train_samples is None:
+        missing.append("--train-iters (or --train-samples)")
     if missing:
         return [f"missing required arguments: pass {', '.join(missing)}"]
     return []
@@ -262,7 +265,8 @@ def _required(ns) -> list[str]:
 def _positive(ns) -> list[str]:
     problems = []
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
-                 "--micro-batch-size", "--train-iters", "--tensor-model-parallel-size",
+                 "--micro-batch-size", "--train-iters", "--train-samples",
+                 "--lr-decay-samples", "--tensor-model-parallel-size",
                  "--pipeline-model-parallel-size", "--num-distributed-optimizer-instances",
                  "--log-interval", "--global-batch-size", "--ffn-hidden-size",
                  "--max-position-embeddings", "--save-interval", "--lr-decay-iters",
@@ -305,13 +309,6 @@ def _refusals(ns, cuda_available: bool) -> list[str]:
             problems.append(f"{flag}: virtual pipeline stages (the interleaved schedule) are not "
                             "supported, its extension pass cannot be shorter than the pipeline "
                             f"depth; drop {flag}")
-    for flag, instead in (("--train-samples", "--train-iters"),
-                          ("--lr-decay-samples", "--lr-decay-iters"),
-                          ("--lr-warmup-samples", "--lr-warmup-iters or --lr-warmup-fraction"),
-                          ("--lr-wsd-decay-samples", "--lr-wsd-decay-iters")):
-        if getattr(ns, flag[2:].replace("-", "_")) is not None:
-            problems.append(f"{flag}: only iteration-based training is supported; use {instead} "
-                            "(samples / global batch size)")
     return problems + _device_refusals(ns, cuda_available)
 
 
@@ -406,23 +403,57 @@ def _parallel_layout(ns, world_size: int) -> list[str]:
     return problems
 
 
+_SAMPLE_FLAGS = ("--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples")
+_ITERATION_FLAGS = ("--lr-decay-iters", "--lr-warmup-iters", "--lr-wsd-decay-iters")
+
+
+def _given(ns, flag: str) -> bool:
+    value = getattr(ns, flag[2:].replace("-", "_"))
+    return value is not None and not (flag.startswith("--lr-warmup-") and value == 0)
+
+
+def _unit(ns) -> list[str]:
+    """Megatron-LM's rule: a run is iteration-based (--train-iters) or sample-based
+    (--train-samples), and its learning-rate schedule is given in the same unit."""
+    if (ns.train_iters is None) == (ns.train_samples is None):
+        return ["give exactly one of --train-iters (iteration-based) and --train-samples "
+                "(sample-based)"]
+    wrong = [f for f in (_SAMPLE_FLAGS if ns.train_iters is not None else _ITERATION_FLAGS)
+             if _given(ns, f)]
+    if wrong:
+        unit = "iteration" if ns.train_iters is not None else "sample"
+        return [f"{', '.join(wrong)} with {unit}-based training: give the schedule in "
+                f"{unit}s ({', '.join(_ITERATION_FLAGS if unit == 'iteration' else _SAMPLE_FLAGS)})"]
+    if ns.train_samples is not None and ns.train_samples < (ns.global_batch_size or 1):
+        return [f"--train-samples {ns.train_samples} is less than one global batch"]
+    return []
+
+
 def _schedule(ns) -> list[str]:
-    problems = []
-    if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters != 0:
-        problems.append("--lr-warmup-iters and --lr-warmup-fraction were both given: keep one")
+    problems = _unit(ns)
+    if problems:
+        return problems
+    sample_based = ns.train_samples is not None
+    unit, flag = ("samples", "samples") if sample_based else ("iterations", "iters")
+    total = ns.train_samples if sample_based else ns.train_iters
+    decay = ns.lr_decay_samples if sample_based else ns.lr_decay_iters
+    warmup_given = ns.lr_warmup_samples if sample_based else ns.lr_warmup_iters
+    if ns.lr_warmup_fraction is not None and warmup_given:
+        problems.append(f"--lr-warmup-{flag} and --lr-warmup-fraction were both given: keep one")
     if ns.min_lr > ns.lr:
         problems.append(f"--min-lr {ns.min_lr} exceeds --lr {ns.lr}: lower --min-lr")
     if ns.lr_warmup_init > ns.lr:
         problems.append(f"--lr-warmup-init {ns.lr_warmup_init} exceeds --lr {ns.lr}")
-    decay_iters = ns.lr_decay_iters if ns.lr_decay_iters is not None else ns.train_iters
-    warmup = (ns.lr_warmup_fraction * decay_iters if ns.lr_warmup_fraction is not None
-              else ns.lr_warmup_iters)
-    if not 0 <= warmup < decay_iters:
-        problems.append(f"warmup of {warmup:g} iterations must be shorter than the "
-                        f"{decay_iters} decay iterations (--lr-decay-iters, default "
-                        "--train-iters): shorten the warmup or lengthen the decay")
-    if ns.lr_decay_style == "WSD" and ns.lr_wsd_decay_iters is None:
-        problems.append("--lr-decay-style WSD needs --lr-wsd-decay-iters (its annealing phase)")
+    decay = decay if decay is not None else total
+    warmup = (ns.lr_warmup_fraction * decay if ns.lr_warmup_fraction is not None
+              else warmup_given or 0)
+    if not 0 <= warmup < decay:
+        problems.append(f"warmup of {warmup:g} {unit} must be shorter than the {decay} decay "
+                        f"{unit} (--lr-decay-{flag}, default --train-{flag}): shorten the "
+                        "warmup or lengthen the decay")
+    wsd = ns.lr_wsd_decay_samples if sample_based else ns.lr_wsd_decay_iters
+    if ns.lr_decay_style == "WSD" and wsd is None:
+        problems.append(f"--lr-decay-style WSD needs --lr-wsd-decay-{flag} (its annealing phase)")
     return problems
 
 
@@ -598,6 +629,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
     _validate(ns, world_size, cuda_available)
     tp = ns.tensor_model_parallel_size
     dp = world_size // (tp * ns.pipeline_model_parallel_size)
+    gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
     fusion = ns.gradient_accumulation_fusion
     return TrainConfig(
         model=ModelConfig(
@@ -617,10 +649,9 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
             transformer_impl=ns.transformer_impl),
         optim=OptimConfig(
             lr=ns.lr, min_lr=ns.min_lr, lr_decay_style=ns.lr_decay_style,
-            lr_decay_iters=ns.lr_decay_iters or ns.train_iters,
-            lr_warmup_iters=ns.lr_warmup_iters, lr_warmup_fraction=ns.lr_warmup_fraction,
+            **_schedule_in_samples(ns, gbs),
             lr_warmup_init=ns.lr_warmup_init, lr_wsd_decay_style=ns.lr_wsd_decay_style,
-            lr_wsd_decay_iters=ns.lr_wsd_decay_iters, weight_decay=ns.weight_decay,
+            weight_decay=ns.weight_decay,
             clip_grad=ns.clip_grad, adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2,
             adam_eps=ns.adam_eps),
         precision=PrecisionConfig(
@@ -658,11 +689,33 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
             restore=not ns.recover_no_restore,
             cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo")),
         micro_batch_size=ns.micro_batch_size,
-        global_batch_size=(ns.global_batch_size if ns.global_batch_size is not None
-                           else ns.micro_batch_size * dp),
-        train_iters=ns.train_iters, seed=ns.seed, log_interval=ns.log_interval,
+        global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
+        train_samples=ns.train_samples or ns.train_iters * gbs,
+        seed=ns.seed, log_interval=ns.log_interval,
         ignored_args=_ignored_given(argv, tp),
     )
+
+
+def _train_iters(ns, gbs: int) -> int:
+    """--train-iters, or Megatron-LM's update_train_iters without ramp-up: the whole global
+    batches in --train-samples."""
+    return ns.train_iters if ns.train_iters is not None else ns.train_samples // gbs
+
+
+def _schedule_in_samples(ns, gbs: int) -> dict:
+    """OptimConfig's schedule fields in samples, as Megatron-LM's get_optimizer_param_scheduler
+    computes them for an iteration-based or a sample-based run."""
+    if ns.train_samples is not None:
+        decay = ns.lr_decay_samples or ns.train_samples
+        warmup, wsd = ns.lr_warmup_samples, ns.lr_wsd_decay_samples
+    else:
+        decay = (ns.lr_decay_iters or ns.train_iters) * gbs
+        warmup = ns.lr_warmup_iters * gbs
+        wsd = None if ns.lr_wsd_decay_iters is None else ns.lr_wsd_decay_iters * gbs
+    if ns.lr_warmup_fraction is not None:
+        warmup = ns.lr_warmup_fraction * decay  # Megatron's order of operations
+    return dict(lr_decay_samples=decay, lr_warmup_samples=float(warmup),
+                lr_wsd_decay_samples=wsd)
 
 
 def _path_or_none(value: str | None) -> Path | None:

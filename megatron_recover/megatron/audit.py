@@ -27,16 +27,17 @@ class LedgerAudit:
 
     dataset: megatron's training-split dataset (`MicrobatchSource.dataset`), indexed by sample.
     The sample arithmetic (iteration t's global batch is samples [(t-1)GBS, tGBS); reserve id B+j
-    is samples train_iters*GBS + j*mbs onwards) is DESIGN.md's, written out again on purpose.
+    is samples main_samples + j*mbs onwards, main_samples being the training split's size) is
+    DESIGN.md's, written out again on purpose.
     """
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int,
-                 train_iters: int, policy: str, mode: str):
+                 main_samples: int, policy: str, mode: str):
         self.dataset = dataset
         self.gbs = global_batch_size
         self.mbs = micro_batch_size
         self.b = global_batch_size // micro_batch_size
-        self.train_iters = train_iters
+        self.main_samples = main_samples
         self.policy = policy
         self.mode = mode
         self._checksums: dict[tuple[int, int], int] = {}
@@ -48,7 +49,7 @@ class LedgerAudit:
             if microbatch_id < self.b:
                 first = (iteration - 1) * self.gbs + microbatch_id * self.mbs
             else:
-                first = self.train_iters * self.gbs + (microbatch_id - self.b) * self.mbs
+                first = self.main_samples + (microbatch_id - self.b) * self.mbs
             samples = [self.dataset[i] for i in range(first, first + self.mbs)]
             self._checksums[key] = batch_checksum(
                 *(torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask")))

@@ -67,7 +67,9 @@ class OptimConfig:
     """Adam and its learning-rate schedule (OptimizerConfig + OptimizerParamScheduler).
 
     Megatron's scheduler counts steps in samples and is stepped by the global batch size once per
-    iteration; `to_scheduler_kwargs` converts the iteration counts here exactly as Megatron-LM does.
+    iteration; so does this config: an iteration-based schedule (--lr-decay-iters, ...) is
+    converted to samples (x GBS) exactly as Megatron-LM does, a sample-based one
+    (--lr-decay-samples, ...) is taken as given.
     """
 
     lr: float
@@ -76,18 +78,19 @@ class OptimConfig:
     """Learning rate floor (--min-lr, default 0.0)."""
     lr_decay_style: str
     """constant | linear (default) | cosine | inverse-square-root | WSD (--lr-decay-style)."""
-    lr_decay_iters: int
-    """Iterations over which the learning rate decays (--lr-decay-iters, default --train-iters)."""
-    lr_warmup_iters: int
-    """Linear warmup length in iterations (--lr-warmup-iters, default 0); see warmup_iters."""
-    lr_warmup_fraction: float | None
-    """Warmup as a fraction of lr_decay_iters (--lr-warmup-fraction); excludes lr_warmup_iters."""
+    lr_decay_samples: int
+    """Samples over which the learning rate decays (--lr-decay-samples, or --lr-decay-iters x
+    GBS; default: the whole run)."""
+    lr_warmup_samples: float
+    """Linear warmup length in samples (--lr-warmup-samples, or --lr-warmup-iters x GBS, or
+    --lr-warmup-fraction x lr_decay_samples, which may be fractional as Megatron allows)."""
     lr_warmup_init: float
     """Learning rate at the start of warmup (--lr-warmup-init, default 0.0)."""
     lr_wsd_decay_style: str
     """Annealing shape of the WSD schedule (--lr-wsd-decay-style, default exponential)."""
-    lr_wsd_decay_iters: int | None
-    """Iterations of WSD's annealing phase (--lr-wsd-decay-iters); required for WSD."""
+    lr_wsd_decay_samples: int | None
+    """Samples of WSD's annealing phase (--lr-wsd-decay-samples, or --lr-wsd-decay-iters x GBS);
+    required for WSD."""
     weight_decay: float
     """Decoupled weight decay, constant over the run (--weight-decay, default 0.01)."""
     clip_grad: float
@@ -98,14 +101,6 @@ class OptimConfig:
     """Adam beta2 (--adam-beta2, default 0.999)."""
     adam_eps: float
     """Adam epsilon (--adam-eps, default 1e-8)."""
-
-    @property
-    def warmup_iters(self) -> float:
-        """Warmup length in iterations, resolved from --lr-warmup-fraction when it was given
-        (fraction x lr_decay_iters; may be fractional, as Megatron's scheduler allows)."""
-        if self.lr_warmup_fraction is not None:
-            return self.lr_warmup_fraction * self.lr_decay_iters
-        return float(self.lr_warmup_iters)
 
 
 @dataclass(frozen=True)
@@ -298,7 +293,10 @@ class TrainConfig:
     global_batch_size: int
     """Samples per iteration, all ranks together (--global-batch-size, default mbs x dp)."""
     train_iters: int
-    """Iterations to train, counted from 1 (--train-iters)."""
+    """Iterations to train, counted from 1 (--train-iters, or --train-samples // GBS)."""
+    train_samples: int
+    """The training split's size in samples: --train-samples when training is sample-based
+    (Megatron-LM builds the split with that many), train_iters x GBS otherwise."""
     seed: int
     """Base random seed (--seed, default 1234)."""
     log_interval: int

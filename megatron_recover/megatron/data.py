@@ -84,8 +84,9 @@ class MicrobatchSourceConfig:
     micro_batch_size: samples per microbatch (--micro-batch-size).
     global_batch_size: samples per iteration (--global-batch-size), a multiple of
         micro_batch_size; B = global_batch_size / micro_batch_size.
-    train_iters: iterations of the run (--train-iters); the main stream has train_iters*GBS
-        samples.
+    train_iters: iterations of the run (--train-iters, or --train-samples // GBS).
+    train_samples: the training split's size, where the reserve stream starts: --train-samples
+        of a sample-based run (as Megatron-LM builds its split); None: train_iters*GBS.
     data_path: prefix of the .bin/.idx pair (--data-path), or None for mock data (--mock-data).
     split: train/valid/test weights as in --split; only the training split is used. May be
         None with mock data (megatron ignores it there).
@@ -105,6 +106,7 @@ class MicrobatchSourceConfig:
     micro_batch_size: int
     global_batch_size: int
     train_iters: int
+    train_samples: Optional[int] = None
     data_path: Optional[str] = None
     split: Optional[str] = DEFAULT_SPLIT
     seed: int = DEFAULT_SEED
@@ -150,7 +152,10 @@ class MicrobatchSourceConfig:
 
     @property
     def main_samples(self) -> int:
-        """Training samples of the main stream: train_iters x GBS (Megatron's train split size)."""
+        """Training samples of the main stream (Megatron's train split size): train_samples, or
+        train_iters x GBS."""
+        if self.train_samples is not None:
+            return self.train_samples
         return self.train_iters * self.global_batch_size
 
     @property

@@ -90,22 +90,17 @@ def to_optimizer_config(cfg: TrainConfig):
 def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
     """Keyword arguments of megatron-core's OptimizerParamScheduler (all but `optimizer`).
 
-    Steps are samples, as in Megatron-LM's iteration-based set-up: the caller steps the scheduler
-    by global_batch_size (= B x micro_batch_size) once per committed iteration.
+    Steps are samples, as in Megatron-LM: the caller steps the scheduler by global_batch_size
+    (= B x micro_batch_size) once per committed iteration.
     """
-    o, gbs = cfg.optim, cfg.global_batch_size
-    decay_steps = o.lr_decay_iters * gbs
-    if o.lr_warmup_fraction is not None:
-        warmup_steps = o.lr_warmup_fraction * decay_steps  # Megatron's order of operations
-    else:
-        warmup_steps = o.lr_warmup_iters * gbs
+    o = cfg.optim
     return dict(
         init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_warmup_steps=o.lr_warmup_samples, lr_decay_steps=o.lr_decay_samples,
         lr_decay_style=o.lr_decay_style,
         start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=cfg.train_iters * gbs, wd_incr_style="constant",
-        wsd_decay_steps=None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * gbs,
+        wd_incr_steps=cfg.train_samples, wd_incr_style="constant",
+        wsd_decay_steps=o.lr_wsd_decay_samples,
         lr_wsd_decay_style=o.lr_wsd_decay_style,
     )
 

@@ -125,7 +125,8 @@ def microbatch_source(cfg):
     source = MicrobatchSource(MicrobatchSourceConfig(
         tokenizer=tokenizer, sequence_length=cfg.model.seq_length,
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
-        train_iters=cfg.train_iters, data_path=d.data_path, split=d.split, seed=cfg.seed,
+        train_iters=cfg.train_iters, train_samples=cfg.train_samples, data_path=d.data_path,
+        split=d.split, seed=cfg.seed,
         reserve_microbatches=reserve, cache_dir=d.data_cache_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.reset_attention_mask))
@@ -357,7 +358,7 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int
         replica=replica_ids[setup.replica_index], replica_of_rank=replica_of_rank,
         run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,
         audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
-                          micro_batch_size=cfg.micro_batch_size, train_iters=cfg.train_iters,
+                          micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
                           policy=cfg.recover.policy, mode=cfg.recover.mode),
         restore=cfg.recover.restore),
         increment_samples=cfg.global_batch_size)
