@@ -53,8 +53,9 @@ bench-scale: build
 # Seeded failure schedules against failure-free references (30 cases: about 10 minutes here).
 N ?= 30
 SEED ?= 1
+OUT ?= runs/fault-campaign
 fault-campaign: build
-	$(PY) scripts/fault_campaign.py --cases $(N) --seed $(SEED)
+	$(PY) scripts/fault_campaign.py --cases $(N) --seed $(SEED) --out $(OUT)
 
 # Break layer 2 or the data path on purpose; the ledger invariant must catch each (also in CI).
 mutations: build

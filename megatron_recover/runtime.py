@@ -22,7 +22,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-_state = {"status_path": None, "groups": [], "installed": False}
+_state = {"status_path": None, "groups": [], "installed": False, "rank": "?"}
 FINAL_CONSENSUS_TIMEOUT_S = 60.0
 
 
@@ -141,15 +141,20 @@ def write_to_terminal(text: str) -> None:
     terminal, while the same bytes written to the descriptor did.
     """
     data = text.encode(errors="replace")
-    while data:
-        data = data[os.write(2, data):]
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:  # the terminal is gone (mpirun ended): the status file still has it
+        pass
 
 
 def _die_on_uncaught(exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "?")
-    sys.stderr.flush()
-    write_to_terminal(f"megatron-recover: rank {rank} stops on an error:\n{text}")
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    write_to_terminal(f"megatron-recover: rank {_state['rank']} stops on an error:\n{text}")
     sys.stdout.flush()
     # A lost or hung peer is the replica gate at work (this rank's replica is gone), not a bug.
     write_status("left" if leaves_with_replica(exc) else "error", error=text[-4000:])
@@ -257,6 +262,7 @@ def init_mpi(status_dir: Path | None = None) -> DistributedContext:
         status_dir = Path(status_dir)
         status_dir.mkdir(parents=True, exist_ok=True)
         status_path = status_dir / f"rank-{rank}.json"
+    _state["rank"] = rank
     install_exit_discipline(status_path)
     write_status("running", pid=os.getpid())
     return DistributedContext(rank=rank, world_size=size, status_path=status_path)

@@ -3,8 +3,8 @@ parser), config.py (the TrainConfig) and mcore_config.py (megatron-core config o
 
 Run:  .venv/bin/python -m pytest tests/test_arguments.py -q -p no:cacheprovider
 Hardware: none beyond a CPU; pure in-process, a few seconds. `cuda_available` is a parameter
-of parse_args, so the CUDA-only paths (gradient-accumulation fusion, Transformer Engine) are checked here
-without a GPU; the megatron-core config objects are built but no model is.
+of parse_args, so the CUDA-only paths (gradient-accumulation fusion, Transformer Engine) are
+checked here without a GPU; the megatron-core config objects are built but no model is.
 
 What it checks: a Megatron GPT command line from Megatron-LM's examples parses with Megatron's
 defaults and meanings; derived values (data-parallel size, replicas, B, microbatches, warmup);
@@ -534,7 +534,8 @@ def test_ddp_config():
     assert to_ddp_config(small("--bf16")).grad_reduce_in_fp32
     assert not to_ddp_config(small("--bf16", "--grad-reduce-in-bf16")).grad_reduce_in_fp32
     assert not to_ddp_config(small("--fp16")).grad_reduce_in_fp32
-    assert to_ddp_config(small("--fp16", "--accumulate-allreduce-grads-in-fp32")).grad_reduce_in_fp32
+    fp32_grads = small("--fp16", "--accumulate-allreduce-grads-in-fp32")
+    assert to_ddp_config(fp32_grads).grad_reduce_in_fp32
 
 
 def test_precision_startup_line():
@@ -544,7 +545,8 @@ def test_precision_startup_line():
     assert "reduced in bf16" in small("--bf16", "--grad-reduce-in-bf16").precision.describe()
     assert small("--fp16", "--initial-loss-scale", "4096").precision.describe().endswith(
         "reduced in fp16, dynamic loss scale from 4096")
-    assert small().precision.describe() == "fp32 parameters, gradients accumulated and reduced in fp32"
+    assert small().precision.describe() == (
+        "fp32 parameters, gradients accumulated and reduced in fp32")
 
 
 def test_optimizer_config():

@@ -16,18 +16,16 @@ import torch
 
 from megatron_recover.faults import read_markers
 from megatron_recover.launch import LaunchConfig, RunResult, launch
+from megatron_recover.testing.compare import (  # noqa: F401  (the tests import them from here)
+    EXACT_RTOL,
+    STABLE_LR,
+    loss_rdiff,
+    param_rdiff,
+)
 from tests.mpirun_harness import ENTRY
 
-EXACT_LOSS_RTOL = 1e-6
-EXACT_PARAM_RTOL = 1e-6
-# Slow enough that the failure-free dynamics are not chaotic: reduction-order noise (~1e-8) stays
-# ~1e-8 over the tests' iterations instead of growing to 1e-5 as it does at 3e-2. No linear
-# biases: the key part of the QKV bias has no true gradient (softmax ignores a shift of every
-# key), so its gradient is pure rounding noise, which Adam turns into lr-sized steps. Adam's eps at
-# 1e-4 keeps it from doing the same to the few weights whose gradients nearly cancel (final
-# parameters 1.5-2e-7 apart after a recovery at eps 1e-4 and 1e-3, 1-4e-6 at 1e-8 and 1e-6).
-STABLE_LR = ["--lr", "3e-3", "--clip-grad", "1.0", "--disable-bias-linear",
-             "--adam-eps", "1e-4"]
+EXACT_LOSS_RTOL = EXACT_RTOL
+EXACT_PARAM_RTOL = EXACT_RTOL
 
 
 @dataclass
@@ -62,20 +60,6 @@ def run_training(run_dir: Path, num_ranks: int, args: list[str], schedule: str |
     records = [json.loads(line) for line in log.read_text().splitlines()]
     return TrainingRun(result, records, read_markers(log.with_suffix(".markers.jsonl")),
                        run_dir / "status")
-
-
-def loss_rdiff(records: list[dict], reference: list[dict]) -> float:
-    """Max relative loss difference over the iterations, which must be the same ones."""
-    assert [r["iteration"] for r in records] == [r["iteration"] for r in reference]
-    return max(abs(r["loss"] - ref["loss"]) / abs(ref["loss"])
-               for r, ref in zip(records, reference))
-
-
-def param_rdiff(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """Max over tensors of max |a - b| / max |b| (computed in fp32 whatever the precision)."""
-    assert params.keys() == reference.keys()
-    return max(float((params[k].float() - reference[k].float()).abs().max()
-                     / reference[k].float().abs().max()) for k in reference)
 
 
 def assert_exact(run: TrainingRun, reference: TrainingRun, label: str) -> tuple[float, float]:

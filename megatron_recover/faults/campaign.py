@@ -9,35 +9,37 @@ one replica surviving: single failures anywhere an iteration goes (including the
 step's own collectives), and pairs in one iteration whose second failure lands in the recovery
 of the first (extension pass, restore, consensus).
 
-A case passes when the run ends (bounded), every iteration commits exactly once, the ledger
-invariant held in every iteration (static: B contributions), completed ranks that hold the same
-position agree bitwise and, in exact mode, every iteration's loss is within 1e-6 relative and
-every completed rank's final parameters within 1e-6 (max abs difference over a tensor relative
-to its max abs) of the reference. The model and learning rate are the tests' (tests/training_
-harness.py: STABLE_LR), where the failure-free dynamics are not chaotic; a negative control
-(`--recover-no-restore`, one lost microbatch gradient) shows the tolerance still catches a
-wrong gradient.
+A case passes when the run ends (bounded), every failure that must be reached fired (its victim's
+marker; a second failure of a pair at `during-extension` or `during-restore` is reached only if
+the first one led there, and is otherwise reported as not injected), every iteration commits
+exactly once, the ledger invariant held in every iteration (static: B contributions), completed
+ranks that hold the same position agree bitwise and, in exact mode, every iteration's loss is
+within 1e-6 relative and every completed rank's final parameters within 1e-6 (testing/compare.py)
+of the reference. The model and learning rate are the tests' (STABLE_LR), where the failure-free
+dynamics are not chaotic; a negative control (`--recover-no-restore`, one lost microbatch
+gradient) shows the tolerance still catches a wrong gradient.
 """
 
 import json
 import random
+import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_recover.faults.injection import read_markers
 from megatron_recover.faults.schedule import ScheduleEntry, write_schedule
 from megatron_recover.launch import LaunchConfig, launch
+from megatron_recover.testing.compare import EXACT_RTOL, STABLE_LR, loss_rdiff, param_rdiff
 
 ITERATIONS = 6
 MICROBATCHES_PER_REPLICA = 2
-EXACT_RTOL = 1e-6
 RUN_TIMEOUT_S = 300
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
-         "--train-iters", str(ITERATIONS), "--lr", "3e-3", "--clip-grad", "1.0",
-         "--disable-bias-linear", "--adam-eps", "1e-4", "--mock-data",
+         "--train-iters", str(ITERATIONS), *STABLE_LR, "--mock-data",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--overlap-grad-reduce",
          "--ddp-bucket-size", "2000", "--log-interval", "1", "--hidden-dropout", "0.1",
          "--attention-dropout", "0.1"]
@@ -51,6 +53,8 @@ SINGLE = ("pre-forward", "backward", "before-reduce", "during-reduce", "during-c
 FIRST_OF_PAIR = ("backward", "before-reduce", "during-reduce", "during-consensus")
 SECOND_OF_PAIR = ("during-extension", "during-restore", "during-consensus", "during-reduce",
                   "backward")
+# Reached only when an earlier failure of the iteration led there.
+CONDITIONAL = ("during-extension", "during-restore")
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,8 @@ def draw_case(seed: int, index: int, catalogue=CATALOGUE) -> Case:
         iteration = rng.randint(2, ITERATIONS - 1)
         if victims and rng.random() < 0.4:
             # Two in one iteration: the second lands in the first one's recovery.
-            entries.append(ScheduleEntry(iteration, replica, rng.randrange(config.ranks_per_replica),
+            local_rank = rng.randrange(config.ranks_per_replica)
+            entries.append(ScheduleEntry(iteration, replica, local_rank,
                                          rng.choice(FIRST_OF_PAIR)))
             replica = victims.pop()
             location = rng.choice(SECOND_OF_PAIR)
@@ -160,10 +165,10 @@ class Run:
 
 def run_job(run_dir: Path, config: Config, extra: list[str] = (),
             entries: list[ScheduleEntry] | None = None) -> Run:
-    """pretrain_gpt_recover.py of `config` (and a schedule), bounded."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """pretrain_gpt_recover.py of `config` (and a schedule), bounded, in a fresh `run_dir`."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
     log = run_dir / "log.jsonl"
-    log.unlink(missing_ok=True)
     args = [*config.args(), *extra, "--recover-log", str(log)]
     if entries:
         write_schedule(entries, run_dir / "schedule.yaml")
@@ -184,23 +189,15 @@ def _params(run: Run, rank: int):
     return torch.load(run.status_dir / f"rank-{rank}.params.pt")
 
 
-def _param_rdiff(params, reference) -> float:
-    return max(float((params[k].float() - reference[k].float()).abs().max()
-                     / reference[k].float().abs().max()) for k in reference)
-
-
-def _loss_rdiff(records, reference) -> float:
-    return max(abs(r["loss"] - ref["loss"]) / abs(ref["loss"])
-               for r, ref in zip(records, reference))
-
-
 def scenarios(case: Case, run: Run) -> list[str]:
-    """The recovery paths a case reached, from its schedule and its run's log."""
-    found = {e.location for e in case.entries
-             if e.location in ("optimizer-step", "grad-norm", "param-gather")}
-    if len({e.iteration for e in case.entries}) < len(case.entries):
+    """The recovery paths a case reached, from the victims' markers and the run's log."""
+    found = {m["location"] for m in run.markers
+             if m.get("location") in ("optimizer-step", "grad-norm", "param-gather")}
+    fired = Counter(m.get("iteration") for m in run.markers)
+    if any(n > 1 for n in fired.values()):
         found.add("two in one iteration")
-    if any(e.replica == 0 for e in case.entries):
+    fired_at = {(m.get("iteration"), m.get("location")) for m in run.markers}
+    if any(e.replica == 0 and (e.iteration, e.location) in fired_at for e in case.entries):
         found.add("replica 0")
     if any(r["extension_rounds"] for r in run.records):
         found.add("extension pass")
@@ -217,6 +214,11 @@ def judge(case: Case, run: Run, reference: Run) -> Outcome:
     """Check one case's run against its configuration's reference."""
     config = case.config
     outcome = Outcome(case.describe(), config.name, len(case.entries), len(run.markers))
+    fired = Counter((m.get("iteration"), m.get("location")) for m in run.markers)
+    required = Counter((e.iteration, e.location) for e in case.entries
+                       if e.location not in CONDITIONAL)
+    if required - fired:
+        outcome.problems.append(f"failures that did not fire: {sorted(required - fired)}")
     if not run.ok:
         outcome.problems.append("the run did not succeed (see its output.txt)")
         return outcome
@@ -224,8 +226,8 @@ def judge(case: Case, run: Run, reference: Run) -> Outcome:
     if iterations != list(range(1, ITERATIONS + 1)):
         outcome.problems.append(f"committed iterations {iterations}")
         return outcome
-    bad = [r["iteration"] for r in run.records
-           if not r["invariant_ok"] or (config.policy == "static" and r["contributions"] != config.b)]
+    bad = [r["iteration"] for r in run.records if not r["invariant_ok"]
+           or (config.policy == "static" and r["contributions"] != config.b)]
     outcome.ledger_violations = len(bad)
     if bad:
         outcome.problems.append(f"ledger invariant violated in iterations {bad}")
@@ -239,8 +241,8 @@ def judge(case: Case, run: Run, reference: Run) -> Outcome:
     if any(len(digests) > 1 for digests in by_position.values()):
         outcome.problems.append("survivors at one position disagree bitwise")
     if config.exact:
-        outcome.loss_rdiff = _loss_rdiff(run.records, reference.records)
-        outcome.param_rdiff = max(_param_rdiff(_params(run, r), _params(reference, r))
+        outcome.loss_rdiff = loss_rdiff(run.records, reference.records)
+        outcome.param_rdiff = max(param_rdiff(_params(run, r), _params(reference, r))
                                   for r in completed)
         if outcome.loss_rdiff > EXACT_RTOL or outcome.param_rdiff > EXACT_RTOL:
             outcome.problems.append(f"not exact: loss {outcome.loss_rdiff:.2e}, parameters "
@@ -257,7 +259,7 @@ def negative_control(out: Path, references: dict) -> float:
     run = run_job(out / "negative-control", config, ["--recover-no-restore"], entries)
     if not run.ok or len(run.records) != ITERATIONS:
         return float("nan")
-    return _loss_rdiff(run.records, reference.records)
+    return loss_rdiff(run.records, reference.records)
 
 
 def _reference(out: Path, config: Config, references: dict) -> Run:

@@ -13,10 +13,12 @@ Locations, in the order an iteration reaches them:
   during-restore    after a failure, while stale buckets are rewound and reduced again
   during-extension  inside an extension pass, before its first backward
   optimizer-step    after the commit, before the optimizer step
-  grad-norm         in the optimizer step, entering the gradient-norm all-reduce of --clip-grad
-                    (on the replica's model-parallel group: its peers wait inside it)
+  grad-norm         in the optimizer step, entering the gradient-norm all-reduce (megatron's
+                    clip_grad_norm/get_grad_norm, run with --clip-grad > 0, on the replica's
+                    model-parallel group: its peers wait inside it); needs --clip-grad > 0
   param-gather      in the distributed optimizer's step, entering the parameter all-gather of
-                    the replica's shards (its peers wait inside it)
+                    the replica's shards (start_param_sync; its peers wait inside it); needs
+                    --use-distributed-optimizer
 The victim writes a marker {location, iteration, rank, time} right before it SIGKILLs itself; an
 entry whose point the run never reaches is reported as not injected (`injection_report`).
 
@@ -132,8 +134,12 @@ def write_schedule(entries: list[ScheduleEntry], path: Path) -> None:
 
 def generate_schedule(num_replicas: int, ranks_per_replica: int, count: int, seed: int,
                       first_iteration: int, last_iteration: int,
-                      locations: tuple[str, ...] = LOCATIONS) -> list[ScheduleEntry]:
-    """A seeded random schedule: `count` distinct replicas die, at least one replica survives."""
+                      locations: tuple[str, ...] | None = None) -> list[ScheduleEntry]:
+    """A seeded random schedule: `count` distinct replicas die, at least one replica survives.
+    By default at the locations every job reaches (not the optimizer-step collectives, which
+    need --clip-grad or a distributed optimizer)."""
+    if locations is None:
+        locations = tuple(loc for loc in LOCATIONS if loc not in OPTIMIZER_LOCATIONS)
     if count >= num_replicas:
         raise ValueError(f"--count {count} would kill every one of {num_replicas} replicas")
     unknown = set(locations) - set(LOCATIONS)

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, required=True, help="replicas to kill")
     parser.add_argument("--iterations", type=_iteration_range, required=True, metavar="A:B",
                         help="iterations the failures fall in (inclusive)")
-    parser.add_argument("--locations", nargs="+", default=list(LOCATIONS), choices=LOCATIONS,
+    parser.add_argument("--locations", nargs="+", default=None, choices=LOCATIONS,
                         help="where failures may land (default: all)")
     parser.add_argument("-o", "--output", type=Path, required=True, help="YAML file to write")
 
@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas < 1 or args.ranks_per_replica < 1 or args.count < 1:
             raise ValueError("--replicas, --ranks-per-replica and --count must be >= 1")
         entries = generate_schedule(args.replicas, args.ranks_per_replica, args.count,
-                                    args.seed, *args.iterations, tuple(args.locations))
+                                    args.seed, *args.iterations,
+                                    tuple(args.locations) if args.locations else None)
     except ValueError as error:
         print(f"megatron-recover schedule: error: {error}", file=sys.stderr)
         return 2

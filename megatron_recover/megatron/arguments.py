@@ -11,7 +11,7 @@ meaning and default (megatron/training/arguments.py at core_v0.16.1). What we ad
   refused       parsed only to stop at start-up with a message saying what to change: they would
                 change the math or break the invariant that every committed iteration sums exactly
                 B microbatch gradients (context / expert parallelism, batch ramp-up, per-token loss,
-                virtual pipeline stages, sample-based schedules, kernels the device cannot run).
+                virtual pipeline stages, kernels the device cannot run).
 Any other argument is an argparse error (exit status 2), as in Megatron-LM.
 
 `parse_args` raises `ValueError` for every user mistake it can see, all of them in one message,
@@ -412,7 +412,7 @@ def _given(ns, flag: str) -> bool:
     return value is not None and not (flag.startswith("--lr-warmup-") and value == 0)
 
 
-def _unit(ns) -> list[str]:
+def _unit(ns, world_size: int) -> list[str]:
     """Megatron-LM's rule: a run is iteration-based (--train-iters) or sample-based
     (--train-samples), and its learning-rate schedule is given in the same unit."""
     if (ns.train_iters is None) == (ns.train_samples is None):
@@ -422,15 +422,19 @@ def _unit(ns) -> list[str]:
              if _given(ns, f)]
     if wrong:
         unit = "iteration" if ns.train_iters is not None else "sample"
+        flags = _ITERATION_FLAGS if unit == "iteration" else _SAMPLE_FLAGS
         return [f"{', '.join(wrong)} with {unit}-based training: give the schedule in "
-                f"{unit}s ({', '.join(_ITERATION_FLAGS if unit == 'iteration' else _SAMPLE_FLAGS)})"]
-    if ns.train_samples is not None and ns.train_samples < (ns.global_batch_size or 1):
-        return [f"--train-samples {ns.train_samples} is less than one global batch"]
+                f"{unit}s ({', '.join(flags)})"]
+    dp = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
+    gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
+    if ns.train_samples is not None and ns.train_samples < gbs:
+        return [f"--train-samples {ns.train_samples} is less than one global batch ({gbs} "
+                "samples): train for at least one"]
     return []
 
 
-def _schedule(ns) -> list[str]:
-    problems = _unit(ns)
+def _schedule(ns, world_size: int) -> list[str]:
+    problems = _unit(ns, world_size)
     if problems:
         return problems
     sample_based = ns.train_samples is not None
@@ -566,7 +570,8 @@ def _validate(ns, world_size: int, cuda_available: bool) -> None:
     if not problems:  # the shape checks below read the required values
         problems = _positive(ns)
     if not problems:
-        problems = (_model_shape(ns) + _parallel_layout(ns, world_size) + _schedule(ns))
+        problems = (_model_shape(ns) + _parallel_layout(ns, world_size)
+                    + _schedule(ns, world_size))
     problems += (_refusals(ns, cuda_available) + _precision(ns) + _data(ns) + _tokenizer(ns)
                  + _checkpointing(ns) + _recover(ns))
     if problems:
@@ -621,7 +626,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
     """Parse a Megatron GPT command line into a validated TrainConfig.
 
     argv: the arguments without the program name. world_size: ranks at launch (from MPI).
-    cuda_available: whether this rank trains on CUDA; on CPU, CUDA-only kernels are refused. Raises ValueError (one message, a line per problem, each saying what to change)
+    cuda_available: whether this rank trains on CUDA; on CPU, CUDA-only kernels are refused.
+    Raises ValueError (one message, a line per problem, each saying what to change)
     for a bad combination; argparse exits with status 2 on unknown or malformed arguments.
     Pure: reads only argv and the files it names (dataset, tokenizer, failure schedule).
     """

@@ -75,8 +75,10 @@ def _parameter_state(optimizer) -> list[dict]:
 def _load_parameter_state(optimizer, saved: list[dict]) -> None:
     optimizers = _distributed_optimizers(optimizer)
     if len(saved) != len(optimizers):
-        raise ValueError("--load: the checkpoint was written with a different optimizer set-up "
-                         "(--use-distributed-optimizer must match)")
+        raise ValueError("--load: the checkpoint holds no distributed-optimizer state for this "
+                         "run (written without --use-distributed-optimizer, or before such "
+                         "checkpoints held it): resume with the optimizer set-up it was "
+                         "written with")
     with torch.no_grad():  # the main parameters are leaves that require grad
         for opt, state in zip(optimizers, saved):
             # DistributedOptimizer.load_state_dict (without Apex/TE) gives every parameter's
@@ -131,6 +133,6 @@ def load(directory: Path, ddp_model, optimizer, scheduler,
     saved = torch.load(path, map_location="cpu", weights_only=False)
     ddp_model.module.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
-    _load_parameter_state(optimizer, saved["parameter_state"])
+    _load_parameter_state(optimizer, saved.get("parameter_state", []))
     scheduler.load_state_dict(saved["scheduler"])
     return saved["recovery"]

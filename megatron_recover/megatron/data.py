@@ -6,8 +6,9 @@ Contract of `MicrobatchSource(config)`:
   the k-th slice of `micro_batch_size` samples in it. (Megatron's sampler hands data-parallel
   rank r of dp its m-th microbatch of an iteration from slice m*dp + r.)
 - Reserve ids B + j, 0 <= j < reserve_microbatches, are the run-wide reserve stream (the policy's
-  reserve mode): samples [train_iters*GBS + j*mbs, +mbs), whatever the iteration. They lie after
-  every main-stream sample, so a reserve id never repeats a training sample.
+  reserve mode): samples [main_samples + j*mbs, +mbs), whatever the iteration, where main_samples
+  is the training split's size (--train-samples, or train_iters*GBS). They lie after every
+  main-stream sample, so a reserve id never repeats a training sample.
 - `microbatch(t, k)` returns Megatron's GPT batch as CPU tensors: tokens, labels, position_ids
   (int64 [mbs, seq]), loss_mask (float32 [mbs, seq], as megatron-core makes it) and
   attention_mask: None by default, because megatron-core's attention builds the causal mask
@@ -19,7 +20,7 @@ Contract of `MicrobatchSource(config)`:
   or loaded from the cache, because megatron-core's indices are seeded by `seed` alone.
 
 The data set is what Megatron-LM's pretrain_gpt builds: `BlendedMegatronDatasetBuilder` over
-`GPTDataset` with `GPTDatasetConfig`, a training split of train_iters*GBS samples, so the main
+`GPTDataset` with `GPTDatasetConfig`, a training split of main_samples samples, so the main
 stream equals an unpatched megatron-core run with the same data, --seed, --split, --seq-length,
 --global-batch-size and --reset-position-ids / --reset-attention-mask / --eod-mask-loss (all
 off by default). `data_path=None` gives megatron's `MockGPTDataset` (--mock-data; megatron then
@@ -120,6 +121,10 @@ class MicrobatchSourceConfig:
     def __post_init__(self):
         for name in ("sequence_length", "micro_batch_size", "global_batch_size", "train_iters"):
             _check_int(name, getattr(self, name), minimum=1)
+        if self.train_samples is not None and (
+                self.train_samples < self.train_iters * self.global_batch_size):
+            raise ValueError(f"train_samples ({self.train_samples}) is less than train_iters x "
+                             f"global_batch_size ({self.train_iters * self.global_batch_size})")
         _check_int("reserve_microbatches", self.reserve_microbatches, minimum=0)
         _check_int("seed", self.seed, minimum=0)
         if self.global_batch_size % self.micro_batch_size:

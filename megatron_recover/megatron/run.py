@@ -26,7 +26,7 @@ from megatron_recover.faults.schedule import (
 )
 from megatron_recover.megatron import mcore_config
 from megatron_recover.megatron.audit import LedgerAudit
-from megatron_recover.megatron.gpt import Float16Module, MicrobatchPass, build_gpt, wrap_ddp
+from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
 from megatron_recover.megatron.report import RecoverLog, iteration_line
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
 from megatron_recover.megatron import checkpoint, dist_checkpoint
@@ -51,13 +51,27 @@ def check_start(cfg) -> None:
         dist_checkpoint.check_start(cfg)  # stock --save/--load: megatron-core dist. checkpoints
         return
     if cfg.recover.failure_schedule:
-        load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
-                      cfg.parallel.ranks_per_replica, cfg.train_iters)
+        entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
+                                cfg.parallel.ranks_per_replica, cfg.train_iters)
+        _check_optimizer_locations(cfg, entries)
         overflows = load_overflows(cfg.recover.failure_schedule, cfg.b, cfg.train_iters)
         if overflows and not cfg.precision.fp16:
             raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
                              "scaler, which skips the step; without --fp16 the inf gradient "
                              "would reach the parameters: add --fp16 or drop 'overflows'")
+
+
+def _check_optimizer_locations(cfg, entries) -> None:
+    """A schedule entry inside a collective this job's optimizer step never runs would silently
+    not fire."""
+    for entry in entries:
+        if entry.location == "grad-norm" and cfg.optim.clip_grad <= 0:
+            raise ValueError(f"{cfg.recover.failure_schedule}: location grad-norm is the "
+                             "--clip-grad norm all-reduce; this job has --clip-grad 0")
+        if entry.location == "param-gather" and not cfg.parallel.use_distributed_optimizer:
+            raise ValueError(f"{cfg.recover.failure_schedule}: location param-gather is the "
+                             "distributed optimizer's parameter all-gather; add "
+                             "--use-distributed-optimizer or choose another location")
 
 
 def _cross_replica_groups(replica_group_ranks: list[int],
@@ -244,6 +258,8 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
                       cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
                       share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
     if cfg.precision.fp16 or cfg.precision.bf16:
+        from megatron.core.transformer.module import Float16Module
+
         # As Megatron-LM's get_model: fp16/bf16 parameters and compute, fp32 outputs.
         model = Float16Module(tconfig, model)
     # A replica is a data-parallel rank's TP x PP ranks or, with distributed-optimizer instances
@@ -406,6 +422,8 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
 
 def unwrap(ddp_model):
     """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""
+    from megatron.core.transformer.module import Float16Module
+
     model = ddp_model.module
     return model.module if isinstance(model, Float16Module) else model
 
