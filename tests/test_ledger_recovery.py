@@ -79,19 +79,22 @@ def test_hsdp_extension_with_fewer_ids_than_shards(tmp_path):
     assert_exact(run, reference, "HSDP 3x2, one extension id per instance")
 
 
-WRITER_JOB = [*MODEL, "--global-batch-size", "6"]
+WRITER_JOB = [*MODEL, "--global-batch-size", "8"]
 WRITER_SCHEDULE = """entries:
   - {iteration: 2, replica: 0, local_rank: 0, location: optimizer-step}
+  - {iteration: 3, replica: 1, local_rank: 0, location: optimizer-step}
 """
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_one_record_per_iteration_when_the_writer_dies_after_a_commit(tmp_path):
     """Rank 0 writes the log; it dies at the optimizer step, after iteration 2 committed and
-    before its record was out. The next writer writes iteration 2's record, once."""
-    reference = run_training(tmp_path / "reference", 3, WRITER_JOB, timeout_s=TIMEOUT_S)
-    run = run_training(tmp_path / "failures", 3, WRITER_JOB, WRITER_SCHEDULE, timeout_s=TIMEOUT_S)
-    assert [(m["rank"], m["location"]) for m in run.markers] == [(0, "optimizer-step")]
+    before its record was out. Rank 1, the writer from iteration 3 on, dies the same way after
+    iteration 3 committed. Rank 2 writes the records of iterations 2 and 3, once each."""
+    reference = run_training(tmp_path / "reference", 4, WRITER_JOB, timeout_s=TIMEOUT_S)
+    run = run_training(tmp_path / "failures", 4, WRITER_JOB, WRITER_SCHEDULE, timeout_s=TIMEOUT_S)
+    assert [(m["rank"], m["location"]) for m in run.markers] == [(0, "optimizer-step"),
+                                                                 (1, "optimizer-step")]
     assert [r["iteration"] for r in run.records] == [1, 2, 3, 4]
-    assert_ledger_held(run.records, 6)
-    assert_exact(run, reference, "writer lost after a commit")
+    assert_ledger_held(run.records, 8)
+    assert_exact(run, reference, "two writers lost after their commits")

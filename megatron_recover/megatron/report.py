@@ -39,8 +39,12 @@ class RecoverLog:
     """Appends one JSON object per committed iteration to `path` (JSONL), with `time`: the
     writer's wall clock (time.time()) once the iteration committed and the optimizer stepped."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, last_written: int | None = None):
+        """last_written: the iteration this run's log holds up to, when the caller knows it (the
+        run's first writer: the iteration it starts after); None: read it from the log, for a
+        writer taking over from one that died."""
         self.path = Path(path) if path else None
+        self._last = last_written
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -52,15 +56,23 @@ class RecoverLog:
             f.write(json.dumps(record) + "\n")
             f.flush()
 
-    def write_missing(self, report, **extra) -> None:
-        """Taking over from a writer that died: drop the line it may have left half-written,
-        then write `report` unless the log already has its iteration."""
-        if self.path is None or not self.path.exists():
-            return self.write(report, **extra)
-        text = self.path.read_text()
-        complete = text[:text.rfind("\n") + 1]
-        if complete != text:
-            self.path.write_text(complete)
-        lines = complete.splitlines()
-        if not lines or json.loads(lines[-1])["iteration"] < report.iteration:
-            self.write(report, **extra)
+    def write_missing(self, pending) -> None:
+        """Write the (report, extra fields) of `pending`, oldest first, that the log does not
+        have yet. The first call reads the log once: a writer that took over from one that died
+        drops the line it may have left half-written, and the last complete record says which
+        iterations are in; later calls know it."""
+        if self.path is None:
+            return
+        if self._last is None:
+            self._last = 0
+            if self.path.exists():
+                text = self.path.read_text()
+                complete = text[:text.rfind("\n") + 1]
+                if complete != text:
+                    self.path.write_text(complete)
+                lines = complete.splitlines()
+                self._last = json.loads(lines[-1])["iteration"] if lines else 0
+        for report, extra in pending:
+            if report.iteration > self._last:
+                self.write(report, **extra)
+                self._last = report.iteration

@@ -11,6 +11,7 @@ run give the same losses up to floating-point reassociation.
 import hashlib
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,8 @@ from megatron_recover.policy import (
 # Waits that outlive LAST_RESORT_FACTOR x --recover-hang-timeout make a rank leave; a healthy
 # long compute of a few times the hang timeout stays far below it.
 LAST_RESORT_FACTOR = 10
+# Records of committed iterations a rank keeps until it sees them written (recovery log).
+PENDING_RECORDS = 1000
 
 
 def check_start(cfg) -> None:
@@ -432,8 +435,11 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
     """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped."""
     trainer, start = _trainer(cfg, ctx, setup, dataset)
     skipped = []
-    log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None)
-    previous = None  # the last committed iteration's record, held by every rank
+    log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None, last_written=start - 1)
+    # Committed iterations whose records this rank has not seen written. Writers can die after a
+    # commit and before their record is out, several in a row; whoever writes next writes what
+    # the log lacks (bounded: a chain of PENDING_RECORDS writer deaths is not survived in full).
+    pending = deque(maxlen=PENDING_RECORDS)
     for iteration in range(start, cfg.train_iters + 1):
         lr = setup.optimizer.param_groups[0]["lr"]
         report = trainer.train_step(iteration)
@@ -445,18 +451,14 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
         if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
                                     or iteration == cfg.train_iters):
             save_checkpoint(cfg, trainer, setup, iteration)
+        pending.append((report, record))
         # The lowest live rank: position 0 of the lowest live replica.
         if setup.group.rank != 0 or setup.local_rank != 0:
-            previous = (report, record)
             continue
         if log.path is None and cfg.recover.log:
-            # The writer moved here: the last writer may have died after the previous commit,
-            # before its record was out.
-            log = RecoverLog(cfg.recover.log)
-            if previous is not None:
-                log.write_missing(previous[0], **previous[1])
-        previous = (report, record)
-        log.write(report, **record)
+            log = RecoverLog(cfg.recover.log)  # the writer moved here
+        log.write_missing(pending)
+        pending.clear()
         if iteration % cfg.log_interval == 0 or report.events:
             print(iteration_line(report, cfg.train_iters, iteration * cfg.global_batch_size, lr,
                                  cfg.global_batch_size), flush=True)
