@@ -83,7 +83,7 @@ LAYOUTS = {
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_job_script_save_and_load_the_same_directory(tmp_path, layout):
+def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     """Megatron-LM's job-script form: every launch passes `--save d --load d`."""
     ranks, extra = LAYOUTS[layout]
     _, reference = train(tmp_path / "reference", ranks, [*extra, "--train-iters", "8"])
@@ -107,5 +107,6 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout):
     loss = max(abs(resumed[t]["loss"] - reference[t]["loss"]) / reference[t]["loss"]
                for t in resumed)
     params = params_rdiff(tmp_path / "resumed", tmp_path / "reference", range(ranks))
-    print(f"{layout}: relaunch vs uninterrupted: loss {loss:.2e}, parameters {params:.2e}")
+    figures.append(f"checkpoint {layout}: --save d --load d relaunch vs uninterrupted: loss "
+                   f"{loss:.2e}, parameters {params:.2e}")
     assert loss <= EXACT_LOSS_RTOL and params <= EXACT_PARAM_RTOL

@@ -4,6 +4,8 @@ Run: `make test` (the slice: 10 cases of a fixed seed over five configurations, 
 CPU only, every run under a hard timeout); the full campaign is `make fault-campaign N=30 SEED=1`.
 """
 
+import json
+
 import pytest
 
 from megatron_recover.faults.campaign import (
@@ -39,11 +41,11 @@ def test_draws_are_reproducible_and_leave_a_survivor():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(1500)
-def test_campaign_slice(tmp_path):
+def test_campaign_slice(tmp_path, figures):
     lines = []
     summary = run_campaign(10, SLICE_SEED, tmp_path, catalogue=SLICE_CATALOGUE,
                            log=lambda line: (print(line), lines.append(line)))
-    print(summary)
+    figures.append(f"fault campaign slice: {json.dumps(summary)}")
     assert summary["cases"] == 10 and summary["failed_cases"] == [], "\n".join(lines)
     assert summary["ledger_violations"] == 0
     assert summary["failures_injected"] >= 15

@@ -69,7 +69,8 @@ def train(run_dir, num_ranks, extra, schedule=None):
 class Measured:
     """A precision's failure-free DP=4 reference and its tolerances (DP=4 vs DP=2)."""
 
-    def __init__(self, base_dir, precision):
+    def __init__(self, base_dir, precision, figures):
+        self.figures = figures
         self.precision = precision
         self.args = PRECISIONS[precision]
         self.reference = train(base_dir / "dp4", 4, self.args)
@@ -78,28 +79,32 @@ class Measured:
         self.param_diff = param_rdiff(dp2.params(0), self.reference.params(0))
         self.loss_tol = 3 * self.loss_diff
         self.param_tol = 3 * self.param_diff
-        print(f"{precision}: DP=4 vs DP=2 failure-free: loss {self.loss_diff:.2e}, parameters "
-              f"{self.param_diff:.2e} -> tolerance loss {self.loss_tol:.2e}, "
-              f"parameters {self.param_tol:.2e}")
+        self.report(f"{precision}: DP=4 vs DP=2 failure-free: loss {self.loss_diff:.2e}, "
+                    f"parameters {self.param_diff:.2e} -> tolerance loss {self.loss_tol:.2e}, "
+                    f"parameters {self.param_tol:.2e}")
+
+    def report(self, line):
+        print(line)
+        self.figures.append(line)
 
     def check(self, run, reference, label):
         """Loss of every iteration and every completed rank's parameters within tolerance."""
         loss = loss_rdiff(run.records, reference.records)
         params = max(param_rdiff(run.params(r), reference.params(r)) for r in run.completed())
-        print(f"{label}: loss {loss:.2e} (tolerance {self.loss_tol:.2e}), parameters "
-              f"{params:.2e} (tolerance {self.param_tol:.2e})")
+        self.report(f"{label}: loss {loss:.2e} (tolerance {self.loss_tol:.2e}), parameters "
+                    f"{params:.2e} (tolerance {self.param_tol:.2e})")
         assert loss <= self.loss_tol, f"{label}: loss differs by {loss:.2e}"
         assert params <= self.param_tol, f"{label}: parameters differ by {params:.2e}"
         return loss
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def measured(tmp_path_factory, figures):
     cache = {}
 
     def get(precision):
         if precision not in cache:
-            cache[precision] = Measured(tmp_path_factory.mktemp(precision), precision)
+            cache[precision] = Measured(tmp_path_factory.mktemp(precision), precision, figures)
         return cache[precision]
     return get
 
@@ -129,8 +134,8 @@ def test_failures_within_the_precisions_tolerance(tmp_path, measured, precision)
 
     control = train(tmp_path / "no-restore", 4, [*m.args, "--recover-no-restore"], DP_SCHEDULE)
     moved = loss_rdiff(control.records, m.reference.records)
-    print(f"{precision} --recover-no-restore: loss {moved:.2e} (> 10 x tolerance "
-          f"{10 * m.loss_tol:.2e} required; the failure run: {exact:.2e})")
+    m.report(f"{precision} --recover-no-restore: loss {moved:.2e} (> 10 x tolerance "
+             f"{10 * m.loss_tol:.2e} required; the failure run: {exact:.2e})")
     assert moved > 10 * m.loss_tol and moved > 0
 
 
