@@ -3,7 +3,7 @@ reference of its configuration (megatron_recover/faults/campaign.py says what a 
 what it must hold).
 
 Usage: .venv/bin/python scripts/fault_campaign.py [--cases 30] [--seed 1] [--case K]
-                                                   [--out runs/fault-campaign]
+                                                   [--first K] [--out runs/fault-campaign]
 
 Prints one line per case (its seed, configuration, schedule and verdict; `--case K` reruns it),
 then one JSON line: cases, failures_injected, failures_survived, max_rel_loss_diff,
@@ -29,12 +29,15 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--case", type=int, default=None, help="rerun only this case of --seed")
+    parser.add_argument("--first", type=int, default=0,
+                        help="start at this case (a long campaign in parts: cases --first to "
+                             "--cases - 1)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/fault-campaign")
     args = parser.parse_args()
-    if args.cases < 1:
-        parser.error("--cases must be at least 1")
+    if not 0 <= args.first < args.cases:
+        parser.error("need 0 <= --first < --cases")
     summary = run_campaign(args.cases, args.seed, args.out.resolve(), only=args.case,
-                           log=lambda line: print(line, flush=True))
+                           log=lambda line: print(line, flush=True), first=args.first)
     print(json.dumps(summary))
     control_caught = summary["negative_control_rel_loss_diff"] > 100 * EXACT_RTOL
     return 0 if not summary["failed_cases"] and control_caught else 1

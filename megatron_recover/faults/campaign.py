@@ -273,12 +273,13 @@ def _reference(out: Path, config: Config, references: dict) -> Run:
 
 
 def run_campaign(cases: int, seed: int, out: Path, only: int | None = None,
-                 catalogue=CATALOGUE, log=print) -> dict:
-    """Run `cases` cases of `seed` (or only case `only`) under `out`; returns the summary."""
+                 catalogue=CATALOGUE, log=print, first: int = 0) -> dict:
+    """Run cases `first`..`cases`-1 of `seed` (or only case `only`) under `out`; returns the
+    summary. Case k is the same whatever else runs, so a long campaign may run in parts."""
     start = time.monotonic()
     references: dict[str, Run] = {}
     outcomes = []
-    for index in ([only] if only is not None else range(cases)):
+    for index in ([only] if only is not None else range(first, cases)):
         case = draw_case(seed, index, catalogue)
         reference = _reference(out, case.config, references)
         outcome = judge(case, run_job(out / f"case-{index:03d}", case.config,
