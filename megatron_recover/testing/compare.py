@@ -1,8 +1,13 @@
 """How a run is compared with its failure-free reference: the measures behind "exact".
 
+A non-finite loss or parameter compares as an infinite difference: `max` over floats would
+otherwise drop a NaN (every comparison with it is false) and report the finite rest.
+
 Shared by the tests (tests/training_harness.py) and the fault campaign (faults/campaign.py), so
 both hold runs to the same definition.
 """
+
+import math
 
 # The tests' learning-rate settings, slow enough that the failure-free dynamics are not chaotic:
 # reduction-order noise (~1e-8) stays ~1e-8 over a few iterations instead of growing to 1e-5 as it
@@ -19,8 +24,12 @@ def loss_rdiff(records: list[dict], reference: list[dict]) -> float:
     """Max relative loss difference over the iterations, which must be the same ones."""
     if [r["iteration"] for r in records] != [r["iteration"] for r in reference]:
         raise ValueError("the runs committed different iterations")
-    return max(abs(r["loss"] - ref["loss"]) / abs(ref["loss"])
+    return max(_finite(abs(r["loss"] - ref["loss"]) / abs(ref["loss"]))
                for r, ref in zip(records, reference))
+
+
+def _finite(diff: float) -> float:
+    return diff if math.isfinite(diff) else math.inf
 
 
 def param_rdiff(params: dict, reference: dict) -> float:
@@ -33,5 +42,5 @@ def param_rdiff(params: dict, reference: dict) -> float:
         ref = ref.float()
         diff = float((params[name].float() - ref).abs().max())
         scale = float(ref.abs().max())
-        worst = max(worst, diff / scale if scale > 0 else diff)
+        worst = max(worst, _finite(diff / scale if scale > 0 else diff))
     return worst
