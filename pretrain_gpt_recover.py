@@ -15,6 +15,15 @@ import sys
 from pathlib import Path
 
 
+def _transformer_engine_imports() -> bool:
+    """Whether Transformer Engine's layers can be used (megatron-core asks the same way)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # absent, or installed without the CUDA it needs
+        return False
+    return True
+
+
 def main() -> None:
     from megatron_recover import runtime
 
@@ -29,8 +38,9 @@ def main() -> None:
     import torch
 
     try:
-        cfg = arguments.parse_args(sys.argv[1:], world_size=ctx.world_size,
-                                   cuda_available=torch.cuda.is_available())
+        cfg = arguments.parse_args(
+            sys.argv[1:], world_size=ctx.world_size, cuda_available=torch.cuda.is_available(),
+            te_available=_transformer_engine_imports())
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
     if ctx.rank == 0:
@@ -39,8 +49,8 @@ def main() -> None:
         print(f"megatron-recover: megatron-core {megatron.core.__version__} from "
               f"{Path(megatron.core.__file__).parent}, {ctx.world_size} ranks; "
               f"{cfg.precision.describe()}", flush=True)
-        if arguments.ignored_args_message(cfg):
-            print(arguments.ignored_args_message(cfg), flush=True)
+        for line in cfg.notices:
+            print(line, flush=True)
     if not torch.cuda.is_available():
         from megatron_recover.testing import enable_cpu_emulation
 

@@ -8,8 +8,8 @@ checked here without a GPU; the megatron-core config objects are built but no mo
 
 What it checks: a Megatron GPT command line from Megatron-LM's examples parses with Megatron's
 defaults and meanings; derived values (data-parallel size, replicas, B, microbatches, warmup);
-every refused argument stops with a ValueError that names the flag and what to change; ignored
-flags are listed in command-line order; unknown flags are argparse errors; TransformerConfig,
+every refused argument stops with a ValueError that names the flag and what to change; no-effect
+flags are named at start-up with their reason; unknown flags are argparse errors; TransformerConfig,
 DistributedDataParallelConfig, OptimizerConfig, OptimizerParamScheduler and PolicyConfig build
 from the result and carry its values.
 """
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from megatron_recover.megatron.arguments import (
     DEFAULT_HANG_TIMEOUT_S,
     LEGACY_DEFAULT_SPLIT,
-    ignored_args_message,
     parse_args,
 )
 from megatron_recover.megatron.mcore_config import (
@@ -122,9 +121,13 @@ def test_megatron_gpt3_example_parses(gpt2_files):
     assert cfg.num_microbatches_per_replica == 192
     assert o.lr_warmup_samples == pytest.approx(430.0 * 1536)
     assert cfg.train_samples == 500000 * 1536
-    assert cfg.ignored_args == ("--attention-backend", "--eval-interval", "--eval-iters",
-                                "--tensorboard-dir")
-    assert "--tensorboard-dir" in ignored_args_message(cfg)
+    # --attention-backend auto is the default; the logging flags have no effect (yet), said once.
+    assert cfg.notices[0].startswith("megatron-recover: --transformer-impl not given: local")
+    assert cfg.notices[1:] == (
+        "megatron-recover: no effect here: --eval-interval --eval-iters --tensorboard-dir: "
+        "logging sink or timer not implemented yet (evaluation, TensorBoard and Megatron's "
+        "timers are planned); training is unchanged, and --recover-log records every iteration",)
+    assert cfg.model.transformer_impl == "local"  # not given, and TE does not import here
     assert not cfg.recover.enabled
 
 
@@ -151,7 +154,14 @@ def test_megatron_defaults():
     assert cfg.recover.policy == "static" and cfg.recover.mode == "exact"
     assert cfg.recover.hang_timeout_s == DEFAULT_HANG_TIMEOUT_S
     assert cfg.data.tokenizer_type == "NullTokenizer"  # inferred from --vocab-size alone
-    assert cfg.ignored_args == () and ignored_args_message(cfg) is None
+    assert cfg.notices == (  # Megatron-LM's default layer spec cannot run here: said once
+        "megatron-recover: --transformer-impl not given: local (megatron-core's own layers, "
+        "since Transformer Engine does not import here; Megatron-LM's default is "
+        "transformer_engine)",)
+    assert cfg.data.create_attention_mask and cfg.checkpoint.ckpt_format == "torch_dist"
+    assert m.kv_channels == 16 and not (m.apply_layernorm_1p or m.qk_layernorm)
+    assert m.recompute_granularity is None and o.decoupled_lr is None
+    assert o.start_weight_decay == o.end_weight_decay == o.weight_decay
 
 
 def test_gradient_accumulation_fusion_follows_the_device():
@@ -261,20 +271,25 @@ def test_padded_vocab_size():
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--context-parallel-size", "2"], ["--context-parallel-size", "drop it"]),
-    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "drop"]),
-    (["--num-experts", "8"], ["--num-experts", "drop"]),
-    (["--rampup-batch-size", "16", "16", "5859375"], ["--rampup-batch-size", "--global-batch-size"]),
-    (["--calculate-per-token-loss"], ["--calculate-per-token-loss", "drop the flag"]),
+    (["--context-parallel-size", "2"], ["--context-parallel-size", "CP = 1"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "1, the default"]),
+    (["--num-experts", "8"], ["--num-experts", "dense model"]),
+    (["--rampup-batch-size", "16", "16", "5859375"],
+     ["--rampup-batch-size: expected no batch-size rampup for iteration-based training"]),
+    (["--calculate-per-token-loss"], ["--calculate-per-token-loss", "drop it"]),
     (["--decrease-batch-size-if-needed"], ["--decrease-batch-size-if-needed", "drop the flag"]),
     (["--num-layers-per-virtual-pipeline-stage", "1"],
-     ["virtual pipeline", "drop --num-layers-per-virtual-pipeline-stage"]),
-    (["--num-virtual-stages-per-pipeline-rank", "2"], ["drop --num-virtual-stages-per-pipeline"]),
-    (["--virtual-pipeline-model-parallel-size", "2"], ["drop --virtual-pipeline-model-parallel"]),
+     ["--num-layers-per-virtual-pipeline-stage: virtual pipeline", "1F1B"]),
+    (["--num-virtual-stages-per-pipeline-rank", "2"], ["--num-virtual-stages-per-pipeline"]),
     (["--gradient-accumulation-fusion"],
      ["--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"]),
-    (["--transformer-impl", "transformer_engine"], ["--transformer-impl local"]),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "2"], ["--sequence-parallel", "drop"]),
+    (["--transformer-impl", "transformer_engine"],
+     ["Transformer Engine does not import", "--transformer-impl local"]),
+    (["--use-flash-attn"], ["--use-flash-attn", "--transformer-impl local"]),
+    (["--cross-entropy-fusion-impl", "te"], ["--cross-entropy-fusion-impl te"]),
+    (["--fp8-format", "hybrid"], ["--fp8-format: fp8/fp4 training needs a CUDA device", "--bf16"]),
+    (["--tp-comm-overlap"], ["--tp-comm-overlap", "needs a CUDA device"]),
+    (["--profile"], ["--profile: the CUDA profiler", "needs a CUDA device"]),
 ])
 def test_refused_on_cpu(extra, expected):
     message = refused(*extra)
@@ -288,9 +303,29 @@ def test_mixed_precision_on_either_device():
         assert small("--fp16", cuda_available=cuda).precision.fp16
 
 
-def test_cuda_only_options_pass_with_cuda():
-    cfg = small("--sequence-parallel", "--tensor-model-parallel-size", "2", cuda_available=True)
-    assert cfg.parallel.sequence_parallel and cfg.ignored_args == ()
+def test_refused_flags_accept_the_value_we_run():
+    cfg = small("--context-parallel-size", "1", "--expert-model-parallel-size=1",
+                "--optimizer", "adam", "--dataloader-type", "single")
+    assert cfg.notices == small().notices  # nothing to say: these ask for what happens anyway
+    assert "--optimizer: Adam is the only optimizer" in refused("--optimizer", "sgd")
+
+
+def test_transformer_engine_options_pass_where_it_imports():
+    cfg = parse_args(_small_argv(["--use-flash-attn", "--cross-entropy-loss-fusion"]),
+                     world_size=4, cuda_available=True, te_available=True)
+    m = cfg.model
+    assert m.transformer_impl == "transformer_engine" and m.attention_backend == "flash"
+    assert m.cross_entropy_loss_fusion
+    assert "transformer_engine (Transformer Engine imports here" in cfg.notices[0]
+    tc = to_transformer_config(cfg)
+    assert tc.cross_entropy_loss_fusion and tc.attention_backend.name == "flash"
+
+
+def test_sequence_parallel_runs_on_cpu_with_tensor_parallelism():
+    assert small("--sequence-parallel", "--tensor-model-parallel-size", "2").parallel.sequence_parallel
+    cfg = small("--sequence-parallel")
+    assert not cfg.parallel.sequence_parallel  # TP == 1: Megatron-LM drops it too, and says so
+    assert any("--sequence-parallel has no effect" in line for line in cfg.notices)
 
 
 def test_both_precisions():
@@ -442,10 +477,10 @@ def test_save_needs_interval(tmp_path):
 
 def test_every_problem_in_one_message():
     message = refused("--gradient-accumulation-fusion", "--context-parallel-size", "2",
-                      "--recover-mode", "exact")
+                      "--recover-mode", "exact", "--fp8-format", "hybrid")
     assert "--gradient-accumulation-fusion" in message and "--context-parallel-size" in message
-    assert "without --recover" in message
-    assert len(message.splitlines()) == 4  # a header and one line per problem
+    assert "without --recover" in message and "--fp8-format" in message
+    assert len(message.splitlines()) == 5  # a header and one line per problem
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,16 +488,17 @@ def test_every_problem_in_one_message():
 # --------------------------------------------------------------------------------------------
 
 
-def test_ignored_arguments_listed_in_order():
-    cfg = small("--use-flash-attn", "--distributed-backend", "nccl", "--no-masked-softmax-fusion",
+def test_no_effect_arguments_named_once_per_reason_in_order():
+    cfg = small("--distributed-backend", "nccl", "--no-masked-softmax-fusion",
                 "--wandb-project=proj", "--log-throughput", "--timing-log-level", "2",
-                "--exit-duration-in-mins", "230", "--no-bias-dropout-fusion",
-                "--no-bias-gelu-fusion", "--sequence-parallel", "--use-flash-attn")
-    assert cfg.ignored_args == (
-        "--use-flash-attn", "--distributed-backend", "--no-masked-softmax-fusion",
-        "--wandb-project", "--log-throughput", "--timing-log-level", "--exit-duration-in-mins",
-        "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--sequence-parallel")
-    assert not cfg.parallel.sequence_parallel  # TP == 1: Megatron-LM drops it too
+                "--no-bias-dropout-fusion", "--distributed-backend", "gloo",
+                "--profile-ranks", "0", "1", "--num-workers", "4")
+    lines = [line for line in cfg.notices if "no effect here" in line]
+    assert [line.split(": ")[2] for line in lines] == [
+        "--distributed-backend", "--no-masked-softmax-fusion --no-bias-dropout-fusion",
+        "--wandb-project --log-throughput --timing-log-level", "--profile-ranks",
+        "--num-workers"]
+    assert "rendezvous, ranks and timeouts come from MPI" in lines[0]
 
 
 def test_unknown_argument_is_an_argparse_error(capsys):
@@ -513,6 +549,54 @@ def test_transformer_config_on_cpu():
     gelu = to_transformer_config(small())
     assert gelu.activation_func is F.gelu and not gelu.gated_linear_unit
     assert gelu.add_bias_linear and gelu.add_qkv_bias  # kept in step, as Megatron-LM does
+
+
+def test_llama_style_options_reach_megatron_core():
+    cfg = small("--kv-channels", "32", "--apply-layernorm-1p", "--qk-layernorm",
+                "--recompute-granularity", "full", "--recompute-method", "block",
+                "--recompute-num-layers", "2", "--cross-entropy-loss-fusion",
+                "--attention-backend", "unfused", "--no-create-attention-mask-in-dataloader",
+                "--decoupled-lr", "5e-4", "--decoupled-min-lr", "4.5e-5",
+                "--weight-decay-incr-style", "linear", "--start-weight-decay", "0.01",
+                "--end-weight-decay", "0.1")
+    tc = to_transformer_config(cfg)
+    assert tc.kv_channels == 32 and tc.layernorm_zero_centered_gamma and tc.qk_layernorm
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == (
+        "full", "block", 2)
+    assert not tc.cross_entropy_loss_fusion  # CPU: the unfused loss, said at start-up
+    assert any("--cross-entropy-loss-fusion: the fused kernel is CUDA-only" in line
+               for line in cfg.notices)
+    assert tc.attention_backend.name == "auto"  # local spec: megatron-core's attention, said so
+    assert any("--attention-backend unfused has no effect" in line for line in cfg.notices)
+    assert not cfg.data.create_attention_mask
+    oc = to_optimizer_config(cfg)
+    assert (oc.decoupled_lr, oc.decoupled_min_lr) == (5e-4, 4.5e-5)
+    kwargs = to_scheduler_kwargs(cfg)
+    assert (kwargs["start_wd"], kwargs["end_wd"], kwargs["wd_incr_style"]) == (0.01, 0.1, "linear")
+    assert small("--recompute-activations").model.recompute_granularity == "selective"
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--recompute-granularity", "full"], ["needs --recompute-method", "--recompute-num-layers"]),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "3"], ["between 1 and the 2 layers"]),
+    (["--recompute-method", "block"], ["--recompute-method apply to --recompute-granularity full"]),
+    (["--recompute-activations", "--recompute-granularity", "full"], ["means"]),
+    (["--start-weight-decay", "0.1"], ["--weight-decay-incr-style linear or cosine"]),
+    (["--weight-decay-incr-style", "cosine"], ["needs --start-weight-decay and --end-weight"]),
+    (["--decoupled-min-lr", "1e-5"], ["add --decoupled-lr"]),
+    (["--recover", "--ckpt-format", "torch_dist"], ["--ckpt-format torch"]),
+    (["--ckpt-format", "torch"], ["--ckpt-format torch_dist"]),
+    (["--hidden-size", "66"], ["or pass --kv-channels"]),
+])
+def test_model_option_rules(extra, expected):
+    message = refused(*extra)
+    for text in expected:
+        assert text in message, (text, message)
+
+
+def test_kv_channels_frees_the_head_size():
+    assert small("--hidden-size", "66", "--kv-channels", "16").model.kv_channels == 16
 
 
 def test_transformer_config_bf16_on_cuda():

@@ -2,17 +2,10 @@
 
 Users keep their Megatron-LM command lines, so every argument here has Megatron-LM's name,
 meaning and default (megatron/training/arguments.py at core_v0.16.1). What we add is the
-`--recover*` family. Three kinds of Megatron argument reach us:
-
-  implemented   parsed into `TrainConfig` and honoured by the entry point;
-  ignored       accepted so job scripts start, never read: they do not change the training math
-                (logging sinks, evaluation, fusion switches for kernels we never enable). The flags
-                a user actually gave are listed in `TrainConfig.ignored_args`, printed once;
-  refused       parsed only to stop at start-up with a message saying what to change: they would
-                change the math or break the invariant that every committed iteration sums exactly
-                B microbatch gradients (context / expert parallelism, batch ramp-up, per-token loss,
-                virtual pipeline stages, kernels the device cannot run).
-Any other argument is an argparse error (exit status 2), as in Megatron-LM.
+`--recover*` family. Every Megatron-LM argument has one status (argument_table.py, and the
+generated docs/arguments.md): implemented here, refused at start-up with the reason and what to
+use instead, or accepted with no effect and named at start-up with the reason. Any other
+argument is an argparse error (exit status 2), as in Megatron-LM.
 
 `parse_args` raises `ValueError` for every user mistake it can see, all of them in one message,
 one line each. The dataclasses live in `config.py`; megatron-core's config objects are built
@@ -25,6 +18,7 @@ import argparse
 import re
 from pathlib import Path
 
+from megatron_recover.megatron import argument_table
 from megatron_recover.megatron.config import (
     CheckpointConfig,
     DataConfig,
@@ -45,35 +39,6 @@ LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 # declared failed after this long. Minutes-long stalls are rare on healthy GPU clusters, and a
 # heartbeat every 30 s costs nothing measurable; tests use a few seconds.
 DEFAULT_HANG_TIMEOUT_S = 60.0
-
-# Accepted and not implemented; none changes the training math. (flag, number of values):
-# 0 = a switch, 1 = one value, "*" = any number of values.
-IGNORED_ARGS = (
-    ("--tensorboard-dir", 1), ("--tensorboard-log-interval", 1), ("--tensorboard-queue-size", 1),
-    ("--log-timers-to-tensorboard", 0), ("--log-validation-ppl-to-tensorboard", 0),
-    ("--log-memory-to-tensorboard", 0), ("--log-world-size-to-tensorboard", 0),
-    ("--no-log-loss-scale-to-tensorboard", 0),
-    ("--wandb-project", 1), ("--wandb-entity", 1), ("--wandb-exp-name", 1), ("--wandb-save-dir", 1),
-    ("--log-throughput", 0), ("--log-params-norm", 0), ("--log-num-zeros-in-grad", 0),
-    ("--timing-log-level", 1), ("--timing-log-option", 1),
-    ("--eval-interval", 1), ("--eval-iters", 1),
-    ("--exit-duration-in-mins", 1),
-    ("--use-flash-attn", 0), ("--attention-backend", 1),
-    ("--distributed-backend", 1), ("--distributed-timeout-minutes", 1),
-    # We build every megatron-core config with these fusions off (see mcore_config.to_transformer_config),
-    # so the switches that turn them off ask for what already happens.
-    ("--no-masked-softmax-fusion", 0), ("--no-bias-dropout-fusion", 0),
-    ("--no-bias-gelu-fusion", 0), ("--no-bias-swiglu-fusion", 0), ("--no-rope-fusion", 0),
-    ("--no-persist-layer-norm", 0),
-    ("--no-check-for-nan-in-loss-and-grad", 0),
-    ("--no-async-tensor-model-parallel-allreduce", 0), ("--use-mcore-models", 0),
-    ("--num-workers", 1), ("--no-mmap-bin-files", 0),
-    ("--manual-gc", 0), ("--manual-gc-interval", 1), ("--empty-unused-memory-level", 1),
-    ("--ckpt-format", 1),
-)
-
-
-
 
 # ---------------------------------------------------------------------------------------------
 # The parser
@@ -101,11 +66,22 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"])
+    g.add_argument("--kv-channels", type=int)
+    g.add_argument("--apply-layernorm-1p", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["flash", "fused", "unfused", "local", "auto"])
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"])
+    g.add_argument("--recompute-method", choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--num-experts", type=int)  # refused
     g.add_argument("--use-cpu-initialization", action="store_true")
 
 
@@ -131,14 +107,17 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
     g.add_argument("--lr-wsd-decay-iters", type=int)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float)
+    g.add_argument("--end-weight-decay", type=float)
+    g.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"])
+    g.add_argument("--decoupled-lr", type=float)
+    g.add_argument("--decoupled-min-lr", type=float)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    # Refused (see _refusals): they change which samples an iteration sums or how it divides.
     g.add_argument("--rampup-batch-size", nargs="*")
-    g.add_argument("--decrease-batch-size-if-needed", action="store_true")
-    g.add_argument("--calculate-per-token-loss", action="store_true")
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -169,12 +148,6 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-accumulation-fusion", action="store_true", default=None)
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
                    dest="gradient_accumulation_fusion")
-    # Refused (see _refusals).
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int)
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +159,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader")
     g.add_argument("--tokenizer-type")
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
@@ -198,6 +173,7 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save")
     g.add_argument("--load")
     g.add_argument("--save-interval", type=int)
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"])
 
 
 def _add_recover_args(parser: argparse.ArgumentParser) -> None:
@@ -224,16 +200,6 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                         "(shows what gradient restoration buys; breaks the trajectory)")
 
 
-def _add_ignored_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("accepted for compatibility, not implemented (listed at start)")
-    for flag, nargs in IGNORED_ARGS:
-        # SUPPRESS: an ignored flag appears in the namespace only if given; nothing reads it.
-        if nargs == 0:
-            g.add_argument(flag, action="store_true", default=argparse.SUPPRESS)
-        else:
-            g.add_argument(flag, nargs=None if nargs == 1 else nargs, default=argparse.SUPPRESS)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `pretrain_gpt_recover.py` (Megatron-LM names, meanings, defaults)."""
     # allow_abbrev=False as in Megatron-LM: "--recover" must never match "--recover-log".
@@ -241,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Megatron GPT pre-training that survives "
                                      "replica failures (megatron-recover).")
     for add in (_add_model_args, _add_training_args, _add_precision_args, _add_parallel_args,
-                _add_data_args, _add_checkpoint_args, _add_recover_args, _add_ignored_args):
+                _add_data_args, _add_checkpoint_args, _add_recover_args,
+                argument_table.add_no_effect_args):
         add(parser)
     return parser
 
@@ -271,7 +238,7 @@ def _positive(ns) -> list[str]:
                  "--log-interval", "--global-batch-size", "--ffn-hidden-size",
                  "--max-position-embeddings", "--save-interval", "--lr-decay-iters",
                  "--ddp-bucket-size", "--vocab-size", "--num-query-groups",
-                 "--make-vocab-size-divisible-by"):
+                 "--make-vocab-size-divisible-by", "--kv-channels", "--recompute-num-layers"):
         value = getattr(ns, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             problems.append(f"{flag} must be a positive integer, got {value}")
@@ -282,51 +249,69 @@ def _positive(ns) -> list[str]:
     return problems
 
 
-def _refusals(ns, cuda_available: bool) -> list[str]:
-    """Arguments that would change the training math or break the B-microbatch invariant."""
+def _refusals(ns, cuda_available: bool, te_available: bool) -> list[str]:
+    """Implemented arguments refused for a value or on this device (argument_table.py refuses
+    the others by name)."""
     problems = []
-    if ns.context_parallel_size != 1:
-        problems.append("--context-parallel-size > 1 is not supported: context parallelism splits "
-                        "a microbatch across ranks that a replica failure would cut apart; "
-                        "drop it (use --context-parallel-size 1)")
-    if ns.expert_model_parallel_size != 1 or ns.num_experts not in (None, 0):
-        problems.append("mixture-of-experts is not supported: drop --num-experts and "
-                        "--expert-model-parallel-size (expert parallelism spans replicas)")
-    if ns.rampup_batch_size is not None:
+    if ns.rampup_batch_size is not None and ns.train_iters is not None:
+        problems.append("--rampup-batch-size: expected no batch-size rampup for iteration-based "
+                        "training (Megatron-LM's rule): ramp up with --train-samples, or drop it")
+    elif ns.rampup_batch_size is not None:
         problems.append("--rampup-batch-size is not supported: B, the microbatches per iteration, "
                         "is fixed for the run; drop it and set --global-batch-size")
-    if ns.decrease_batch_size_if_needed:
-        problems.append("--decrease-batch-size-if-needed is not supported: the batch stays B after "
-                        "failures by design; drop the flag")
-    if ns.calculate_per_token_loss:
-        problems.append("--calculate-per-token-loss is not supported: a committed iteration "
-                        "divides the gradient sum by B microbatches, not by a token count; "
-                        "drop the flag")
-    for flag in ("--num-layers-per-virtual-pipeline-stage",
-                 "--num-virtual-stages-per-pipeline-rank",
-                 "--virtual-pipeline-model-parallel-size"):
-        if getattr(ns, flag[2:].replace("-", "_")) is not None:
-            problems.append(f"{flag}: virtual pipeline stages (the interleaved schedule) are not "
-                            "supported, its extension pass cannot be shorter than the pipeline "
-                            f"depth; drop {flag}")
-    return problems + _device_refusals(ns, cuda_available)
+    return problems + _device_refusals(ns, cuda_available, te_available)
 
 
-def _device_refusals(ns, cuda_available: bool) -> list[str]:
-    """Precisions and kernels the device cannot run."""
-    if cuda_available:
-        return []
+def _device_refusals(ns, cuda_available: bool, te_available: bool) -> list[str]:
+    """Kernels the device cannot run and layers that need Transformer Engine."""
     problems = []
-    if ns.gradient_accumulation_fusion:
+    if not cuda_available and ns.gradient_accumulation_fusion:
         problems.append("--gradient-accumulation-fusion needs the CUDA kernel of Apex or "
                         "Transformer Engine: drop it (or pass --no-gradient-accumulation-fusion)")
-    if ns.transformer_impl == "transformer_engine":
-        problems.append("--transformer-impl transformer_engine needs CUDA: use "
-                        "--transformer-impl local on CPU")
-    if ns.sequence_parallel and ns.tensor_model_parallel_size > 1:
-        problems.append("--sequence-parallel needs Transformer Engine's layer norm (CUDA); "
-                        "megatron-core's local norm cannot split the sequence: drop it on CPU")
+    needs_te = [flag for flag, given in (
+        ("--transformer-impl transformer_engine", ns.transformer_impl == "transformer_engine"),
+        ("--use-flash-attn", ns.use_flash_attn),
+        ("--cross-entropy-fusion-impl te", ns.cross_entropy_fusion_impl == "te"))
+        if given]
+    if needs_te and not te_available:
+        problems.append(f"{', '.join(needs_te)}: Transformer Engine does not import here (it "
+                        "needs CUDA and the transformer-engine package); use "
+                        "--transformer-impl local, megatron-core's own layers, and drop the "
+                        "Transformer Engine options")
+    elif ns.use_flash_attn and ns.transformer_impl == "local":
+        problems.append("--use-flash-attn selects Transformer Engine's flash attention: drop "
+                        "--transformer-impl local or drop --use-flash-attn")
     return problems
+
+
+def _transformer_impl(ns, te_available: bool) -> str:
+    """--transformer-impl, or Megatron-LM's default (transformer_engine) where it can run."""
+    if ns.transformer_impl is not None:
+        return ns.transformer_impl
+    return "transformer_engine" if te_available else "local"
+
+
+def _recompute(ns) -> list[str]:
+    """Megatron-LM's and TransformerConfig's rules for activation recomputation."""
+    granularity = _recompute_granularity(ns)
+    if ns.recompute_activations and ns.recompute_granularity == "full":
+        return ["--recompute-activations means --recompute-granularity selective: drop one"]
+    if granularity != "full":
+        given = [f for f in ("--recompute-method", "--recompute-num-layers")
+                 if getattr(ns, f[2:].replace("-", "_")) is not None]
+        return [f"{', '.join(given)} apply to --recompute-granularity full"] if given else []
+    problems = []
+    if ns.recompute_method is None:
+        problems.append("--recompute-granularity full needs --recompute-method uniform or block")
+    per_stage = ns.num_layers // ns.pipeline_model_parallel_size
+    if ns.recompute_num_layers is None or not 1 <= ns.recompute_num_layers <= per_stage:
+        problems.append(f"--recompute-granularity full needs --recompute-num-layers between 1 "
+                        f"and the {per_stage} layers of a pipeline stage")
+    return problems
+
+
+def _recompute_granularity(ns) -> str | None:
+    return "selective" if ns.recompute_activations else ns.recompute_granularity
 
 
 def _precision(ns) -> list[str]:
@@ -348,10 +333,10 @@ def _grads_in_fp32(ns) -> bool:
 def _model_shape(ns) -> list[str]:
     problems = []
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    if ns.hidden_size % ns.num_attention_heads:
+    if ns.kv_channels is None and ns.hidden_size % ns.num_attention_heads:
         problems.append(f"--hidden-size {ns.hidden_size} is not divisible by "
                         f"--num-attention-heads {ns.num_attention_heads}: change one so that "
-                        "hidden = heads x head size")
+                        "hidden = heads x head size, or pass --kv-channels")
     if ns.num_attention_heads % tp:
         problems.append(f"--num-attention-heads {ns.num_attention_heads} is not divisible by "
                         f"--tensor-model-parallel-size {tp}: each TP rank holds whole heads")
@@ -461,6 +446,26 @@ def _schedule(ns, world_size: int) -> list[str]:
     return problems
 
 
+def _weight_decay_and_decoupled_lr(ns) -> list[str]:
+    """Megatron-LM's rules: a constant weight decay is --weight-decay; an increasing one names
+    its ends. The decoupled rates apply to the embedding and output layer."""
+    problems = []
+    ends = [f for f in ("--start-weight-decay", "--end-weight-decay")
+            if getattr(ns, f[2:].replace("-", "_")) is not None]
+    if ns.weight_decay_incr_style == "constant" and ends:
+        problems.append(f"{', '.join(ends)} need --weight-decay-incr-style linear or cosine "
+                        "(a constant weight decay is --weight-decay)")
+    elif ns.weight_decay_incr_style != "constant" and len(ends) < 2:
+        problems.append(f"--weight-decay-incr-style {ns.weight_decay_incr_style} needs "
+                        "--start-weight-decay and --end-weight-decay")
+    if ns.decoupled_min_lr is not None and ns.decoupled_lr is None:
+        problems.append("--decoupled-min-lr is the floor of --decoupled-lr: add --decoupled-lr")
+    elif ns.decoupled_lr is not None and ns.decoupled_lr < (ns.decoupled_min_lr or 0.0):
+        problems.append(f"--decoupled-min-lr {ns.decoupled_min_lr} exceeds --decoupled-lr "
+                        f"{ns.decoupled_lr}")
+    return problems
+
+
 def _data(ns) -> list[str]:
     if ns.data_path is not None and ns.mock_data:
         return ["--data-path and --mock-data were both given: pass one of them"]
@@ -536,9 +541,18 @@ def _tokenizer(ns) -> list[str]:
 
 
 def _checkpointing(ns) -> list[str]:
+    problems = []
     if ns.save is not None and ns.save_interval is None:
-        return ["--save needs --save-interval (iterations between checkpoints), as in Megatron-LM"]
-    return []
+        problems.append("--save needs --save-interval (iterations between checkpoints), as in "
+                        "Megatron-LM")
+    if ns.recover and ns.ckpt_format == "torch_dist":
+        problems.append("--ckpt-format torch_dist: --recover saves per-rank torch files (each "
+                        "live rank writes its own, so a save needs no collective over dead "
+                        "ranks): pass --ckpt-format torch or drop the flag")
+    if not ns.recover and ns.ckpt_format == "torch":
+        problems.append("--ckpt-format torch: runs without --recover save megatron-core "
+                        "distributed checkpoints: pass --ckpt-format torch_dist or drop the flag")
+    return problems
 
 
 def _recover(ns) -> list[str]:
@@ -564,16 +578,20 @@ def _recover(ns) -> list[str]:
     return problems
 
 
-def _validate(ns, world_size: int, cuda_available: bool) -> None:
-    """Raise one ValueError listing every problem found, or return."""
+def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
+              refused: list[str]) -> None:
+    """Raise one ValueError listing every problem found (`refused`: the refused flags' lines
+    first), or return."""
     problems = _required(ns)
     if not problems:  # the shape checks below read the required values
         problems = _positive(ns)
     if not problems:
         problems = (_model_shape(ns) + _parallel_layout(ns, world_size)
-                    + _schedule(ns, world_size))
-    problems += (_refusals(ns, cuda_available) + _precision(ns) + _data(ns) + _tokenizer(ns)
+                    + _schedule(ns, world_size) + _recompute(ns))
+    problems += (_refusals(ns, cuda_available, te_available) + _precision(ns)
+                 + _weight_decay_and_decoupled_lr(ns) + _data(ns) + _tokenizer(ns)
                  + _checkpointing(ns) + _recover(ns))
+    problems = refused + problems
     if problems:
         raise ValueError("pretrain_gpt_recover.py: invalid arguments:\n  "
                          + "\n  ".join(problems))
@@ -610,29 +628,43 @@ def _tokenizer_type(ns) -> str | None:
     return None
 
 
-def _ignored_given(argv: list[str], tp: int) -> tuple[str, ...]:
-    names = {flag for flag, _ in IGNORED_ARGS}
-    if tp == 1:
-        names.add("--sequence-parallel")  # Megatron-LM drops it too when TP == 1
-    given = []
-    for token in argv:
-        flag = token.split("=", 1)[0]
-        if flag in names and flag not in given:
-            given.append(flag)
-    return tuple(given)
+def _notices(ns, argv: list[str], cuda_available: bool, te_available: bool) -> tuple[str, ...]:
+    """The start-up lines about the arguments: choices made for the user, then the no-effect
+    flags given, one line per reason."""
+    lines = []
+    impl = _transformer_impl(ns, te_available)
+    if ns.transformer_impl is None:
+        why = ("Transformer Engine imports here" if te_available else
+               "megatron-core's own layers, since Transformer Engine does not import here")
+        lines.append(f"megatron-recover: --transformer-impl not given: {impl} ({why}; "
+                     "Megatron-LM's default is transformer_engine)")
+    if impl == "local" and ns.attention_backend not in ("auto", "local"):
+        lines.append(f"megatron-recover: --attention-backend {ns.attention_backend} has no "
+                     "effect with the local layer spec: megatron-core's own attention runs")
+    if ns.cross_entropy_loss_fusion and not cuda_available:
+        lines.append("megatron-recover: --cross-entropy-loss-fusion: the fused kernel is "
+                     "CUDA-only; the unfused vocab-parallel cross entropy computes the same loss")
+    if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
+        lines.append("megatron-recover: --sequence-parallel has no effect with "
+                     "--tensor-model-parallel-size 1 (Megatron-LM drops it too)")
+    return tuple(lines) + tuple(
+        argument_table.no_effect_lines(argument_table.no_effect_given(argv)))
 
 
-def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> TrainConfig:
+def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
+               te_available: bool = False) -> TrainConfig:
     """Parse a Megatron GPT command line into a validated TrainConfig.
 
     argv: the arguments without the program name. world_size: ranks at launch (from MPI).
     cuda_available: whether this rank trains on CUDA; on CPU, CUDA-only kernels are refused.
+    te_available: whether Transformer Engine imports; without it its layers are refused.
     Raises ValueError (one message, a line per problem, each saying what to change)
     for a bad combination; argparse exits with status 2 on unknown or malformed arguments.
     Pure: reads only argv and the files it names (dataset, tokenizer, failure schedule).
     """
+    argv, refused = argument_table.split_refused(argv)
     ns = build_parser().parse_args(argv)
-    _validate(ns, world_size, cuda_available)
+    _validate(ns, world_size, cuda_available, te_available, refused)
     tp = ns.tensor_model_parallel_size
     dp = world_size // (tp * ns.pipeline_model_parallel_size)
     gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
@@ -641,7 +673,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
         model=ModelConfig(
             num_layers=ns.num_layers, hidden_size=ns.hidden_size,
             ffn_hidden_size=_ffn_hidden_size(ns), num_attention_heads=ns.num_attention_heads,
-            kv_channels=ns.hidden_size // ns.num_attention_heads,
+            kv_channels=ns.kv_channels or ns.hidden_size // ns.num_attention_heads,
             num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
             seq_length=ns.seq_length,
             max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
@@ -652,14 +684,25 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
             add_bias_linear=ns.add_bias_linear, init_method_std=ns.init_method_std,
             hidden_dropout=ns.hidden_dropout, attention_dropout=ns.attention_dropout,
             make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
-            transformer_impl=ns.transformer_impl),
+            transformer_impl=_transformer_impl(ns, te_available),
+            apply_layernorm_1p=ns.apply_layernorm_1p, qk_layernorm=ns.qk_layernorm,
+            attention_backend="flash" if ns.use_flash_attn else ns.attention_backend,
+            cross_entropy_loss_fusion=ns.cross_entropy_loss_fusion and cuda_available,
+            cross_entropy_fusion_impl=ns.cross_entropy_fusion_impl,
+            recompute_granularity=_recompute_granularity(ns),
+            recompute_method=ns.recompute_method,
+            recompute_num_layers=ns.recompute_num_layers),
         optim=OptimConfig(
             lr=ns.lr, min_lr=ns.min_lr, lr_decay_style=ns.lr_decay_style,
             **_schedule_in_samples(ns, gbs),
             lr_warmup_init=ns.lr_warmup_init, lr_wsd_decay_style=ns.lr_wsd_decay_style,
             weight_decay=ns.weight_decay,
+            start_weight_decay=_or(ns.start_weight_decay, ns.weight_decay),
+            end_weight_decay=_or(ns.end_weight_decay, ns.weight_decay),
+            weight_decay_incr_style=ns.weight_decay_incr_style,
             clip_grad=ns.clip_grad, adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2,
-            adam_eps=ns.adam_eps),
+            adam_eps=ns.adam_eps, decoupled_lr=ns.decoupled_lr,
+            decoupled_min_lr=ns.decoupled_min_lr),
         precision=PrecisionConfig(
             fp16=ns.fp16, bf16=ns.bf16, loss_scale=ns.loss_scale,
             initial_loss_scale=ns.initial_loss_scale, min_loss_scale=ns.min_loss_scale,
@@ -681,10 +724,14 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
             split=ns.split if ns.split is not None or ns.mock_data else LEGACY_DEFAULT_SPLIT,
             data_cache_path=ns.data_cache_path, reset_position_ids=ns.reset_position_ids,
             reset_attention_mask=ns.reset_attention_mask, eod_mask_loss=ns.eod_mask_loss,
+            create_attention_mask=ns.create_attention_mask_in_dataloader
+            or ns.reset_attention_mask,
             tokenizer_type=_tokenizer_type(ns), vocab_file=ns.vocab_file,
             merge_file=ns.merge_file, tokenizer_model=ns.tokenizer_model,
             vocab_size=ns.vocab_size),
-        checkpoint=CheckpointConfig(save=ns.save, load=ns.load, save_interval=ns.save_interval),
+        checkpoint=CheckpointConfig(
+            save=ns.save, load=ns.load, save_interval=ns.save_interval,
+            ckpt_format=ns.ckpt_format or ("torch" if ns.recover else "torch_dist")),
         recover=RecoverConfig(
             enabled=ns.recover, policy=ns.recover_policy or "static",
             mode=ns.recover_mode or "exact",
@@ -698,7 +745,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool) -> Tra
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
         train_samples=ns.train_samples or ns.train_iters * gbs,
         seed=ns.seed, log_interval=ns.log_interval,
-        ignored_args=_ignored_given(argv, tp),
+        notices=_notices(ns, argv, cuda_available, te_available),
     )
 
 
@@ -724,6 +771,10 @@ def _schedule_in_samples(ns, gbs: int) -> dict:
                 lr_wsd_decay_samples=wsd)
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 def _path_or_none(value: str | None) -> Path | None:
     return None if value is None else Path(value)
 
@@ -739,11 +790,3 @@ def hang_timeout_before_mpi(argv: list[str]) -> float | None:
     if not ns.recover or ns.recover_hang_timeout <= 0:
         return None
     return ns.recover_hang_timeout
-
-
-def ignored_args_message(cfg: TrainConfig) -> str | None:
-    """The start-up line naming the ignored flags, or None when there are none."""
-    if not cfg.ignored_args:
-        return None
-    return ("megatron-recover: accepted but not implemented (no effect on training): "
-            + " ".join(cfg.ignored_args))

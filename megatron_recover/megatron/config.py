@@ -25,7 +25,7 @@ class ModelConfig:
     num_attention_heads: int
     """Attention heads (--num-attention-heads)."""
     kv_channels: int
-    """Per-head projection size: hidden_size // num_attention_heads (Megatron's default)."""
+    """Per-head projection size (--kv-channels; default hidden_size // num_attention_heads)."""
     num_query_groups: int | None
     """Query groups with --group-query-attention (--num-query-groups), None otherwise."""
     seq_length: int
@@ -57,9 +57,29 @@ class ModelConfig:
     """Dropout on attention probabilities (--attention-dropout, default 0.1)."""
     make_vocab_size_divisible_by: int
     """The vocabulary is padded to a multiple of this times TP (default 128)."""
-    transformer_impl: str | None
-    """--transformer-impl "local" or "transformer_engine"; None (not given): the entry point uses
-    Transformer Engine's layer spec when it is installed, the local spec otherwise."""
+    transformer_impl: str
+    """Layer spec: "local" (megatron-core's own modules) or "transformer_engine"
+    (--transformer-impl; when absent, Megatron-LM's default transformer_engine where Transformer
+    Engine imports, local otherwise)."""
+    apply_layernorm_1p: bool = False
+    """Norm weights stored zero-centred and applied as (1 + weight) (--apply-layernorm-1p)."""
+    qk_layernorm: bool = False
+    """A norm on each head's queries and keys before attention (--qk-layernorm)."""
+    attention_backend: str = "auto"
+    """--attention-backend (flash | fused | unfused | local | auto); --use-flash-attn = flash.
+    The local layer spec runs megatron-core's own attention whatever it says."""
+    cross_entropy_loss_fusion: bool = False
+    """Fused vocab-parallel cross entropy (--cross-entropy-loss-fusion); CUDA only."""
+    cross_entropy_fusion_impl: str = "native"
+    """Its implementation: "native" (megatron-core) or "te" (--cross-entropy-fusion-impl)."""
+    recompute_granularity: str | None = None
+    """Activation recomputation: "full" or "selective" (--recompute-granularity;
+    --recompute-activations = selective); None: off."""
+    recompute_method: str | None = None
+    """With full recomputation: "uniform" or "block" (--recompute-method)."""
+    recompute_num_layers: int | None = None
+    """With full recomputation: layers per recomputed chunk (uniform) or recomputed layers per
+    pipeline stage (block) (--recompute-num-layers)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +112,14 @@ class OptimConfig:
     """Samples of WSD's annealing phase (--lr-wsd-decay-samples, or --lr-wsd-decay-iters x GBS);
     required for WSD."""
     weight_decay: float
-    """Decoupled weight decay, constant over the run (--weight-decay, default 0.01)."""
+    """Decoupled weight decay (--weight-decay, default 0.01)."""
+    start_weight_decay: float
+    """Weight decay at the start of the run (--start-weight-decay, default --weight-decay)."""
+    end_weight_decay: float
+    """Weight decay at the end of the run (--end-weight-decay, default --weight-decay)."""
+    weight_decay_incr_style: str
+    """How it moves from start to end: constant (default) | linear | cosine
+    (--weight-decay-incr-style)."""
     clip_grad: float
     """Global L2 gradient-norm clip (--clip-grad, default 1.0)."""
     adam_beta1: float
@@ -101,6 +128,10 @@ class OptimConfig:
     """Adam beta2 (--adam-beta2, default 0.999)."""
     adam_eps: float
     """Adam epsilon (--adam-eps, default 1e-8)."""
+    decoupled_lr: float | None = None
+    """Peak learning rate of the input embedding and output layer (--decoupled-lr); None: --lr."""
+    decoupled_min_lr: float | None = None
+    """Their learning-rate floor (--decoupled-min-lr); None: --min-lr."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +261,10 @@ class DataConfig:
     """Block attention across end-of-document tokens (--reset-attention-mask)."""
     eod_mask_loss: bool
     """Exclude end-of-document tokens from the loss (--eod-mask-loss)."""
+    create_attention_mask: bool
+    """A dense causal mask in every batch (Megatron-LM's default); off with
+    --no-create-attention-mask-in-dataloader (attention builds the causal mask itself). Always on
+    with --reset-attention-mask, whose mask is not the plain causal one."""
     tokenizer_type: str
     """GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer (--tokenizer-type); inferred as
     GPT2BPETokenizer from --vocab-file + --merge-file, NullTokenizer from --vocab-size alone."""
@@ -253,6 +288,9 @@ class CheckpointConfig:
     """Directory to resume from (--load)."""
     save_interval: int | None
     """Iterations between saves (--save-interval); required with --save, as in Megatron-LM."""
+    ckpt_format: str = "torch_dist"
+    """--ckpt-format: "torch_dist" (stock runs: megatron-core distributed checkpoints) or "torch"
+    (--recover: per-rank torch files, written without a collective over dead ranks)."""
 
 
 @dataclass(frozen=True)
@@ -301,9 +339,9 @@ class TrainConfig:
     """Base random seed (--seed, default 1234)."""
     log_interval: int
     """Iterations between console lines (--log-interval, default 100)."""
-    ignored_args: tuple[str, ...]
-    """Flags the user gave that are accepted but not implemented, in command-line order; the
-    entry point prints them once at start-up."""
+    notices: tuple[str, ...] = ()
+    """Start-up lines about the arguments: the no-effect flags given (with the reason), and
+    choices made for the user (layer spec, fallbacks); rank 0 prints them."""
 
     @property
     def data_parallel_size(self) -> int:

@@ -14,20 +14,47 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megatron_recover.megatron import hooks
 from megatron_recover.megatron.data import batch_checksum
+from megatron_recover.megatron.norms import Norm
 
 _SEED_STRIDE = 1_000_003  # > any B: (iteration, id) pairs map to distinct seeds
 
 
+def layer_specs(transformer_config, transformer_impl: str):
+    """The transformer block of this pipeline stage: Transformer Engine's layer spec, or
+    megatron-core's local spec with our `Norm` in every norm position (megatron-core's torch
+    norm refuses zero-centred gamma and sequence parallelism)."""
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=transformer_config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=transformer_config.qk_layernorm,
+                                    normalization=transformer_config.normalization)
+    layer = spec.submodules  # a fresh spec per call: ours to change
+    layer.input_layernorm = layer.pre_mlp_layernorm = Norm
+    if transformer_config.qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = Norm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(transformer_config), layer_norm=Norm)
+
+
 def build_gpt(transformer_config, vocab_size: int, max_sequence_length: int,
-              position_embedding_type: str, share_embeddings: bool) -> GPTModel:
-    """This rank's GPTModel (local layer spec: no Transformer Engine needed)."""
+              position_embedding_type: str, share_embeddings: bool,
+              transformer_impl: str = "local") -> GPTModel:
+    """This rank's GPTModel."""
     return GPTModel(
         config=transformer_config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization=transformer_config.normalization),
+        transformer_layer_spec=layer_specs(transformer_config, transformer_impl),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

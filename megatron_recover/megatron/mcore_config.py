@@ -32,6 +32,7 @@ def to_transformer_config(cfg: TrainConfig):
     """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
 
     m, p, par = cfg.model, cfg.precision, cfg.parallel
     return TransformerConfig(
@@ -54,6 +55,14 @@ def to_transformer_config(cfg: TrainConfig):
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
         deallocate_pipeline_outputs=True,  # as Megatron-LM sets it
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p, qk_layernorm=m.qk_layernorm,
+        # The local spec runs megatron-core's own attention whatever the backend says.
+        attention_backend=(AttnBackend[m.attention_backend]
+                           if m.transformer_impl == "transformer_engine" else AttnBackend.auto),
+        cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=m.cross_entropy_fusion_impl,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
     )
 
 
@@ -79,7 +88,8 @@ def to_optimizer_config(cfg: TrainConfig):
     return OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad, fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype,
+        clip_grad=o.clip_grad, decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr,
+        fp16=p.fp16, bf16=p.bf16, params_dtype=p.params_dtype,
         loss_scale=p.loss_scale, initial_loss_scale=p.initial_loss_scale,
         min_loss_scale=p.min_loss_scale, loss_scale_window=p.loss_scale_window,
         hysteresis=p.hysteresis,
@@ -98,8 +108,8 @@ def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
         init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_samples, lr_decay_steps=o.lr_decay_samples,
         lr_decay_style=o.lr_decay_style,
-        start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=cfg.train_samples, wd_incr_style="constant",
+        start_wd=o.start_weight_decay, end_wd=o.end_weight_decay,
+        wd_incr_steps=cfg.train_samples, wd_incr_style=o.weight_decay_incr_style,
         wsd_decay_steps=o.lr_wsd_decay_samples,
         lr_wsd_decay_style=o.lr_wsd_decay_style,
     )

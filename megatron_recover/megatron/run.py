@@ -146,7 +146,7 @@ def microbatch_source(cfg):
         split=d.split, seed=cfg.seed,
         reserve_microbatches=reserve, cache_dir=d.data_cache_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.reset_attention_mask))
+        eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.create_attention_mask))
     return source, tokenizer.vocab_size
 
 
@@ -259,7 +259,8 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     tconfig = mcore_config.to_transformer_config(cfg)
     model = build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size),
                       cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
-                      share_embeddings=not cfg.model.untie_embeddings_and_output_weights)
+                      share_embeddings=not cfg.model.untie_embeddings_and_output_weights,
+                      transformer_impl=cfg.model.transformer_impl)
     if cfg.precision.fp16 or cfg.precision.bf16:
         from megatron.core.transformer.module import Float16Module
 

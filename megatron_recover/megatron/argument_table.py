@@ -1,0 +1,477 @@
+"""The status of every Megatron-LM argument under `pretrain_gpt_recover.py`.
+
+A user's Megatron job script is our interface, so no Megatron argument is silently ignored. Each
+one has exactly one status:
+
+  implemented     parsed by `arguments.build_parser` with Megatron-LM's name, meaning and default
+                  (some are refused for particular values or on particular hardware: the note
+                  says when, and the start-up validation says why);
+  refused         stops the job at start-up with the reason and what to use instead; a few accept
+                  the one value that equals what we do (`--context-parallel-size 1`);
+  no effect here  accepted, changes nothing on this implementation, and printed at start-up with
+                  the reason (logging sinks, NCCL tuning, switches for kernels we never enable).
+
+The refused and no-effect entries live here, grouped by reason; the implemented ones are the
+parser's. `docs/arguments.md` is generated from this module (`scripts/argument_table.py`), and a
+test checks it against the code and every name of Megatron-LM's parser at core_v0.16.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+IMPLEMENTED = "implemented"
+REFUSED = "refused"
+NO_EFFECT = "no effect here"
+OURS = "megatron-recover"  # our own flags (--recover*, ...), not Megatron-LM's
+
+
+@dataclass(frozen=True)
+class Entry:
+    status: str
+    reason: str
+    """refused: why, and what to use instead; no effect: why; implemented: when it is refused
+    (a value, a device, a missing package), or empty."""
+    nargs: int | str = 0
+    """No-effect flags: the values argparse takes after the flag (0, 1 or "*"), as Megatron-LM's."""
+    accepts: tuple[str, ...] = ()
+    """Refused flags: the values that ask for what we do anyway, accepted without a word."""
+
+
+# ---------------------------------------------------------------------------------------------
+# No effect here. A name ending in ":1" takes one value, ":*" any number; otherwise a switch.
+# ---------------------------------------------------------------------------------------------
+
+_NO_EFFECT_GROUPS = (
+    ("logging sink or timer not implemented yet (evaluation, TensorBoard and Megatron's timers "
+     "are planned); training is unchanged, and --recover-log records every iteration",
+     "--tensorboard-dir:1 --tensorboard-log-interval:1 --tensorboard-queue-size:1 "
+     "--log-timers-to-tensorboard --log-validation-ppl-to-tensorboard --log-memory-to-tensorboard "
+     "--log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard "
+     "--disable-log-loss-scale-to-tensorboard --wandb-project:1 --wandb-entity:1 "
+     "--wandb-exp-name:1 --wandb-save-dir:1 --log-throughput --log-params-norm "
+     "--log-num-zeros-in-grad --timing-log-level:1 --timing-log-option:1 "
+     "--no-barrier-with-level-1-timing --log-device-memory-used --log-energy "
+     "--log-max-attention-logit --log-memory-interval:1 --log-progress --logging-level:1 "
+     "--config-logger-dir:1 --eval-interval:1 --eval-iters:1"),
+    ("not implemented yet: the job runs to --train-iters / --train-samples (a clean exit before "
+     "the allocation ends is planned)",
+     "--exit-duration-in-mins:1"),
+    ("NVIDIA's one-logger telemetry is not used", "--no-one-logger --one-logger-project:1 "
+     "--one-logger-run-name:1 --one-logger-async --app-tag-run-name:1 --app-tag-run-version:1"),
+    ("straggler detection is not used; a frozen rank is detected by --recover-hang-timeout",
+     "--log-straggler --disable-straggler-on-startup --straggler-ctrlr-port:1 "
+     "--straggler-minmax-count:1"),
+    ("rendezvous, ranks and timeouts come from MPI (mpirun); a hung peer is bounded by "
+     "--recover-hang-timeout", "--distributed-backend:1 --distributed-timeout-minutes:1 "
+     "--distributed-timeout-seconds-after-init:1 --local-rank:1"),
+    ("the fusion it switches off is never enabled here (its kernels come from Apex or "
+     "Megatron's compiled extensions)", "--no-masked-softmax-fusion --no-bias-dropout-fusion "
+     "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm "
+     "--disable-jit-fuser --no-gradient-reduce-div-fusion"),
+    ("the overlap it switches off is never enabled here (tensor-parallel communication overlap "
+     "needs Transformer Engine's userbuffers on CUDA)", "--no-tp-comm-bulk-dgrad "
+     "--no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs "
+     "--no-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-bulk-dgrad "
+     "--disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs "
+     "--disable-tp-comm-split-ag --disable-tp-comm-split-rs "
+     "--no-async-tensor-model-parallel-allreduce --disable-async-tensor-model-parallel-allreduce"),
+    ("memory and scheduling knobs of the data loader and the garbage collector; the samples "
+     "and their order do not depend on them", "--num-workers:1 --no-mmap-bin-files "
+     "--dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
+     "--num-dataset-builder-threads:1 --manual-gc --manual-gc-interval:1 --no-manual-gc-eval "
+     "--disable-manual-gc-eval --empty-unused-memory-level:1 --train-sync-interval:1 "
+     "--no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding"),
+    ("NCCL tuning; the cross-replica reduction runs over MPI (ulfm) and megatron-recover passes "
+     "no NCCL communicator options", "--nccl-communicator-config-path:1 --use-sharp "
+     "--sharp-enabled-group:1 --high-priority-stream-groups:* "
+     "--ddp-pad-buckets-for-high-nccl-busbw --disable-symmetric-registration"),
+    ("only the interleaved (virtual-pipeline) schedule reads it, and that schedule is refused",
+     "--no-overlap-p2p-communication --no-align-grad-reduce --no-align-param-gather"),
+    ("only read with CPU optimizer offload, which is refused", "--no-pin-cpu-grads "
+     "--no-pin-cpu-params"),
+    ("only read with --profile, which is refused", "--profile-step-start:1 --profile-step-end:1 "
+     "--profile-ranks:*"),
+    ("only read by the TikTokenizer, which is not supported (see --tokenizer-type)",
+     "--tiktoken-pattern:1 --tiktoken-num-special-tokens:1 --tiktoken-special-tokens:*"),
+    ("megatron-core's own GPT model is the only model here (Megatron-LM's default)",
+     "--use-mcore-models"),
+    ("a CUDA matmul setting; with bf16 on CPU there is no reduced-precision reduction to turn off",
+     "--disable-bf16-reduced-precision-matmul"),
+    ("the multi-storage client is not used: every path is a local file", "--disable-msc"),
+    ("it turns off Megatron-LM's check for NaN in the loss and gradients, which megatron-recover "
+     "does not run (the fp16 loss scaler still skips a step with inf/NaN gradients)",
+     "--no-check-for-nan-in-loss-and-grad"),
+    ("checkpoint reads and writes are spread over the ranks already (each rank its own shard)",
+     "--ckpt-fully-parallel-load --ckpt-fully-parallel-save"),
+)
+
+# ---------------------------------------------------------------------------------------------
+# Refused. "what instead" is part of every reason.
+# ---------------------------------------------------------------------------------------------
+
+_GPU = "needs a CUDA device"
+_REFUSED_GROUPS = (
+    ("mixture-of-experts is not supported: expert parallelism spreads a layer over ranks of "
+     "several replicas, and a failure would cut it apart; train a dense model",
+     "--num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-router-topk "
+     "--moe-router-load-balancing-type --moe-aux-loss-coeff --moe-z-loss-coeff "
+     "--moe-input-jitter-eps --moe-token-dispatcher-type --moe-grouped-gemm "
+     "--moe-use-legacy-grouped-gemm --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity "
+     "--moe-token-drop-policy --moe-layer-recompute --moe-extended-tp --moe-use-upcycling "
+     "--moe-upcycling-granularity --moe-permute-fusion --moe-router-dtype --moe-router-fusion "
+     "--moe-router-pre-softmax --moe-router-score-function --moe-router-topk-scaling-factor "
+     "--moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-num-groups "
+     "--moe-router-group-topk --moe-router-force-load-balancing --moe-router-padding-for-fp8 "
+     "--moe-router-padding-for-quantization --moe-shared-expert-intermediate-size "
+     "--moe-shared-expert-gate --moe-shared-expert-overlap --moe-per-layer-logging "
+     "--moe-apply-probs-on-input --moe-enable-deepep --moe-deepep-num-sms --moe-hybridep-num-sms "
+     "--moe-flex-dispatcher-backend --moe-latent-size --moe-enable-routing-replay "
+     "--moe-pad-experts-for-cuda-graph-inference --overlap-moe-expert-parallel-comm "
+     "--ep-overlap-early-attn-memory-release"),
+    ("expert parallelism (mixture-of-experts) is not supported; 1, the default, is accepted",
+     "--expert-model-parallel-size=1 --expert-tensor-parallel-size=1"),
+    ("context parallelism splits a microbatch's sequence over ranks that a replica failure "
+     "would cut apart, and megatron-core's local attention needs CP = 1; use "
+     "--context-parallel-size 1 (the default, accepted)", "--context-parallel-size=1 "
+     "--cp-comm-type --hierarchical-context-parallel-sizes --hybrid-context-parallel "
+     "--max-seqlen-per-dp-cp-rank"),
+    ("virtual pipeline stages (the interleaved schedule) are not supported: an extension pass "
+     "cannot be shorter than the pipeline depth; use the plain 1F1B schedule",
+     "--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank "
+     "--microbatch-group-size-per-virtual-pipeline-stage --overlap-p2p-communication-warmup-flush"),
+    ("uneven pipeline splits are not supported: each stage holds --num-layers / PP layers",
+     "--pipeline-model-parallel-layout --decoder-first-pipeline-num-layers "
+     "--decoder-last-pipeline-num-layers --account-for-embedding-in-pipeline-split "
+     "--account-for-loss-in-pipeline-split"),
+    (f"fp8/fp4 training {_GPU} with Transformer Engine's quantized GEMMs, and megatron-recover "
+     "does not drive Transformer Engine's fp8 recipes; train in --bf16",
+     "--fp8-format --fp8-recipe --fp8-margin --fp8-interval --fp8-amax-history-len "
+     "--fp8-amax-compute-algo --fp8-param-gather --fp8-quantizer-factory --disable-fp8-wgrad "
+     "--no-fp8-wgrad --fp4-format --fp4-recipe --fp4-param-gather --fp4-quantizer-factory "
+     "--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16 "
+     "--keep-fp8-transpose-cache --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file"),
+    (f"tensor-parallel communication overlap {_GPU} and Transformer Engine's userbuffers; drop it",
+     "--tp-comm-overlap --tp-comm-overlap-cfg --tp-comm-overlap-rs-dgrad "
+     "--tp-comm-bootstrap-backend --use-nccl-ub --symmetric-ar-type"),
+    (f"CUDA graphs {_GPU}, and a captured graph cannot follow a schedule that changes when a "
+     "replica fails; drop it", "--enable-cuda-graph --cuda-graph-impl --cuda-graph-warmup-steps "
+     "--external-cuda-graph --cuda-graph-scope"),
+    (f"the CUDA profiler (nsys) {_GPU}; profile with py-spy or torch.profiler around "
+     "pretrain_gpt_recover.py instead", "--profile --use-pytorch-profiler "
+     "--record-memory-history --memory-snapshot-path"),
+    ("activation and optimizer offloading to host memory is not supported: it assumes a GPU "
+     "whose memory it relieves; drop it", "--cpu-offloading-num-layers "
+     "--fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size "
+     "--optimizer-cpu-offload --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d "
+     "--use-torch-optimizer-for-cpu-offload"),
+    ("FSDP shards parameters over the data-parallel ranks, so a dead replica would take its "
+     "shard with it; use --use-distributed-optimizer with --num-distributed-optimizer-instances "
+     "(optimizer state sharded within each replica)", "--use-megatron-fsdp --use-torch-fsdp2 "
+     "--data-parallel-sharding-strategy --outer-dp-sharding-strategy "
+     "--enable-full-sharding-in-hsdp --fsdp-double-buffer --fsdp-manual-registration "
+     "--torch-fsdp2-no-reshard-after-forward --suggested-communication-unit-size "
+     "--init-model-with-meta-device --disable-strict-fsdp-dtensor-load "
+     "--no-strict-fsdp-dtensor-load"),
+    ("changes how gradients are reduced or divided, while --recover sums exactly B microbatch "
+     "gradients and divides once; drop it", "--ddp-average-in-collective "
+     "--ddp-reduce-scatter-with-fp32-accumulation --ddp-num-buckets --create-all-gather-group "
+     "--overlap-param-gather-with-optimizer-step --disable-gloo-process-groups "
+     "--use-tp-pp-dp-mapping --lazy-mpu-init --fake-process-group "
+     "--pipeline-model-parallel-comm-backend --use-ring-exchange-p2p "
+     "--no-scatter-gather-tensors-in-pipeline --defer-embedding-wgrad-compute "
+     "--wgrad-deferral-limit --delay-wgrad-compute"),
+    ("not supported yet under megatron-recover (planned: overlapped gradient reduction with "
+     "per-token loss and parameter all-gather overlap); drop it", "--calculate-per-token-loss "
+     "--overlap-param-gather"),
+    ("the batch stays B after failures by design; drop the flag",
+     "--decrease-batch-size-if-needed"),
+    ("Adam is the only optimizer (Megatron-LM's default); use --optimizer adam or drop it",
+     "--optimizer=adam --sgd-momentum --muon-momentum --muon-use-nesterov --muon-no-split-qkv "
+     "--muon-num-ns-steps --muon-scale-mode --muon-fp32-matmul-prec --muon-tp-mode "
+     "--muon-extra-scale-factor --use-precision-aware-optimizer --main-grads-dtype "
+     "--main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype"),
+    ("weight decay applies to every parameter but biases and norms (Megatron's default rule); "
+     "other rules are not supported", "--no-weight-decay-cond-type --apply-wd-to-qk-layernorm"),
+    ("the learning-rate scheduler resumes from the checkpoint with the schedule the arguments "
+     "give; these overrides are not supported", "--override-opt-param-scheduler "
+     "--override-opt_param-scheduler --use-checkpoint-opt-param-scheduler "
+     "--use-checkpoint-opt_param-scheduler"),
+    ("a deprecated Megatron-LM spelling; use the current flag (--micro-batch-size, "
+     "--recompute-activations, --lr-warmup-iters, --tensor-model-parallel-size, "
+     "--position-embedding-type rope, --ckpt-format)", "--batch-size --checkpoint-activations "
+     "--warmup --model-parallel-size --use-rotary-position-embeddings --dist-ckpt-format "
+     "--use-dist-ckpt"),
+    ("this checkpoint option is not supported: --save/--load/--save-interval save and resume the "
+     "complete state (model, optimizer, RNG, scheduler, data position); drop it",
+     "--async-save --auto-detect-ckpt-format --ckpt-assume-constant-structure "
+     "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format "
+     "--ckpt-step --disable-ckpt-fully-parallel-save --no-ckpt-fully-parallel-save "
+     "--dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 --dist-ckpt-strictness "
+     "--distrib-optim-fully-reshardable-mem-efficient --exit-on-missing-checkpoint --finetune "
+     "--load-main-params-from-ckpt --no-load-optim --no-load-rng --no-save-optim --no-save-rng "
+     "--non-persistent-ckpt-type --non-persistent-global-ckpt-dir "
+     "--non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir "
+     "--non-persistent-save-interval --persistent-save-interval --pretrained-checkpoint "
+     "--replication --replication-factor --replication-jump --save-dgrads-interval "
+     "--save-wgrads-interval --save-retain-interval --use-checkpoint-args "
+     "--use-mp-args-from-checkpoint-args --use-persistent-ckpt-worker "
+     "--disable-use-tokenizer-model-from-checkpoint-args "
+     "--no-use-tokenizer-model-from-checkpoint-args"),
+    ("not supported: the job trains, exactly, for --train-iters / --train-samples; drop it",
+     "--exit-interval --exit-signal-handler --exit-signal --exit-signal-handler-for-dataloader "
+     "--skip-train --test-mode --iterations-to-skip --full-validation --multiple-validation-sets"),
+    ("Megatron-LM's rerun engine and its checks are not supported (megatron-recover's own "
+     "per-iteration audit checks every committed gradient); drop it", "--rerun-mode "
+     "--check-for-spiky-loss --check-for-large-grads --error-injection-rate "
+     "--error-injection-type --result-rejected-tracker-filename "
+     "--check-weight-hash-across-dp-replicas-interval --deterministic-mode "
+     "--batch-invariant-mode --dump-param-to-param-group-map"),
+    ("the replicas must start identical; drop it", "--data-parallel-random-init"),
+    ("a model-architecture option that megatron-recover does not build or test (GPT with "
+     "LayerNorm/RMSNorm, learned or rotary positions, GeLU or SwiGLU, GQA, as in Megatron-LM's "
+     "GPT-3 and Llama-3 examples); drop it", "--spec --yaml-cfg --heterogeneous-layers-config-path "
+     "--heterogeneous-layers-config-encoded-json --is-hybrid-model --hybrid-attention-ratio "
+     "--hybrid-mlp-ratio --hybrid-override-pattern --mamba-state-dim --mamba-head-dim "
+     "--mamba-num-groups --mamba-num-heads --disable-mamba-mem-eff-path "
+     "--experimental-attention-variant --linear-attention-freq --linear-conv-kernel-dim "
+     "--linear-key-head-dim --linear-value-head-dim --linear-num-key-heads "
+     "--linear-num-value-heads --multi-latent-attention --q-lora-rank --kv-lora-rank "
+     "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --cache-mla-latents --mscale "
+     "--mscale-all-dim --rotary-scaling-factor --dsa-indexer-n-heads --dsa-indexer-head-dim "
+     "--dsa-indexer-topk --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss --mtp-num-layers "
+     "--mtp-loss-scaling-factor --mtp-standalone --mrope-section --window-size "
+     "--window-attn-skip-freq --softmax-type --attention-output-gate --qk-clip --qk-clip-alpha "
+     "--qk-clip-threshold --qk-l2-norm --use-kitchen-attention --kitchen-attention-backend "
+     "--glu-linear-offset --activation-func-clamp-value --use-fused-weighted-squared-relu "
+     "--use-te-activation-func --squared-relu --openai-gelu --quick-geglu --onnx-safe "
+     "--apply-residual-connection-post-layernorm --fp32-residual-connection "
+     "--apply-query-key-layer-scaling --add-qkv-bias --rotary-interleaved --no-position-embedding "
+     "--no-rope-freq --use-rope-scaling --rope-scaling-factor --rope-type "
+     "--rotary-seq-len-interpolation-factor --embedding-init-method-std "
+     "--init-method-xavier-uniform --no-initialization --distribute-saved-activations "
+     "--recompute-modules --fp16-lm-cross-entropy --use-legacy-models --te-rng-tracker "
+     "--inference-rng-tracker --encoder-num-layers --decoder-num-layers --encoder-seq-length "
+     "--decoder-seq-length --relative-attention-num-buckets --relative-attention-max-distance "
+     "--bert-no-binary-head --bert-embedder-type --output-bert-embeddings --mask-prob "
+     "--short-seq-prob --vocab-extra-ids"),
+    ("pre-training from one dataset prefix only (--data-path, split by --split); preprocess "
+     "other corpora into it with scripts/preprocess_data.py", "--train-data-path "
+     "--valid-data-path --test-data-path --data-args-path --per-split-data-args-path "
+     "--per-dataset-sequences-path --mid-level-dataset-surplus --object-storage-cache-path "
+     "--phase-transition-iterations --dataloader-type=single --allow-ambiguous-pad-tokens "
+     "--sample-rate --fim-data --fim-rate --fim-spm-rate --fim-split-sample "
+     "--fim-fragment-rate --fim-no-prefix --fim-prefix-token --fim-middle-token "
+     "--fim-suffix-token --fim-pad-token --fim-eod-token --sft --sft-tokenizer-prompt-format"),
+    ("tokenizer option not supported: GPT2BPETokenizer, HuggingFaceTokenizer and NullTokenizer "
+     "load with their defaults from local files", "--legacy-tokenizer --padded-vocab-size "
+     "--tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens --tokenizer-metadata "
+     "--tokenizer-sentencepiece-legacy --tokenizer-special-tokens --trust-remote-code"),
+    ("inference and serving options; pretrain_gpt_recover.py trains", "--flash-decode "
+     "--inference-fuse-tp-communication --mlp-chunks-for-prefill --decode-only-cuda-graphs "
+     "--disable-chunked-prefill --enable-chunked-prefill "
+     "--inference-batch-times-seqlen-threshold --inference-coordinator-port "
+     "--inference-dynamic-batching --inference-dynamic-batching-block-size "
+     "--inference-dynamic-batching-buffer-size-gb "
+     "--inference-dynamic-batching-cuda-graph-max-tokens "
+     "--inference-dynamic-batching-cuda-graph-mixed-prefill-count "
+     "--inference-dynamic-batching-max-requests --inference-dynamic-batching-max-tokens "
+     "--inference-dynamic-batching-num-cuda-graphs "
+     "--inference-dynamic-batching-paused-buffer-size-gb "
+     "--inference-dynamic-batching-track-paused-request-events "
+     "--inference-dynamic-batching-unified-memory-level --inference-logging-step-interval "
+     "--inference-max-batch-size --inference-max-requests --inference-max-seq-length "
+     "--inference-wandb-logging --no-inference-wandb-logging --max-tokens-to-oom "
+     "--nccl-all-reduce-for-prefill --use-legacy-static-engine"),
+    ("reinforcement-learning options; pretrain_gpt_recover.py does pre-training",
+     "--perform-rl-step --grpo-clamp-eps-lower --grpo-clamp-eps-upper --grpo-entropy-term-weight "
+     "--grpo-filter-groups-with-same-reward --grpo-group-size --grpo-iterations --grpo-kl-beta "
+     "--grpo-prompts-per-step --langrl-env-config --langrl-external-server "
+     "--no-langrl-external-server --langrl-inference-server-conversation-template "
+     "--langrl-inference-server-type --refit-method --rl-default-temperature --rl-default-top-k "
+     "--rl-default-top-p --rl-importance-sampling-truncation-coef "
+     "--rl-inference-expert-model-parallel-size "
+     "--rl-inference-expert-tensor-model-parallel-size --rl-inference-logprobs-is-correction "
+     "--no-rl-inference-logprobs-is-correction --rl-inference-model-unified-memory-level "
+     "--rl-inference-pipeline-model-parallel-size --rl-inference-tensor-model-parallel-size "
+     "--rl-offload-inference-model-weights-when-idle "
+     "--no-rl-offload-inference-model-weights-when-idle --rl-offload-kv-cache-during-training "
+     "--no-rl-offload-kv-cache-during-training --rl-offload-optimizer-during-inference "
+     "--rl-parallel-generation-tasks --rl-partial-rollouts --no-rl-partial-rollouts "
+     "--rl-prompts-per-eval --rl-remove-kv-cache-during-training "
+     "--no-rl-remove-kv-cache-during-training --rl-reset-cuda-graphs --no-rl-reset-cuda-graphs "
+     "--rl-sequence-packing-algo --rl-sequence-packing-max-sequences-per-bin "
+     "--rl-skip-bos-token --no-rl-skip-bos-token --rl-training-cuda-graphs "
+     "--no-rl-training-cuda-graphs --rl-use-sequence-packing --no-rl-use-sequence-packing "
+     "--rl-verify-model-weights-swap --no-rl-verify-model-weights-swap"),
+    ("retrieval (biencoder) and vision models are not GPT pre-training", "--bert-load "
+     "--biencoder-projection-dim --biencoder-shared-query-context-model --block-data-path "
+     "--embedding-path --evidence-data-path --ict-head-size --ict-load --indexer-batch-size "
+     "--indexer-log-interval --query-in-block-prob --retriever-report-topk-accuracies "
+     "--retriever-score-scaling --titles-data-path --use-one-sent-docs --classes-fraction "
+     "--data-per-class-fraction --dino-bottleneck-size --dino-freeze-last-layer "
+     "--dino-head-hidden-size --dino-local-crops-number --dino-local-img-size "
+     "--dino-norm-last-layer --dino-teacher-temp --dino-warmup-teacher-temp "
+     "--dino-warmup-teacher-temp-epochs --head-lr-mult --img-h --img-w --iter-per-epoch "
+     "--mask-factor --mask-type --no-data-sharding --num-channels --num-classes --patch-dim "
+     "--swin-backbone-type --vision-backbone-type --vision-pretraining "
+     "--vision-pretraining-type"),
+    ("megatron-recover replaces restarting: with --recover the job survives a failure in-step, "
+     "without a relaunch or a restart of the process; use --recover",
+     "--inprocess-restart --inprocess-active-world-size --inprocess-barrier-timeout "
+     "--inprocess-completion-timeout --inprocess-empty-cuda-cache --inprocess-granularity "
+     "--inprocess-hard-timeout --inprocess-heartbeat-interval --inprocess-heartbeat-timeout "
+     "--inprocess-last-call-wait --inprocess-max-iterations --inprocess-monitor-process-interval "
+     "--inprocess-monitor-thread-interval --inprocess-progress-watchdog-interval "
+     "--inprocess-soft-timeout --inprocess-termination-grace-time --enable-ft-package "
+     "--calc-ft-timeouts --ft-num-warmup-iters --adlr-autoresume --adlr-autoresume-interval"),
+    ("experimental Megatron-LM features are not supported", "--enable-experimental "
+     "--run-workload-inspector-server"),
+)
+
+
+def _entries(status: str, groups) -> dict[str, Entry]:
+    entries = {}
+    for reason, names in groups:
+        for item in names.split():
+            if status == NO_EFFECT:
+                name, _, nargs = item.partition(":")
+                entry = Entry(status, reason, nargs={"": 0, "1": 1, "*": "*"}[nargs])
+            else:
+                name, _, accepted = item.partition("=")
+                entry = Entry(status, reason, accepts=(accepted,) if accepted else ())
+            assert name not in entries, f"{name} listed twice"
+            entries[name] = entry
+    return entries
+
+
+NO_EFFECT_ARGS = _entries(NO_EFFECT, _NO_EFFECT_GROUPS)
+REFUSED_ARGS = _entries(REFUSED, _REFUSED_GROUPS)
+assert not NO_EFFECT_ARGS.keys() & REFUSED_ARGS.keys()
+
+# When an implemented flag is refused (the start-up validation gives the full reason).
+IMPLEMENTED_NOTES = {
+    "--transformer-impl": "absent: transformer_engine where Transformer Engine imports (Megatron-"
+                          "LM's default), otherwise local, said at start-up; transformer_engine "
+                          "refused where it does not import",
+    "--use-flash-attn": "refused where Transformer Engine does not import",
+    "--attention-backend": "local layer spec: megatron-core's own attention whatever the backend "
+                           "(said at start-up); flash and fused select Transformer Engine kernels",
+    "--cross-entropy-loss-fusion": "on CPU the unfused cross entropy runs (same loss; said at "
+                                   "start-up): the fused kernel is CUDA-only",
+    "--gradient-accumulation-fusion": "refused on CPU (a CUDA kernel)",
+    "--no-gradient-accumulation-fusion": "",
+    "--ckpt-format": "torch_dist for stock runs; --recover saves per-rank torch files: "
+                     "--ckpt-format torch (the default under --recover), torch_dist refused",
+    "--use-distributed-optimizer": "with --recover, one instance per replica must be spelled "
+                                   "out: --num-distributed-optimizer-instances",
+    "--rampup-batch-size": "refused with --train-iters, as in Megatron-LM",
+}
+
+
+def split_refused(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without the refused flags and their values, one problem line per refused flag).
+
+    Megatron-LM's parser has no positional arguments, so the values of a flag are the tokens up
+    to the next one that starts with "--" (or the part after "=").
+    """
+    kept, problems, i = [], [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        entry = REFUSED_ARGS.get(name) if name.startswith("--") else None
+        if entry is None:
+            kept.append(argv[i])
+            i += 1
+            continue
+        values = [value] if eq else []
+        i += 1
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if not (entry.accepts and values == list(entry.accepts)):
+            problems.append(f"{name}: {entry.reason}")
+    return kept, problems
+
+
+def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
+    """The no-effect flags, accepted with Megatron-LM's arity; absent from the namespace unless
+    given (nothing reads them)."""
+    g = parser.add_argument_group("no effect here (each one given is named at start-up, with "
+                                  "the reason)")
+    for name, entry in NO_EFFECT_ARGS.items():
+        if entry.nargs == 0:
+            g.add_argument(name, action="store_true", default=argparse.SUPPRESS)
+        else:
+            g.add_argument(name, nargs=None if entry.nargs == 1 else "*",
+                           default=argparse.SUPPRESS)
+
+
+def no_effect_given(argv: list[str]) -> tuple[str, ...]:
+    """The no-effect flags in argv, in command-line order, each once."""
+    given = []
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if name in NO_EFFECT_ARGS and name not in given:
+            given.append(name)
+    return tuple(given)
+
+
+def no_effect_lines(names: tuple[str, ...]) -> list[str]:
+    """The start-up lines for the no-effect flags a user gave: one per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for name in names:
+        by_reason.setdefault(NO_EFFECT_ARGS[name].reason, []).append(name)
+    return [f"megatron-recover: no effect here: {' '.join(flags)}: {reason}"
+            for reason, flags in by_reason.items()]
+
+
+def table(parser: argparse.ArgumentParser) -> dict[str, Entry]:
+    """Every flag `pretrain_gpt_recover.py` knows, with its status: the parser's own flags are
+    implemented (ours are marked OURS), the others come from the groups above."""
+    entries = {}
+    for action in parser._actions:
+        for name in action.option_strings:
+            if not name.startswith("--") or name in NO_EFFECT_ARGS:
+                continue
+            ours = name.startswith(("--recover", "--cross-replica-backend",
+                                    "--gradient-accumulation-fusion"))
+            entries[name] = Entry(OURS if ours else IMPLEMENTED, IMPLEMENTED_NOTES.get(name, ""))
+    for name, entry in {**NO_EFFECT_ARGS, **REFUSED_ARGS}.items():
+        assert name not in entries, f"{name} is both parsed and {entry.status}"
+        entries[name] = entry
+    return dict(sorted(entries.items()))
+
+
+def markdown(parser: argparse.ArgumentParser) -> str:
+    """docs/arguments.md: counts per status, then one row per flag."""
+    entries = table(parser)
+    counts = {status: sum(e.status == status for e in entries.values())
+              for status in (IMPLEMENTED, REFUSED, NO_EFFECT, OURS)}
+    lines = [
+        "# Megatron arguments under `pretrain_gpt_recover.py`",
+        "",
+        "Generated by `scripts/argument_table.py` from `megatron_recover/megatron/"
+        "argument_table.py` and the parser; `tests/test_argument_table.py` checks that this "
+        "file is current and that every option of Megatron-LM's parser at core_v0.16.1 has a "
+        "status. Do not edit by hand.",
+        "",
+        "- **implemented**: Megatron-LM's name, meaning and default; the note says when a value "
+        "or a device is refused.",
+        "- **refused**: the job stops at start-up with the reason and what to use instead.",
+        "- **no effect here**: accepted, changes nothing here, named at start-up with the reason.",
+        "- **megatron-recover**: our own flags (README, \"Training with megatron-recover\").",
+        "",
+        "| status | flags |",
+        "|---|---|",
+        *(f"| {status} | {count} |" for status, count in counts.items()),
+        "",
+        "| flag | status | note |",
+        "|---|---|---|",
+    ]
+    for name, entry in entries.items():
+        note = entry.reason.replace("|", "\\|")
+        if entry.accepts:
+            note += f" (accepted: {name} {' '.join(entry.accepts)})"
+        lines.append(f"| `{name}` | {entry.status} | {note} |")
+    return "\n".join(lines) + "\n"
