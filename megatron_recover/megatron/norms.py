@@ -29,9 +29,13 @@ class Norm(torch.nn.Module):
         self.eps = eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         start = torch.zeros if self.zero_centered_gamma else torch.ones
-        self.weight = torch.nn.Parameter(start(hidden_size, dtype=config.params_dtype))
+        # Where megatron-core's own layers put their parameters (nothing moves the model later).
+        device = (torch.cuda.current_device()
+                  if torch.cuda.is_available() and not config.use_cpu_initialization else None)
+        kind = dict(dtype=config.params_dtype, device=device)
+        self.weight = torch.nn.Parameter(start(hidden_size, **kind))
         self.bias = (None if config.normalization == "RMSNorm" else
-                     torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype)))
+                     torch.nn.Parameter(torch.zeros(hidden_size, **kind)))
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
