@@ -187,6 +187,9 @@ _REFUSED_GROUPS = (
      "--overlap-param-gather"),
     ("the batch stays B after failures by design; drop the flag",
      "--decrease-batch-size-if-needed"),
+    ("batch-size ramp-up is not implemented yet: B is fixed for the run (and with --train-iters "
+     "Megatron-LM refuses it too: expected no batch-size rampup for iteration-based training); "
+     "drop it and set --global-batch-size", "--rampup-batch-size"),
     ("Adam is the only optimizer (Megatron-LM's default); use --optimizer adam or drop it",
      "--optimizer=adam --sgd-momentum --muon-momentum --muon-use-nesterov --muon-no-split-qkv "
      "--muon-num-ns-steps --muon-scale-mode --muon-fp32-matmul-prec --muon-tp-mode "
@@ -366,7 +369,6 @@ IMPLEMENTED_NOTES = {
                      "--ckpt-format torch (the default under --recover), torch_dist refused",
     "--use-distributed-optimizer": "with --recover, one instance per replica must be spelled "
                                    "out: --num-distributed-optimizer-instances",
-    "--rampup-batch-size": "refused with --train-iters, as in Megatron-LM",
 }
 
 

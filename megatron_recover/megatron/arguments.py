@@ -117,7 +117,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--rampup-batch-size", nargs="*")
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -180,7 +179,7 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("recovery (megatron-recover)")
     g.add_argument("--recover", action="store_true",
                    help="survive replica failures in-step (launch with mpirun --with-ft ulfm)")
-    # Defaults are None so that _refusals can tell "given without --recover" from "not given".
+    # Defaults are None so that _recover can tell "given without --recover" from "not given".
     g.add_argument("--recover-policy", choices=["static", "adaptive"],
                    help="static (default): the batch stays B; adaptive: drop-and-go")
     g.add_argument("--recover-mode", choices=["exact", "reserve"],
@@ -249,21 +248,9 @@ def _positive(ns) -> list[str]:
     return problems
 
 
-def _refusals(ns, cuda_available: bool, te_available: bool) -> list[str]:
-    """Implemented arguments refused for a value or on this device (argument_table.py refuses
-    the others by name)."""
-    problems = []
-    if ns.rampup_batch_size is not None and ns.train_iters is not None:
-        problems.append("--rampup-batch-size: expected no batch-size rampup for iteration-based "
-                        "training (Megatron-LM's rule): ramp up with --train-samples, or drop it")
-    elif ns.rampup_batch_size is not None:
-        problems.append("--rampup-batch-size is not supported: B, the microbatches per iteration, "
-                        "is fixed for the run; drop it and set --global-batch-size")
-    return problems + _device_refusals(ns, cuda_available, te_available)
-
-
 def _device_refusals(ns, cuda_available: bool, te_available: bool) -> list[str]:
-    """Kernels the device cannot run and layers that need Transformer Engine."""
+    """Implemented arguments refused on this machine: kernels the device cannot run and layers
+    that need Transformer Engine (argument_table.py refuses the others by name)."""
     problems = []
     if not cuda_available and ns.gradient_accumulation_fusion:
         problems.append("--gradient-accumulation-fusion needs the CUDA kernel of Apex or "
@@ -588,7 +575,7 @@ def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
     if not problems:
         problems = (_model_shape(ns) + _parallel_layout(ns, world_size)
                     + _schedule(ns, world_size) + _recompute(ns))
-    problems += (_refusals(ns, cuda_available, te_available) + _precision(ns)
+    problems += (_device_refusals(ns, cuda_available, te_available) + _precision(ns)
                  + _weight_decay_and_decoupled_lr(ns) + _data(ns) + _tokenizer(ns)
                  + _checkpointing(ns) + _recover(ns))
     problems = refused + problems
