@@ -11,6 +11,7 @@ Files, in reading order:
   static.py     the static policy: promotions, pool, extension rounds (Algorithm 6), commit
   adaptive.py   the adaptive policy: drop-and-go (Algorithm 8), the comparison baseline
   workload.py   WorkloadPolicy (what the glue holds) and the megatron-style microbatch calculator
+  rampup.py     batch-size ramp-up: the global batch of every iteration (GlobalBatches, ramp_up)
   simulator.py  simulate a run under a failure schedule (FailureEvent, parse_failure)
   plan_cli.py   `megatron-recover plan`
 """
@@ -43,6 +44,7 @@ from megatron_recover.policy.records import (
     ReplicaWork,
     rank_work,
 )
+from megatron_recover.policy.rampup import GlobalBatches, ramp_up
 from megatron_recover.policy.simulator import FailureEvent, IterationReport, parse_failure, simulate
 from megatron_recover.policy.workload import PolicyNumMicroBatchesCalculator, WorkloadPolicy
 
@@ -60,6 +62,7 @@ __all__ = [
     "ROLES",
     "STATIC",
     "FailureEvent",
+    "GlobalBatches",
     "IdSet",
     "IterationReport",
     "IterationResult",
@@ -75,6 +78,7 @@ __all__ = [
     "advance_layout",
     "initial_layout",
     "parse_failure",
+    "ramp_up",
     "rank_work",
     "simulate",
 ]

@@ -1,7 +1,8 @@
 """The adaptive policy: the paper's Algorithm 8, drop-and-go, kept as the comparison baseline.
 
 Every replica is a major at G_init for the whole run and keeps its own id range
-[r*G_init, (r+1)*G_init), its slice of the global batch. A failure never adds work: there are no
+[r*G_init, (r+1)*G_init), its slice of the global batch (during a batch-size ramp-up, G is the
+iteration's B / W_init). A failure never adds work: there are no
 spares and no extension pass; a dead replica's uncommitted ids are dropped (and its slice stays
 dropped in later iterations), the iteration commits what the survivors hold, and the gradient is
 divided by that committed count, as drop-and-go systems do. The batch shrinks with the world.
@@ -52,17 +53,20 @@ class AdaptiveLayout:
 
 
 def initial_layout(config: PolicyConfig) -> AdaptiveLayout:
-    """All W_init replicas, majors at G_init."""
-    return AdaptiveLayout(g_cur=config.g_init, replicas=tuple(range(config.w_init)))
+    """All W_init replicas, majors at iteration 1's B / W_init (G_init without a ramp-up)."""
+    return AdaptiveLayout(g_cur=config.b_at(1) // config.w_init,
+                          replicas=tuple(range(config.w_init)))
 
 
 def begin_iteration(
     config: PolicyConfig, layout: AdaptiveLayout, iteration: int, reserve_next: int = 0
 ) -> IterationState:
     """Every live replica runs and contributes its own slice (no reserve stream: reserve_next is
-    carried unchanged)."""
-    if iteration < 1:
-        raise ValueError(f"iterations are numbered from 1, got {iteration}")
+    carried unchanged). A batch-size ramp-up step widens every slice to the iteration's
+    B / W_init; a dead replica's slice stays dropped."""
+    g_cur = config.b_at(iteration) // config.w_init
+    if layout.g_cur != g_cur:
+        layout = replace(layout, g_cur=g_cur)
     work = {
         r: ReplicaWork(r, MAJOR, r, layout.first_pass_ids(r), True) for r in layout.replicas
     }

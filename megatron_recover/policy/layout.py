@@ -39,12 +39,16 @@ class PolicyConfig:
     mode: "exact" (default; spares shadow ids, lost ids are recomputed, so every iteration commits
         the failure-free ids) or "reserve" (the paper's behaviour: spares run ids of a separate
         reserve stream, a dead replica's ids are dropped). Only the static policy has modes.
+    ramp: B of each iteration of a batch-size ramp-up (--rampup-batch-size), iteration 1 first,
+        non-decreasing, each a multiple of w_init and at most B; every later iteration has B.
+        Empty: B in every iteration.
     """
 
     w_init: int
     g_init: int
     policy: str = STATIC
     mode: str = EXACT
+    ramp: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("w_init", "g_init"):
@@ -58,11 +62,24 @@ class PolicyConfig:
         if self.policy == ADAPTIVE and self.mode != EXACT:
             # Drop-and-go has no spares, so there is nothing for a reserve stream to feed.
             raise ValueError("reserve mode applies to the static policy only")
+        ramp = tuple(self.ramp)
+        object.__setattr__(self, "ramp", ramp)
+        if any(not 1 <= b <= self.b or b % self.w_init for b in ramp) or list(ramp) != sorted(
+                ramp):
+            raise ValueError(f"ramp must be non-decreasing multiples of w_init={self.w_init} up "
+                             f"to B={self.b}, got {ramp}")
 
     @property
     def b(self) -> int:
-        """B, the global microbatch count per iteration: W_init x G_init, fixed for the run."""
+        """B, the global microbatch count per iteration after any ramp-up: W_init x G_init.
+        Reserve-stream ids start here (id B + j), whatever the iteration's own B."""
         return self.w_init * self.g_init
+
+    def b_at(self, iteration: int) -> int:
+        """The global microbatch count of `iteration` (its B; smaller during a ramp-up)."""
+        if iteration < 1:
+            raise ValueError(f"iterations are numbered from 1, got {iteration}")
+        return self.ramp[iteration - 1] if iteration <= len(self.ramp) else self.b
 
 
 @dataclass(frozen=True)
@@ -145,9 +162,11 @@ class Layout:
 
 
 def initial_layout(config: PolicyConfig) -> Layout:
-    """The launch layout: W_init majors at G_init, no minor, no spares."""
+    """The launch layout: W_init majors sharing iteration 1's B (G_init without a ramp-up), no
+    minor, no spares."""
+    b = config.b_at(1)
     return Layout(
-        b=config.b, g_cur=config.g_init, r_cur=0, majors=tuple(range(config.w_init)), minor=None
+        b=b, g_cur=b // config.w_init, r_cur=0, majors=tuple(range(config.w_init)), minor=None
     )
 
 

@@ -95,6 +95,11 @@ class IterationState:
     reserve_next: int = 0
 
     @property
+    def b(self) -> int:
+        """The iteration's B: the microbatch gradients a committed static iteration holds."""
+        return self.config.b_at(self.iteration)
+
+    @property
     def live(self) -> tuple[int, ...]:
         """Live replicas, increasing."""
         return tuple(sorted(self.work))

@@ -63,10 +63,13 @@ def begin_iteration(
 
     Majors and the minor run their slot's ids; exact-mode spares run the ids of the slot they
     shadow; reserve-mode spares run fresh reserve-stream ids (id B + j is the j-th microbatch of the
-    run's reserve stream), starting at reserve index `reserve_next`.
+    run's reserve stream), starting at reserve index `reserve_next`. An iteration whose B differs
+    from the layout's (a batch-size ramp-up step) first re-lays out the live replicas for its B
+    by Algorithm 7, so that the ids 0..B-1 of the new B are shared as a boundary would share them.
     """
-    if iteration < 1:
-        raise ValueError(f"iterations are numbered from 1, got {iteration}")
+    b = config.b_at(iteration)
+    if layout.b != b:
+        layout = advance_layout(layout.replicas, b)
     work: dict[int, ReplicaWork] = {}
     for replica in layout.replicas:
         role = layout.role_of(replica)
@@ -116,7 +119,7 @@ def apply_failure(state: IterationState, failed) -> tuple[IterationState, Policy
     )
     if not pool:
         return new_state, PolicyDecision(BLOCKING, promotions=tuple(promotions))
-    assert new_state.contributions() + len(pool) == state.config.b, "pool must make up B"
+    assert new_state.contributions() + len(pool) == state.b, "pool must make up B"
     new_state, g_ext, n_bdry = _extension_round(new_state, pool)
     decision = PolicyDecision(
         NON_BLOCKING,
@@ -135,16 +138,16 @@ def commit_iteration(state: IterationState) -> IterationResult:
     layout (with promotions applied) otherwise.
     """
     maps = commit_maps(state)
-    assert len(maps["committed"]) == state.config.b, "the static policy commits exactly B ids"
+    assert len(maps["committed"]) == state.b, "the static policy commits exactly B ids"
     if state.boundary:
-        next_layout = advance_layout(state.live, state.config.b)
+        next_layout = advance_layout(state.live, state.b)
     else:
         next_layout = _carry_layout(state)
     return IterationResult(
         iteration=state.iteration,
         grad_accum=state.layout.g_cur,
         minor_microbatches=state.layout.r_cur,
-        divisor=state.config.b,
+        divisor=state.b,
         extension_rounds=state.rounds,
         promotions=state.promotions,
         failed=state.failed,
@@ -238,7 +241,7 @@ def _carry_layout(state: IterationState) -> Layout:
         by_role[state.work[replica].base_role].append(replica)
     assert len(by_role[MINOR]) <= 1
     return Layout(
-        b=state.config.b,
+        b=state.b,
         g_cur=state.layout.g_cur,
         r_cur=state.layout.r_cur,
         majors=tuple(by_role[MAJOR]),

@@ -97,9 +97,16 @@ class WorkloadPolicy:
     def num_microbatches(self, replica: int) -> int:
         """First-pass microbatches of `replica` in the iteration in progress, or, between
         iterations, in the next one."""
-        if self._state is None:
-            return len(self.layout.first_pass_ids(replica))
-        return self.work(replica).num_microbatches
+        state = self._state
+        if state is None:  # the next iteration may re-lay out (a batch-size ramp-up step)
+            state = self._impl.begin_iteration(self.config, self.layout, self.last_committed + 1,
+                                               self._reserve_next)
+        return rank_work(state, replica).num_microbatches
+
+    @property
+    def iteration(self) -> int:
+        """The iteration in progress or, between iterations, the next one."""
+        return self.last_committed + 1 if self._state is None else self._state.iteration
 
     def commit(self) -> IterationResult:
         """Close the iteration in progress and install the next layout."""
@@ -116,35 +123,45 @@ class PolicyNumMicroBatchesCalculator:
 
     Duck-types `megatron.core.num_microbatches_calculator.NumMicroBatchesCalculator` (get,
     get_current_global_batch_size, get_micro_batch_size, get_current_running_global_batch_size,
-    update) without importing megatron. `get()` is the local replica's first-pass count, which
-    changes with roles, not with consumed samples, so `update` does nothing. The global batch size
-    is B micro-batches; the running one is what the policy commits in a failure-free iteration
-    (B for the static policy, the survivors' slices for the adaptive one).
+    update) without importing megatron; the glue installs it as megatron-core's global
+    calculator under --recover, so megatron code asking `get_num_microbatches()` gets this
+    rank's count. `get()` is the microbatches this data-parallel rank runs in the first pass of
+    the iteration in progress (or the next one): its replica's, every `shards`-th from `shard` when
+    the replica holds several data-parallel ranks. It changes with roles and with the ramp-up
+    schedule the policy was configured with, not with consumed samples, so `update` does
+    nothing. The global batch size is the iteration's B micro-batches; the running one is what the
+    policy commits in a failure-free iteration (B for the static policy, the survivors' slices for
+    the adaptive one).
     """
 
-    def __init__(self, policy: WorkloadPolicy, replica: int, micro_batch_size: int):
+    def __init__(self, policy: WorkloadPolicy, replica: int, micro_batch_size: int,
+                 shard: int = 0, shards: int = 1):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if not 0 <= replica < policy.config.w_init:
             raise ValueError(f"replica {replica} does not exist (0..{policy.config.w_init - 1})")
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} does not exist (0..{shards - 1})")
         self.policy = policy
         self.replica = replica
         self.micro_batch_size = micro_batch_size
+        self.shard, self.shards = shard, shards
 
     def get(self) -> int:
-        return self.policy.num_microbatches(self.replica)
+        return len(range(self.shard, self.policy.num_microbatches(self.replica), self.shards))
 
     def get_current_global_batch_size(self) -> int:
-        return self.policy.config.b * self.micro_batch_size
+        return self.policy.config.b_at(self.policy.iteration) * self.micro_batch_size
 
     def get_micro_batch_size(self) -> int:
         return self.micro_batch_size
 
     def get_current_running_global_batch_size(self) -> int:
         if self.policy.config.policy == ADAPTIVE:
-            layout = self.policy.layout
-            return len(layout.replicas) * layout.g_cur * self.micro_batch_size
+            config = self.policy.config
+            g = config.b_at(self.policy.iteration) // config.w_init
+            return len(self.policy.layout.replicas) * g * self.micro_batch_size
         return self.get_current_global_batch_size()
 
     def update(self, consumed_samples, consistency_check, verbose=False) -> None:
-        """Nothing to do: the policy moves on at commit, not with consumed samples."""
+        """Nothing to do: the policy moves on at begin and commit, not with consumed samples."""
