@@ -246,6 +246,56 @@ def test_sample_based_training():
     assert to_scheduler_kwargs(wsd)["wsd_decay_steps"] == 8
 
 
+def megatron_lm_train_iters(train_samples, rampup, gbs, mbs, dp):
+    """Megatron-LM's update_train_iters, driving megatron-core's own calculator: the sizes of
+    the ramp iterations and the iteration count (written here independently of our schedule)."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(gbs, mbs, dp, False, -1, *rampup)
+    sizes, consumed = [], 0
+    while consumed <= rampup[2]:
+        calculator.update(consumed, consistency_check=True)  # divisible by mbs x dp, too
+        sizes.append(calculator.get_current_global_batch_size())
+        consumed += sizes[-1]
+    return sizes, len(sizes) + (train_samples - consumed) // gbs
+
+
+@pytest.mark.parametrize("rampup, train_samples", [
+    ((8, 8, 64), 400), ((8, 8, 60), 400), ((8, 8, 1), 100), ((4, 4, 100), 1000)])
+def test_rampup_batch_size_follows_megatron_lm(rampup, train_samples):
+    """--rampup-batch-size START INCREMENT SAMPLES with sample-based training: the iteration
+    count, each iteration's global batch, the policy's B per iteration and the schedule's steps
+    in samples are Megatron-LM's."""
+    world_size = 2 if rampup[0] == 4 else 4
+    cfg = small("--train-samples", str(train_samples), "--rampup-batch-size",
+                *map(str, rampup), "--lr-decay-samples", "90", "--lr-warmup-samples", "10",
+                drop=("--train-iters",), world_size=world_size)
+    sizes, iterations = megatron_lm_train_iters(train_samples, rampup, 16, 2,
+                                                cfg.data_parallel_size)
+    assert min(sizes) == rampup[0]
+    assert cfg.train_iters == iterations and cfg.rampup_batch_size == rampup
+    batches = cfg.global_batches
+    assert [batches.size(t) for t in range(1, len(sizes) + 3)] == sizes + [16, 16]
+    assert batches.consumed_after(cfg.train_iters) <= train_samples
+    assert batches.consumed_after(cfg.train_iters) + 16 > train_samples
+    policy = to_policy_config(cfg)
+    assert [policy.b_at(t) for t in range(1, len(sizes) + 2)] == [s // 2 for s in sizes] + [8]
+    assert to_scheduler_kwargs(cfg)["lr_decay_steps"] == 90  # the schedule stays in samples
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--rampup-batch-size", "8", "8"], "expects three values"),
+    (["--rampup-batch-size", "8", "8", "0"], "ramp_samples must be an integer >= 1"),
+    (["--rampup-batch-size", "16", "8", "64"], "must be a positive multiple of the step"),
+    (["--rampup-batch-size", "6", "4", "64"], "must be a positive multiple of the step"),
+    (["--rampup-batch-size", "12", "4", "64"], "not divisible by --micro-batch-size 2 x "
+     "data-parallel size 4: choose a start and an increment that are multiples of 8"),
+    (["--rampup-batch-size", "8", "8", "640"], "ends inside the batch-size ramp-up"),
+])
+def test_rampup_batch_size_refused_where_megatron_lm_asserts(extra, expected):
+    assert expected in refused("--train-samples", "400", *extra, drop=("--train-iters",))
+
+
 @pytest.mark.parametrize("extra, drop, expected", [
     (["--train-samples", "64"], (), "exactly one of --train-iters"),
     ([], ("--train-iters",), "pass --train-iters (or --train-samples)"),
@@ -275,10 +325,10 @@ def test_padded_vocab_size():
     (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "1, the default"]),
     (["--num-experts", "8"], ["--num-experts", "dense model"]),
     (["--rampup-batch-size", "16", "16", "5859375"],
-     ["--rampup-batch-size: batch-size ramp-up is not implemented yet",
-      "expected no batch-size rampup for iteration-based training"]),
+     ["--rampup-batch-size with --train-iters",
+      "expected no batch-size rampup for iteration-based training", "give --train-samples"]),
     (["--calculate-per-token-loss"], ["--calculate-per-token-loss", "drop it"]),
-    (["--decrease-batch-size-if-needed"], ["--decrease-batch-size-if-needed", "drop the flag"]),
+    (["--decrease-batch-size-if-needed"], ["--decrease-batch-size-if-needed", "drop it"]),
     (["--num-layers-per-virtual-pipeline-stage", "1"],
      ["--num-layers-per-virtual-pipeline-stage: virtual pipeline", "1F1B"]),
     (["--num-virtual-stages-per-pipeline-rank", "2"], ["--num-virtual-stages-per-pipeline"]),

@@ -28,6 +28,7 @@ import torch
 
 from megatron_recover.megatron.data import LOCK_NAME, MicrobatchSource, MicrobatchSourceConfig
 from megatron_recover.megatron.tokenizer import build_tokenizer
+from tests.policy.test_rampup import megatron_batches
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
@@ -347,11 +348,32 @@ def test_mock_data(gpt2):
     assert torch.equal(batch["tokens"], second.microbatch(2, 3)["tokens"])
 
 
+def test_ramp_up_iterations_take_their_own_global_batch(demo, gpt2):
+    """With --rampup-batch-size 2 2 6 (GBS 8, mbs 2) each iteration holds the samples
+    megatron-core's calculator gives it (2, 4, then 8), starting where the previous one ended;
+    ids beyond an iteration's B are refused, and reserve ids start after the main stream."""
+    ramped = MicrobatchSource(source_config(demo, gpt2, rampup_batch_size=(2, 2, 6),
+                                            train_iters=6, reserve_microbatches=2))
+    batches = megatron_batches(2, 2, 6, GBS, iterations=6)
+    sizes = [size for _, size in batches]
+    assert sizes[:3] == [2, 4, 8]
+    for t, (start, size) in enumerate(batches, start=1):
+        ranges = [ramped.sample_range(t, k) for k in range(size // MBS)]
+        assert [i for r in ranges for i in r] == list(range(start, start + size))
+        if size < GBS:  # ids B_t..B-1 do not exist in a ramp iteration (B and up: reserve)
+            with pytest.raises(ValueError, match=f"outside 0..{size // MBS - 1} "):
+                ramped.sample_range(t, size // MBS)
+    assert ramped.config.main_samples == sum(sizes)
+    assert ramped.sample_range(2, GBS // MBS) == range(sum(sizes), sum(sizes) + MBS)
+    with pytest.raises(ValueError, match="less than the 38 samples 6 iterations consume"):
+        source_config(demo, gpt2, rampup_batch_size=(2, 2, 6), train_iters=6, train_samples=37)
+
+
 @pytest.mark.parametrize("iteration, microbatch_id, message", [
     (0, 0, "iteration 0 is outside 1..5"),
     (TRAIN_ITERS + 1, 0, "iteration 6 is outside"),
-    (1, -1, "microbatch id -1 is outside"),
-    (1, GBS // MBS + 6, "microbatch id 10 is outside 0..3 .* 4..9"),
+    (1, -1, "microbatch id -1 of iteration 1 is outside"),
+    (1, GBS // MBS + 6, "microbatch id 10 of iteration 1 is outside 0..3 .* 4..9"),
 ])
 def test_out_of_range_ids_are_refused(source, iteration, microbatch_id, message):
     with pytest.raises(ValueError, match=message):

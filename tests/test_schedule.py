@@ -48,13 +48,18 @@ def test_bad_entries_name_the_problem(tmp_path, entry, message):
 def test_overflows(tmp_path):
     path = write(tmp_path, "entries: []\noverflows:\n  - {iteration: 3, microbatch_id: 5}\n")
     assert load_schedule(path, 4, 1, 10) == []
-    assert load_overflows(path, 8, 10) == [Overflow(3, 5)]
-    assert load_overflows(write(tmp_path, "entries: []\n"), 8, 10) == []
-    for bad, message in (("{iteration: 3, microbatch_id: 8}", "microbatch_id in 0..7"),
+    assert load_overflows(path, lambda t: 8, 10) == [Overflow(3, 5)]
+    assert load_overflows(write(tmp_path, "entries: []\n"), lambda t: 8, 10) == []
+    ramp = {1: 2, 2: 4, 3: 4}  # a batch-size ramp-up: iteration 3 has ids 0..3 only
+    with pytest.raises(ValueError, match=r"microbatch_id must be in 0..3 \(the ids of iteration 3"):
+        load_overflows(write(tmp_path, "overflows:\n  - {iteration: 3, microbatch_id: 5}\n"),
+                       lambda t: ramp.get(t, 8), 10)
+    for bad, message in (("{iteration: 3, microbatch_id: 8}", "microbatch_id must be in 0..7"),
                          ("{iteration: 0, microbatch_id: 1}", "iteration must be in 1..10"),
                          ("{iteration: 3}", "exactly the keys")):
         with pytest.raises(ValueError, match=message):
-            load_overflows(write(tmp_path, f"entries: []\noverflows:\n  - {bad}\n"), 8, 10)
+            load_overflows(write(tmp_path, f"entries: []\noverflows:\n  - {bad}\n"),
+                           lambda t: 8, 10)
 
 
 def test_a_rank_dies_once(tmp_path):

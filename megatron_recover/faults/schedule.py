@@ -108,8 +108,9 @@ class Overflow:
     microbatch_id: int
 
 
-def load_overflows(path: Path, b: int, train_iters: int) -> list[Overflow]:
-    """The schedule's forced fp16 overflows; ValueError names the entry and what to change."""
+def load_overflows(path: Path, b_at, train_iters: int) -> list[Overflow]:
+    """The schedule's forced fp16 overflows; ValueError names the entry and what to change.
+    `b_at(iteration)`: that iteration's B (its microbatch ids are 0..B-1)."""
     data = yaml.safe_load(Path(path).read_text()) or {}
     raws = data.get("overflows", []) if isinstance(data, dict) else []
     if not isinstance(raws, list):
@@ -120,9 +121,12 @@ def load_overflows(path: Path, b: int, train_iters: int) -> list[Overflow]:
             raise ValueError(f"{path}: overflow {i} must have exactly the keys iteration, "
                              "microbatch_id")
         overflow = Overflow(int(raw["iteration"]), int(raw["microbatch_id"]))
-        if not 1 <= overflow.iteration <= train_iters or not 0 <= overflow.microbatch_id < b:
-            raise ValueError(f"{path}: overflow {i}: iteration must be in 1..{train_iters} and "
-                             f"microbatch_id in 0..{b - 1}")
+        if not 1 <= overflow.iteration <= train_iters:
+            raise ValueError(f"{path}: overflow {i}: iteration must be in 1..{train_iters}")
+        b = b_at(overflow.iteration)
+        if not 0 <= overflow.microbatch_id < b:
+            raise ValueError(f"{path}: overflow {i}: microbatch_id must be in 0..{b - 1} (the "
+                             f"ids of iteration {overflow.iteration})")
         overflows.append(overflow)
     return overflows
 

@@ -185,11 +185,10 @@ _REFUSED_GROUPS = (
     ("not supported yet under megatron-recover (planned: overlapped gradient reduction with "
      "per-token loss and parameter all-gather overlap); drop it", "--calculate-per-token-loss "
      "--overlap-param-gather"),
-    ("the batch stays B after failures by design; drop the flag",
-     "--decrease-batch-size-if-needed"),
-    ("batch-size ramp-up is not implemented yet: B is fixed for the run (and with --train-iters "
-     "Megatron-LM refuses it too: expected no batch-size rampup for iteration-based training); "
-     "drop it and set --global-batch-size", "--rampup-batch-size"),
+    ("it rounds a global batch down to a multiple of micro-batch x data-parallel size; here "
+     "every global batch, ramp-up included, must be such a multiple, as Megatron-LM requires "
+     "without the flag (and the batch stays B after failures by design): choose sizes that "
+     "divide and drop it", "--decrease-batch-size-if-needed"),
     ("Adam is the only optimizer (Megatron-LM's default); use --optimizer adam or drop it",
      "--optimizer=adam --sgd-momentum --muon-momentum --muon-use-nesterov --muon-no-split-qkv "
      "--muon-num-ns-steps --muon-scale-mode --muon-fp32-matmul-prec --muon-tp-mode "

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from megatron_recover.megatron import argument_table
+from megatron_recover.policy.rampup import GlobalBatches
 from megatron_recover.megatron.config import (
     CheckpointConfig,
     DataConfig,
@@ -95,6 +96,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-samples", type=int)
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-wsd-decay-samples", type=int)
+    g.add_argument("--rampup-batch-size", nargs="*", type=int)  # START INCREMENT SAMPLES
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -405,8 +407,44 @@ def _unit(ns, world_size: int) -> list[str]:
     return []
 
 
+def _rampup(ns, gbs: int, dp: int) -> list[str]:
+    """Megatron-LM's rules for --rampup-batch-size START INCREMENT SAMPLES: sample-based
+    training only, three values, START + k x INCREMENT reaching --global-batch-size, every global
+    batch of the ramp divisible by micro-batch x data-parallel size; and --train-samples covers
+    the ramp phase."""
+    if ns.rampup_batch_size is None:
+        return []
+    if ns.train_iters is not None:
+        return ["--rampup-batch-size with --train-iters: Megatron-LM refuses it too (expected no "
+                "batch-size rampup for iteration-based training); ramp-up is for sample-based "
+                "training: give --train-samples and the learning-rate schedule in samples"]
+    if len(ns.rampup_batch_size) != 3:
+        return ["--rampup-batch-size expects three values: <start batch size> <batch size "
+                f"increment> <ramp-up samples>, got {ns.rampup_batch_size}"]
+    try:
+        batches = GlobalBatches.of(gbs, ns.rampup_batch_size)
+    except ValueError as error:
+        return [f"--rampup-batch-size: {error}"]
+    unit = ns.micro_batch_size * dp
+    uneven = sorted({size for size in batches.ramp if size % unit})
+    if uneven:
+        return [f"--rampup-batch-size: the ramp-up's global batch sizes {uneven} are not "
+                f"divisible by --micro-batch-size {ns.micro_batch_size} x data-parallel size "
+                f"{dp}: choose a start and an increment that are multiples of {unit}"]
+    if ns.train_samples < batches.ramp_samples:
+        return [f"--train-samples {ns.train_samples} ends inside the batch-size ramp-up, which "
+                f"trains {batches.ramp_samples} samples ({len(batches.ramp)} iterations): raise "
+                "--train-samples or shorten the ramp-up"]
+    return []
+
+
 def _schedule(ns, world_size: int) -> list[str]:
     problems = _unit(ns, world_size)
+    if problems:
+        return problems
+    dp = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
+    gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
+    problems = _rampup(ns, gbs, dp)
     if problems:
         return problems
     sample_based = ns.train_samples is not None
@@ -730,6 +768,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo")),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
+        rampup_batch_size=(None if ns.rampup_batch_size is None
+                           else tuple(ns.rampup_batch_size)),
         train_samples=ns.train_samples or ns.train_iters * gbs,
         seed=ns.seed, log_interval=ns.log_interval,
         notices=_notices(ns, argv, cuda_available, te_available),
@@ -737,9 +777,11 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
 
 
 def _train_iters(ns, gbs: int) -> int:
-    """--train-iters, or Megatron-LM's update_train_iters without ramp-up: the whole global
-    batches in --train-samples."""
-    return ns.train_iters if ns.train_iters is not None else ns.train_samples // gbs
+    """--train-iters, or Megatron-LM's update_train_iters: the ramp-up's iterations, then the
+    whole global batches in the rest of --train-samples."""
+    if ns.train_iters is not None:
+        return ns.train_iters
+    return GlobalBatches.of(gbs, ns.rampup_batch_size).iterations_in(ns.train_samples)
 
 
 def _schedule_in_samples(ns, gbs: int) -> dict:

@@ -6,11 +6,14 @@ schedule consumed. The expected side is computed here without the policy: from t
 an iteration has by definition (DESIGN.md, "Exact semantics") and from megatron's `GPTDataset`,
 indexed directly rather than through `MicrobatchSource`.
 
-  exact      ids 0..B-1 of the iteration, each exactly once, and their dataset checksums;
-  reserve    B distinct ids; reserve ids (>= B) never committed before in the run;
+  exact      ids 0..B_t-1 of the iteration, each exactly once, and their dataset checksums;
+  reserve    B_t distinct ids; reserve ids (>= B) never committed before in the run;
   adaptive   distinct failure-free ids, as many as the loss was divided by.
 In every mode the checksum sum equals the dataset checksums of the ids committed, no entry belongs
-to another iteration and no bucket was reduced with contents the ledger could not name.
+to another iteration and no bucket was reduced with contents the ledger could not name. B_t, the
+iteration's global batch in microbatches, and where its samples start come from megatron-core's own
+microbatch calculator stepped through the run's consumed samples (a batch-size ramp-up changes
+them), not from the schedule the policy and the data source share.
 """
 
 from __future__ import annotations
@@ -26,15 +29,21 @@ class LedgerAudit:
     """Checks one position's summed lane each round; keeps the run's committed reserve ids.
 
     dataset: megatron's training-split dataset (`MicrobatchSource.dataset`), indexed by sample.
-    The sample arithmetic (iteration t's global batch is samples [(t-1)GBS, tGBS); reserve id B+j
-    is samples main_samples + j*mbs onwards, main_samples being the training split's size) is
-    DESIGN.md's, written out again on purpose.
+    The sample arithmetic (iteration t's global batch is the GBS_t samples after those consumed
+    before it; reserve id B+j is samples main_samples + j*mbs onwards, main_samples being the
+    training split's size) is DESIGN.md's, written out again on purpose.
+    rampup_batch_size: --rampup-batch-size START INCREMENT SAMPLES, or None.
     """
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int,
-                 main_samples: int, policy: str, mode: str):
+                 main_samples: int, policy: str, mode: str,
+                 rampup_batch_size: tuple[int, int, int] | None = None):
+        from megatron.core.num_microbatches_calculator import (
+            ConstantNumMicroBatchesCalculator,
+            RampupBatchsizeNumMicroBatchesCalculator,
+        )
+
         self.dataset = dataset
-        self.gbs = global_batch_size
         self.mbs = micro_batch_size
         self.b = global_batch_size // micro_batch_size
         self.main_samples = main_samples
@@ -42,12 +51,28 @@ class LedgerAudit:
         self.mode = mode
         self._checksums: dict[tuple[int, int], int] = {}
         self._committed_reserve: set[int] = set()
+        # Data-parallel size 1: only the global batch sizes are read, not per-rank counts.
+        common = (global_batch_size, micro_batch_size, 1, False, -1)
+        self._calculator = (ConstantNumMicroBatchesCalculator(*common) if rampup_batch_size is None
+                            else RampupBatchsizeNumMicroBatchesCalculator(*common,
+                                                                          *rampup_batch_size))
+        self._batches: list[tuple[int, int]] = []  # (first sample, size) of iterations 1, 2, ...
+
+    def global_batch(self, iteration: int) -> tuple[int, int]:
+        """(first sample, samples) of `iteration`'s global batch, as Megatron-LM's loop has it:
+        the calculator updated with the samples consumed so far, each iteration consuming its
+        current global batch size."""
+        while len(self._batches) < iteration:
+            first = sum(self._batches[-1]) if self._batches else 0
+            self._calculator.update(first, consistency_check=False)
+            self._batches.append((first, self._calculator.get_current_global_batch_size()))
+        return self._batches[iteration - 1]
 
     def checksum(self, iteration: int, microbatch_id: int) -> int:
         key = (iteration, microbatch_id)
         if key not in self._checksums:
             if microbatch_id < self.b:
-                first = (iteration - 1) * self.gbs + microbatch_id * self.mbs
+                first = self.global_batch(iteration)[0] + microbatch_id * self.mbs
             else:
                 first = self.main_samples + (microbatch_id - self.b) * self.mbs
             samples = [self.dataset[i] for i in range(first, first + self.mbs)]
@@ -71,10 +96,14 @@ class LedgerAudit:
         twice = [k for k, n in enumerate(totals.main_counts) if n > 1]
         if twice:
             problems.append(f"ids held more than once: {twice}")
+        b = self.global_batch(iteration)[1] // self.mbs
+        beyond = [k for k in totals.main_ids if k >= b]
+        if beyond:
+            problems.append(f"ids beyond the iteration's B = {b}: {beyond}")
         main = totals.main_ids
         if self.mode == RESERVE and self.policy != ADAPTIVE:
-            if totals.count != self.b:
-                problems.append(f"{totals.count} microbatch gradients, B = {self.b}")
+            if totals.count != b:
+                problems.append(f"{totals.count} microbatch gradients, B = {b}")
             again = sorted(self._committed_reserve.intersection(totals.reserve))
             if again:
                 problems.append(f"reserve ids committed in an earlier iteration: {again}")
@@ -84,7 +113,7 @@ class LedgerAudit:
             if totals.count != divisor:
                 problems.append(f"{totals.count} microbatch gradients, divided by {divisor}")
         else:
-            missing = [k for k, n in enumerate(totals.main_counts) if n == 0]
+            missing = [k for k, n in enumerate(totals.main_counts[:b]) if n == 0]
             if missing:
                 problems.append(f"ids missing: {missing}")
             if totals.reserve:

@@ -42,6 +42,7 @@ class RecoveryState:
     layout: object
     reserve_next: int
     live_replicas: tuple[int, ...]
+    ramp: tuple[int, ...] = ()  # B of each ramp-up iteration (--rampup-batch-size)
 
 
 def _iteration_dir(directory: Path, iteration: int) -> Path:

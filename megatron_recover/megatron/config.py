@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_recover.policy.rampup import GlobalBatches
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -331,7 +333,8 @@ class TrainConfig:
     global_batch_size: int
     """Samples per iteration, all ranks together (--global-batch-size, default mbs x dp)."""
     train_iters: int
-    """Iterations to train, counted from 1 (--train-iters, or --train-samples // GBS)."""
+    """Iterations to train, counted from 1 (--train-iters, or Megatron-LM's count of the whole
+    global batches in --train-samples, ramp-up included)."""
     train_samples: int
     """The training split's size in samples: --train-samples when training is sample-based
     (Megatron-LM builds the split with that many), train_iters x GBS otherwise."""
@@ -339,6 +342,8 @@ class TrainConfig:
     """Base random seed (--seed, default 1234)."""
     log_interval: int
     """Iterations between console lines (--log-interval, default 100)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """--rampup-batch-size START INCREMENT SAMPLES (sample-based training), or None."""
     notices: tuple[str, ...] = ()
     """Start-up lines about the arguments: the no-effect flags given (with the reason), and
     choices made for the user (layer spec, fallbacks); rank 0 prints them."""
@@ -360,9 +365,19 @@ class TrainConfig:
 
     @property
     def b(self) -> int:
-        """B: microbatches per iteration over all data-parallel ranks, GBS // mbs. Fixed for the
-        run; a microbatch id names one data-parallel rank's micro-batch (DESIGN.md)."""
+        """B: microbatches per iteration over all data-parallel ranks, GBS // mbs, after any
+        ramp-up; a microbatch id names one data-parallel rank's micro-batch (DESIGN.md)."""
         return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def global_batches(self) -> GlobalBatches:
+        """The global batch of every iteration: its size (smaller during a ramp-up) and where
+        its samples start."""
+        return GlobalBatches.of(self.global_batch_size, self.rampup_batch_size)
+
+    def b_at(self, iteration: int) -> int:
+        """The global microbatch count of `iteration`: B, or less during a ramp-up."""
+        return self.global_batches.size(iteration) // self.micro_batch_size
 
     @property
     def num_microbatches_per_dp_rank(self) -> int:

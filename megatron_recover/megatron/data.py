@@ -2,12 +2,13 @@
 
 Contract of `MicrobatchSource(config)`:
 - Iteration t (1..train_iters) uses the training split's samples [(t-1)*GBS, t*GBS), the range
-  Megatron's pretraining sampler gives iteration t. Microbatch id k, 0 <= k < B = GBS / mbs, is
-  the k-th slice of `micro_batch_size` samples in it. (Megatron's sampler hands data-parallel
+  Megatron's pretraining sampler gives iteration t; during a batch-size ramp-up, the GBS_t
+  samples after those the earlier iterations consumed (`GlobalBatches`). Microbatch id k,
+  0 <= k < B_t = GBS_t / mbs, is the k-th slice of `micro_batch_size` samples in it. (Megatron's sampler hands data-parallel
   rank r of dp its m-th microbatch of an iteration from slice m*dp + r.)
 - Reserve ids B + j, 0 <= j < reserve_microbatches, are the run-wide reserve stream (the policy's
   reserve mode): samples [main_samples + j*mbs, +mbs), whatever the iteration, where main_samples
-  is the training split's size (--train-samples, or train_iters*GBS). They lie after every
+  is the training split's size (--train-samples, or what train_iters iterations consume). They lie after every
   main-stream sample, so a reserve id never repeats a training sample.
 - `microbatch(t, k)` returns Megatron's GPT batch as CPU tensors: tokens, labels, position_ids
   (int64 [mbs, seq]), loss_mask (float32 [mbs, seq], as megatron-core makes it) and
@@ -53,6 +54,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from megatron_recover.policy.rampup import GlobalBatches
 from megatron_recover.recovery.ledger import CHECKSUM_MODULUS
 
 LOCK_NAME = ".build.lock"
@@ -85,9 +87,14 @@ class MicrobatchSourceConfig:
     micro_batch_size: samples per microbatch (--micro-batch-size).
     global_batch_size: samples per iteration (--global-batch-size), a multiple of
         micro_batch_size; B = global_batch_size / micro_batch_size.
-    train_iters: iterations of the run (--train-iters, or --train-samples // GBS).
+    train_iters: iterations of the run (--train-iters, or the whole global batches of
+        --train-samples).
     train_samples: the training split's size, where the reserve stream starts: --train-samples
-        of a sample-based run (as Megatron-LM builds its split); None: train_iters*GBS.
+        of a sample-based run (as Megatron-LM builds its split); None: what the iterations
+        consume.
+    rampup_batch_size: --rampup-batch-size START INCREMENT SAMPLES, or None. Iteration t's
+        global batch then starts after the samples the earlier iterations consumed and holds
+        that iteration's size (`GlobalBatches`); microbatch ids of iteration t are 0..B_t-1.
     data_path: prefix of the .bin/.idx pair (--data-path), or None for mock data (--mock-data).
     split: train/valid/test weights as in --split; only the training split is used. May be
         None with mock data (megatron ignores it there).
@@ -108,6 +115,7 @@ class MicrobatchSourceConfig:
     global_batch_size: int
     train_iters: int
     train_samples: Optional[int] = None
+    rampup_batch_size: Optional[tuple] = None
     data_path: Optional[str] = None
     split: Optional[str] = DEFAULT_SPLIT
     seed: int = DEFAULT_SEED
@@ -121,17 +129,19 @@ class MicrobatchSourceConfig:
     def __post_init__(self):
         for name in ("sequence_length", "micro_batch_size", "global_batch_size", "train_iters"):
             _check_int(name, getattr(self, name), minimum=1)
-        if self.train_samples is not None and (
-                self.train_samples < self.train_iters * self.global_batch_size):
-            raise ValueError(f"train_samples ({self.train_samples}) is less than train_iters x "
-                             f"global_batch_size ({self.train_iters * self.global_batch_size})")
+        if self.global_batch_size % self.micro_batch_size or any(
+                size % self.micro_batch_size for size in self.batches.ramp):
+            raise ValueError(
+                f"every global batch size (global_batch_size {self.global_batch_size}, ramp-up "
+                f"{self.batches.ramp}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+        consumed = self.batches.consumed_after(self.train_iters)
+        if self.train_samples is not None and self.train_samples < consumed:
+            raise ValueError(f"train_samples ({self.train_samples}) is less than the "
+                             f"{consumed} samples {self.train_iters} iterations consume")
         _check_int("reserve_microbatches", self.reserve_microbatches, minimum=0)
         _check_int("seed", self.seed, minimum=0)
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
-                f"micro_batch_size ({self.micro_batch_size})"
-            )
         for attribute in ("eod", "vocab_size", "unique_identifiers"):
             if not hasattr(self.tokenizer, attribute):
                 raise ValueError(f"tokenizer has no {attribute!r}; build it with build_tokenizer")
@@ -151,17 +161,22 @@ class MicrobatchSourceConfig:
                     )
 
     @property
+    def batches(self) -> GlobalBatches:
+        """The global batch of every iteration (ramp-up included)."""
+        return GlobalBatches.of(self.global_batch_size, self.rampup_batch_size)
+
+    @property
     def microbatches_per_iteration(self) -> int:
-        """B: the main-stream microbatch ids of an iteration are 0..B-1."""
+        """B after any ramp-up; reserve-stream ids start there (id B + j)."""
         return self.global_batch_size // self.micro_batch_size
 
     @property
     def main_samples(self) -> int:
         """Training samples of the main stream (Megatron's train split size): train_samples, or
-        train_iters x GBS."""
+        what train_iters iterations consume."""
         if self.train_samples is not None:
             return self.train_samples
-        return self.train_iters * self.global_batch_size
+        return self.batches.consumed_after(self.train_iters)
 
     @property
     def num_samples(self) -> int:
@@ -179,6 +194,7 @@ class MicrobatchSource:
                 "dataset builder would otherwise build on global rank 0 behind world-wide barriers"
             )
         self.config = config
+        self.batches = config.batches
         self.dataset = _build_training_split(config)
 
     def sample_range(self, iteration: int, microbatch_id: int) -> range:
@@ -187,14 +203,16 @@ class MicrobatchSource:
         b = config.microbatches_per_iteration
         if not 1 <= iteration <= config.train_iters:
             raise ValueError(f"iteration {iteration} is outside 1..{config.train_iters}")
-        if not 0 <= microbatch_id < b + config.reserve_microbatches:
-            raise ValueError(
-                f"microbatch id {microbatch_id} is outside 0..{b - 1} (main stream) and "
-                f"{b}..{b + config.reserve_microbatches - 1} (reserve stream)"
-            )
         mbs = config.micro_batch_size
+        b_t = self.batches.size(iteration) // mbs
+        if not (0 <= microbatch_id < b_t or b <= microbatch_id < b + config.reserve_microbatches):
+            raise ValueError(
+                f"microbatch id {microbatch_id} of iteration {iteration} is outside "
+                f"0..{b_t - 1} (main stream) and {b}..{b + config.reserve_microbatches - 1} "
+                "(reserve stream)"
+            )
         if microbatch_id < b:
-            start = (iteration - 1) * config.global_batch_size + microbatch_id * mbs
+            start = self.batches.first_sample(iteration) + microbatch_id * mbs
         else:
             start = config.main_samples + (microbatch_id - b) * mbs
         return range(start, start + mbs)

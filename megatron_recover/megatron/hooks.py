@@ -5,7 +5,8 @@ Stock behaviour unless a `GradientRecovery` was installed for a data-parallel gr
 cross-replica reductions itself once the schedule returned, after the pipeline flush and the
 intra-replica embedding sync (the paper's deferred path), so a bucket's snapshot holds the
 replica's complete gradient and a rewind never has to redo an intra-replica step — and the
-schedules divide each microbatch loss by the fixed global microbatch count B. With
+schedules divide each microbatch loss by the iteration's global microbatch count B
+(`set_loss_divisor`). With
 distributed-optimizer instances the intra-instance reduce-scatter is the trainer's too (layer 2
 snapshots the bucket before it).
 """
@@ -14,11 +15,15 @@ _recoveries = {}  # id(data-parallel process group) -> GradientRecovery
 _loss_divisor = None
 
 
-def install(process_group, recovery, loss_divisor: int) -> None:
-    """Route the bucket reductions of `process_group` through `recovery`; divide losses by B."""
-    global _loss_divisor
+def install(process_group, recovery) -> None:
+    """Route the bucket reductions of `process_group` through `recovery`."""
     _recoveries[id(process_group)] = recovery
-    _loss_divisor = loss_divisor
+
+
+def set_loss_divisor(b: int) -> None:
+    """Divide each microbatch loss of the coming passes by `b`, the iteration's B."""
+    global _loss_divisor
+    _loss_divisor = b
 
 
 def owns(bucket_group) -> bool:

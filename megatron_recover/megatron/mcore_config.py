@@ -100,8 +100,8 @@ def to_optimizer_config(cfg: TrainConfig):
 def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
     """Keyword arguments of megatron-core's OptimizerParamScheduler (all but `optimizer`).
 
-    Steps are samples, as in Megatron-LM: the caller steps the scheduler by global_batch_size
-    (= B x micro_batch_size) once per committed iteration.
+    Steps are samples, as in Megatron-LM: the caller steps the scheduler by the iteration's
+    global batch size (= B x micro_batch_size) once per committed iteration.
     """
     o = cfg.optim
     return dict(
@@ -116,8 +116,10 @@ def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
 
 
 def to_policy_config(cfg: TrainConfig):
-    """The layer-3 PolicyConfig: W_init replicas, G_init microbatch ids each, policy and mode."""
+    """The layer-3 PolicyConfig: W_init replicas, G_init microbatch ids each, policy and mode,
+    and the B of each iteration of a batch-size ramp-up."""
     from megatron_recover.policy import PolicyConfig
 
+    ramp = tuple(size // cfg.micro_batch_size for size in cfg.global_batches.ramp)
     return PolicyConfig(w_init=cfg.num_replicas, g_init=cfg.num_microbatches_per_replica,
-                        policy=cfg.recover.policy, mode=cfg.recover.mode)
+                        policy=cfg.recover.policy, mode=cfg.recover.mode, ramp=ramp)

@@ -36,6 +36,7 @@ from megatron_recover.policy import (
     EXACT,
     RESERVE,
     PolicyConfig,
+    PolicyNumMicroBatchesCalculator,
     WorkloadPolicy,
     advance_layout,
 )
@@ -57,7 +58,7 @@ def check_start(cfg) -> None:
         entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
                                 cfg.parallel.ranks_per_replica, cfg.train_iters)
         _check_optimizer_locations(cfg, entries)
-        overflows = load_overflows(cfg.recover.failure_schedule, cfg.b, cfg.train_iters)
+        overflows = load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters)
         if overflows and not cfg.precision.fp16:
             raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
                              "scaler, which skips the step; without --fp16 the inf gradient "
@@ -107,12 +108,24 @@ def _optimizer_and_scheduler(cfg, ddp_model):
     return optimizer, scheduler
 
 
-def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, iteration):
+def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, iteration,
+                consumed_samples):
     """One iteration of plain Megatron data parallelism over the same ids as the policy's:
-    (loss, grad norm, milliseconds, skipped by the fp16 loss scaler?)."""
+    (loss, grad norm, milliseconds, skipped by the fp16 loss scaler?, global batch size).
+
+    As Megatron-LM's training loop, megatron-core's microbatch calculator (installed by
+    `train`) is updated with the samples consumed so far and gives the iteration's count."""
+    from megatron.core.num_microbatches_calculator import (
+        get_current_global_batch_size,
+        get_num_microbatches,
+        update_num_microbatches,
+    )
+
+    update_num_microbatches(consumed_samples, consistency_check=True)
     # Megatron's sampler order: data-parallel rank r's m-th microbatch is slice m * dp + r.
     dp = cfg.data_parallel_size
-    ids = [m * dp + dp_rank for m in range(cfg.num_microbatches_per_dp_rank)]
+    ids = [m * dp + dp_rank for m in range(get_num_microbatches())]
+    global_batch_size = get_current_global_batch_size()
     start = time.perf_counter()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -120,11 +133,11 @@ def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, itera
     micro_pass.run(iteration, ids, losses)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:  # as Megatron-LM: a step skipped by the fp16 loss scaler keeps the lr
-        scheduler.step(increment=cfg.global_batch_size)
+        scheduler.step(increment=global_batch_size)
     total = torch.tensor([sum(losses.values())], dtype=torch.float64)
     dist.all_reduce(total)
-    return (total.item() / cfg.b, grad_norm, (time.perf_counter() - start) * 1e3,
-            not update_successful)
+    return (total.item() / (global_batch_size // cfg.micro_batch_size), grad_norm,
+            (time.perf_counter() - start) * 1e3, not update_successful, global_batch_size)
 
 
 def microbatch_source(cfg):
@@ -142,7 +155,8 @@ def microbatch_source(cfg):
     source = MicrobatchSource(MicrobatchSourceConfig(
         tokenizer=tokenizer, sequence_length=cfg.model.seq_length,
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
-        train_iters=cfg.train_iters, train_samples=cfg.train_samples, data_path=d.data_path,
+        train_iters=cfg.train_iters, train_samples=cfg.train_samples,
+        rampup_batch_size=cfg.rampup_batch_size, data_path=d.data_path,
         split=d.split, seed=cfg.seed,
         reserve_microbatches=reserve, cache_dir=d.data_cache_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
@@ -153,9 +167,12 @@ def microbatch_source(cfg):
 def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
     """(policy, replica id of each data-parallel rank) continuing a checkpoint on
     `num_replicas` replicas, keeping B. Original replica ids are reused: the survivors' first."""
-    if cfg.b != state.b:
-        raise ValueError(f"--load: the checkpoint has B = {state.b} microbatches per iteration, "
-                         f"this run {cfg.b}: keep --global-batch-size / --micro-batch-size")
+    config = mcore_config.to_policy_config(cfg)
+    if cfg.b != state.b or config.ramp != state.ramp:
+        raise ValueError(f"--load: the checkpoint has B = {state.b} microbatches per iteration "
+                         f"(ramp-up {list(state.ramp)}), this run {cfg.b} (ramp-up "
+                         f"{list(config.ramp)}): keep --global-batch-size, --micro-batch-size "
+                         "and --rampup-batch-size")
     if (cfg.recover.policy, cfg.recover.mode) != (state.policy, state.mode):
         raise ValueError(f"--load: the checkpoint ran --recover-policy {state.policy} "
                          f"--recover-mode {state.mode}; resume with the same")
@@ -170,9 +187,9 @@ def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
         if state.policy == ADAPTIVE:
             raise ValueError(f"--load: the adaptive policy resumes on its {len(live)} live "
                              f"replicas only, not {num_replicas}")
-        layout = advance_layout(ids, state.b)
+        layout = advance_layout(ids, layout.b)
     config = PolicyConfig(w_init=state.w_init, g_init=state.g_init, policy=state.policy,
-                          mode=state.mode)
+                          mode=state.mode, ramp=state.ramp)
     return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
 
 
@@ -185,7 +202,8 @@ def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
     state = checkpoint.RecoveryState(
         iteration=iteration, b=policy.config.b, w_init=policy.config.w_init,
         g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
-        layout=policy.layout, reserve_next=policy.reserve_next, live_replicas=live)
+        layout=policy.layout, reserve_next=policy.reserve_next, live_replicas=live,
+        ramp=policy.config.ramp)
     checkpoint.save(cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer, setup.scheduler,
                     setup.checkpoint_position,
                     setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
@@ -343,7 +361,7 @@ def _faults(cfg, ctx, setup: RankSetup):
                     Path(cfg.recover.log).with_suffix(".schedule.yaml"))
     return ScheduledFaults(entries, setup.replica_index, setup.local_rank, ctx.rank,
                            marker_path(cfg),
-                           load_overflows(cfg.recover.failure_schedule, cfg.b, cfg.train_iters))
+                           load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters))
 
 
 def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int]:
@@ -379,10 +397,23 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int
         run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,
         audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
                           micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
-                          policy=cfg.recover.policy, mode=cfg.recover.mode),
+                          policy=cfg.recover.policy, mode=cfg.recover.mode,
+                          rampup_batch_size=cfg.rampup_batch_size),
         restore=cfg.recover.restore),
-        increment_samples=cfg.global_batch_size)
+        micro_batch_size=cfg.micro_batch_size)
+    _install_calculator(cfg, trainer)
     return trainer, start
+
+
+def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
+    """Make megatron-core's get_num_microbatches() and get_current_global_batch_size() answer
+    from this rank's policy (megatron-core has no setter for a calculator of another type)."""
+    from megatron.core import num_microbatches_calculator
+
+    shard, shards = trainer.shard
+    num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR = (
+        PolicyNumMicroBatchesCalculator(trainer.p.policy, trainer.p.replica, cfg.micro_batch_size,
+                                        shard, shards))
 
 
 @dataclass
@@ -402,26 +433,42 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
     if cfg.recover.enabled:
         skipped = _train_resilient(cfg, ctx, setup, source.dataset)
     else:
-        state = (setup.ddp_model, setup.optimizer, setup.scheduler)
-        start = dist_checkpoint.load(cfg.checkpoint.load, *state) + 1 if cfg.checkpoint.load else 1
-        for iteration in range(start, cfg.train_iters + 1):
-            loss, grad_norm, ms, was_skipped = _stock_step(
-                cfg, setup.ddp_model, setup.optimizer, setup.scheduler, setup.micro_pass,
-                setup.dp_rank, iteration)
-            if was_skipped:
-                skipped.append(iteration)
-            if ctx.rank == 0 and iteration % cfg.log_interval == 0:
-                norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
-                print(f" iteration {iteration:8d}/{cfg.train_iters:8d} | lm loss: {loss:.6E} |"
-                      f" elapsed time per iteration (ms): {ms:.1f} |"
-                      f" loss scale: {float(setup.optimizer.get_loss_scale()):.1f} |"
-                      f" grad norm: {norm} | number of skipped iterations: {len(skipped)} |",
-                      flush=True)
-            # As Megatron-LM: every --save-interval iterations, and once more at the end.
-            if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
-                                        or iteration == cfg.train_iters):
-                dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
+        skipped = _train_stock(cfg, ctx, setup)
     return Trained(unwrap(setup.ddp_model), float(setup.optimizer.get_loss_scale()), skipped)
+
+
+def _train_stock(cfg, ctx, setup: RankSetup) -> list[int]:
+    """Megatron-LM's loop over plain data parallelism, megatron-core's microbatch calculator
+    included; returns the iterations whose step the fp16 loss scaler skipped."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    init_num_microbatches_calculator(ctx.rank, cfg.rampup_batch_size, cfg.global_batch_size,
+                                     cfg.micro_batch_size, cfg.data_parallel_size)
+    skipped = []
+    state = (setup.ddp_model, setup.optimizer, setup.scheduler)
+    start = dist_checkpoint.load(cfg.checkpoint.load, *state) + 1 if cfg.checkpoint.load else 1
+    consumed = cfg.global_batches.first_sample(start)
+    for iteration in range(start, cfg.train_iters + 1):
+        loss, grad_norm, ms, was_skipped, global_batch_size = _stock_step(
+            cfg, setup.ddp_model, setup.optimizer, setup.scheduler, setup.micro_pass,
+            setup.dp_rank, iteration, consumed)
+        consumed += global_batch_size
+        if was_skipped:
+            skipped.append(iteration)
+        if ctx.rank == 0 and iteration % cfg.log_interval == 0:
+            norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
+            print(f" iteration {iteration:8d}/{cfg.train_iters:8d} |"
+                  f" consumed samples: {consumed:12d} | lm loss: {loss:.6E} |"
+                  f" global batch size: {global_batch_size:5d} |"
+                  f" elapsed time per iteration (ms): {ms:.1f} |"
+                  f" loss scale: {float(setup.optimizer.get_loss_scale()):.1f} |"
+                  f" grad norm: {norm} | number of skipped iterations: {len(skipped)} |",
+                  flush=True)
+        # As Megatron-LM: every --save-interval iterations, and once more at the end.
+        if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
+                                    or iteration == cfg.train_iters):
+            dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
+    return skipped
 
 
 def unwrap(ddp_model):
@@ -461,6 +508,7 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
         log.write_missing(pending)
         pending.clear()
         if iteration % cfg.log_interval == 0 or report.events:
-            print(iteration_line(report, cfg.train_iters, iteration * cfg.global_batch_size, lr,
-                                 cfg.global_batch_size), flush=True)
+            print(iteration_line(report, cfg.train_iters,
+                                 cfg.global_batches.consumed_after(iteration), lr,
+                                 report.B * cfg.micro_batch_size), flush=True)
     return skipped

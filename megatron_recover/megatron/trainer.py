@@ -91,9 +91,9 @@ class TrainerParts:
 
 
 class ResilientTrainer:
-    def __init__(self, parts: TrainerParts, increment_samples: int):
+    def __init__(self, parts: TrainerParts, micro_batch_size: int):
         self.p = parts
-        self.increment_samples = increment_samples
+        self.micro_batch_size = micro_batch_size
         self.dead_replicas: set[int] = set()
         # When this rank last saw every member complete a round (a commit): a victim's last
         # observed progress. A crash is detected soon after; a frozen rank about the hang timeout.
@@ -113,7 +113,13 @@ class ResilientTrainer:
         else:
             self._shard = dist.get_rank(parts.shard_group)
             self._shards = dist.get_world_size(parts.shard_group)
-        hooks.install(parts.group.process_group, self.recovery, loss_divisor=parts.policy.config.b)
+        hooks.install(parts.group.process_group, self.recovery)
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(this rank's shard, shards) of its replica's data-parallel ranks: (0, 1) without
+        distributed-optimizer instances."""
+        return self._shard, self._shards
 
     def _before_reduce(self) -> None:
         self.p.faults.at("before-reduce", self._iteration)
@@ -124,7 +130,8 @@ class ResilientTrainer:
         start = time.perf_counter()
         events = []
         p.faults.arm_iteration(p.group, iteration, bucket_index=2)
-        p.policy.begin(iteration)
+        state = p.policy.begin(iteration)
+        hooks.set_loss_divisor(state.b)  # B of this iteration (a ramp-up changes it)
         work = p.policy.work(p.replica)
         losses: dict[int, float] = {}
         # As Megatron-LM's train_step: the optimizer left param.grad aliasing the grad buffer;
@@ -186,8 +193,8 @@ class ResilientTrainer:
 
     def _divisor(self) -> int:
         """What the iteration's loss and gradient are divided by if it commits now."""
-        config = self.p.policy.config
-        return self.p.policy.state.contributions() if config.policy == ADAPTIVE else config.b
+        state = self.p.policy.state
+        return state.contributions() if state.config.policy == ADAPTIVE else state.b
 
     def _lane(self, iteration: int, losses: dict[int, float]) -> torch.Tensor:
         """[loss sum, ledger] of what this rank's buckets sent to their reductions; with
@@ -273,22 +280,23 @@ class ResilientTrainer:
     def _commit(self, iteration, totals, problems, invariant_ok, loss_sum, agreed, start,
                 events) -> StepReport:
         p = self.p
+        b = p.policy.state.b
         result = p.policy.commit()
-        if result.divisor != p.policy.config.b:
+        if result.divisor != b:
             # Losses were divided by B in the schedule; drop-and-go divides by what it committed.
-            p.model.scale_gradients(p.policy.config.b / result.divisor)
+            p.model.scale_gradients(b / result.divisor)
         p.faults.at("optimizer-step", iteration)
         # Every survivor holds the same reduced gradient, so the loss scaler's found-inf decision
         # (taken on the intra-replica group) and its new scale are the same on all of them.
         update_successful, grad_norm, _ = p.optimizer.step()
         if update_successful and p.scheduler is not None:
             # As Megatron-LM: a skipped step consumed its samples but does not move the lr.
-            p.scheduler.step(increment=self.increment_samples)
+            p.scheduler.step(increment=b * self.micro_batch_size)  # this iteration's batch
         for event in events:
             event["committed"] = time.time()
         return StepReport(
             iteration=iteration, loss=loss_sum / result.divisor,
-            contributions=totals.count, B=p.policy.config.b,
+            contributions=totals.count, B=b,
             live_replicas=len(result.roles), epoch=agreed.epoch,
             ledger_checksum=totals.checksum, invariant_ok=bool(invariant_ok),
             ledger_problems=problems,

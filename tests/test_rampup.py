@@ -1,0 +1,84 @@
+"""Batch-size ramp-up (--rampup-batch-size) with sample-based training, end to end.
+
+Run: `make test`. CPU only; three 4-rank runs, each under a hard timeout (about three minutes).
+The ramp takes the global batch 4 -> 4 -> 8 -> 12 -> 16 samples (megatron-core's calculator says
+so; the test asks it). Replica 1 dies inside a bucket all-reduce of iteration 3, the first ramp
+step, and replica 3 in the backward of iteration 5, the step to the full batch, so the survivors
+re-lay out for a new B twice with fewer replicas. The failure run must commit each iteration's own
+B (the ledger, checked against megatron-core's calculator and the dataset) and equal the
+failure-free ramped run; that run must equal stock Megatron (no --recover, megatron-core's own
+microbatch calculator installed as Megatron-LM's loop does).
+"""
+
+import re
+
+import pytest
+import torch
+
+from megatron_recover.launch import LaunchConfig, launch
+from megatron_recover.testing.compare import param_rdiff
+from tests.mpirun_harness import ENTRY
+from tests.policy.test_rampup import megatron_batches
+from tests.training_harness import EXACT_RTOL, STABLE_LR, assert_exact, run_training
+
+pytestmark = pytest.mark.mpi
+TIMEOUT_S = 240
+GBS, RAMPUP, TRAIN_SAMPLES = 16, (4, 4, 24), 60
+JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+       "--global-batch-size", str(GBS), "--rampup-batch-size", *map(str, RAMPUP),
+       "--train-samples", str(TRAIN_SAMPLES), "--lr-decay-samples", "48",
+       "--lr-warmup-samples", "8", *STABLE_LR, "--lr-decay-style", "cosine",
+       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+       "--ddp-bucket-size", "2000", "--log-interval", "1",
+       # No dropout: stock Megatron draws it in sequence, exact mode by microbatch id.
+       "--hidden-dropout", "0", "--attention-dropout", "0"]
+SCHEDULE = """entries:
+  - {iteration: 3, replica: 1, local_rank: 0, location: during-reduce}
+  - {iteration: 5, replica: 3, local_rank: 0, location: backward}
+"""
+
+
+def expected_batches() -> list[tuple[int, int]]:
+    """(first sample, size) of each iteration Megatron-LM trains: megatron-core's calculator,
+    and update_train_iters' count (the whole global batches in --train-samples)."""
+    batches = megatron_batches(*RAMPUP, GBS, iterations=20)
+    return [b for b in batches if sum(b) <= TRAIN_SAMPLES]
+
+
+def printed(output: str, field: str) -> list[int]:
+    return [int(v) for v in re.findall(rf"{field}:\s+(\d+)", output)]
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path):
+    batches = expected_batches()
+    sizes = [size for _, size in batches]
+    assert sizes == [4, 4, 8, 12, 16, 16]  # what the schedule above is meant to exercise
+
+    stock = launch(LaunchConfig(4, [*ENTRY, *JOB], tmp_path / "stock", timeout_s=TIMEOUT_S))
+    assert stock.succeeded, stock.output[-4000:]
+    assert printed(stock.output, "global batch size") == sizes
+    assert printed(stock.output, "consumed samples") == [sum(b) for b in batches]
+
+    reference = run_training(tmp_path / "reference", 4, JOB, timeout_s=TIMEOUT_S)
+    assert [r["B"] for r in reference.records] == sizes  # micro-batch size 1: B_t = GBS_t
+    assert printed(reference.result.output, "global batch size") == sizes
+    assert printed(reference.result.output, "consumed samples") == [sum(b) for b in batches]
+    stock_losses = [float(v) for v in re.findall(r"lm loss: (\S+) \|", stock.output)]
+    loss = max(abs(r["loss"] - s) / abs(s) for r, s in zip(reference.records, stock_losses))
+    params = param_rdiff(reference.params(0), torch.load(tmp_path / "stock/rank-0.params.pt"))
+    print(f"ramp-up, --recover failure-free vs stock Megatron: loss {loss:.2e}, "
+          f"parameters {params:.2e}")
+    assert len(stock_losses) == len(sizes) and loss <= EXACT_RTOL and params <= EXACT_RTOL
+
+    run = run_training(tmp_path / "failures", 4, JOB, SCHEDULE, TIMEOUT_S)
+    assert sorted((m["rank"], m["location"], m["iteration"]) for m in run.markers) == [
+        (1, "during-reduce", 3), (3, "backward", 5)]
+    assert [r["live_replicas"] for r in run.records] == [4, 4, 3, 3, 2, 2]
+    bad = [(r["iteration"], r["contributions"], r["ledger_problems"]) for r in run.records
+           if not (r["invariant_ok"] and r["contributions"] == r["B"])]
+    assert not bad, f"ledger invariant violated: {bad}"
+    assert [r["B"] for r in run.records] == sizes
+    assert [r["lr"] for r in run.records] == [r["lr"] for r in reference.records]
+    assert_exact(run, reference, "ramp-up, two failures in ramp steps")
