@@ -1,6 +1,6 @@
 """Batch-size ramp-up (--rampup-batch-size) with sample-based training, end to end.
 
-Run: `make test`. CPU only; three 4-rank runs, each under a hard timeout (about three minutes).
+Run: `make test`. CPU only; three 4-rank runs, each under a hard timeout (about a minute here).
 The ramp takes the global batch 4 -> 4 -> 8 -> 12 -> 16 samples (megatron-core's calculator says
 so; the test asks it). Replica 1 dies inside a bucket all-reduce of iteration 3, the first ramp
 step, and replica 3 in the backward of iteration 5, the step to the full batch, so the survivors
@@ -21,7 +21,6 @@ from tests.mpirun_harness import ENTRY
 from tests.policy.test_rampup import megatron_batches
 from tests.training_harness import EXACT_RTOL, STABLE_LR, assert_exact, run_training
 
-pytestmark = pytest.mark.mpi
 TIMEOUT_S = 240
 GBS, RAMPUP, TRAIN_SAMPLES = 16, (4, 4, 24), 60
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -50,6 +49,35 @@ def printed(output: str, field: str) -> list[int]:
     return [int(v) for v in re.findall(rf"{field}:\s+(\d+)", output)]
 
 
+@pytest.mark.timeout(60)
+def test_megatron_cores_calculator_answers_from_the_policy_under_recover():
+    """What megatron code asking get_num_microbatches() gets once the resilient trainer is set
+    up: this rank's share of the iteration's B, following the ramp-up."""
+    from types import SimpleNamespace
+
+    from megatron.core import num_microbatches_calculator as megatron_calculator
+
+    from megatron_recover.megatron.run import _install_calculator
+    from megatron_recover.policy import PolicyConfig, WorkloadPolicy
+
+    policy = WorkloadPolicy(PolicyConfig(2, 4, ramp=(2, 4)))
+    trainer = SimpleNamespace(shard=(1, 2), p=SimpleNamespace(policy=policy, replica=1))
+    _install_calculator(SimpleNamespace(micro_batch_size=3), trainer)
+    try:
+        seen = []
+        for iteration in (1, 2, 3):
+            seen.append((megatron_calculator.get_num_microbatches(),
+                         megatron_calculator.get_current_global_batch_size()))
+            policy.begin(iteration)
+            policy.commit()
+        # B = 2, 4, 8 over two replicas of two shards: replica 1 runs 1, 2, 4 ids; shard 1 of
+        # them every second one from the second.
+        assert seen == [(0, 6), (1, 12), (2, 24)]
+    finally:
+        megatron_calculator.unset_num_microbatches_calculator()
+
+
+@pytest.mark.mpi
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path):
     batches = expected_batches()
