@@ -79,7 +79,7 @@ def test_megatron_cores_calculator_answers_from_the_policy_under_recover():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(4 * TIMEOUT_S)
-def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path):
+def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, figures):
     batches = expected_batches()
     sizes = [size for _, size in batches]
     assert sizes == [4, 4, 8, 12, 16, 16]  # what the schedule above is meant to exercise
@@ -96,8 +96,8 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path):
     stock_losses = [float(v) for v in re.findall(r"lm loss: (\S+) \|", stock.output)]
     loss = max(abs(r["loss"] - s) / abs(s) for r, s in zip(reference.records, stock_losses))
     params = param_rdiff(reference.params(0), torch.load(tmp_path / "stock/rank-0.params.pt"))
-    print(f"ramp-up, --recover failure-free vs stock Megatron: loss {loss:.2e}, "
-          f"parameters {params:.2e}")
+    figures.append(f"ramp-up, --recover failure-free vs stock Megatron: loss {loss:.2e}, "
+                   f"parameters {params:.2e}")
     assert len(stock_losses) == len(sizes) and loss <= EXACT_RTOL and params <= EXACT_RTOL
 
     run = run_training(tmp_path / "failures", 4, JOB, SCHEDULE, TIMEOUT_S)
@@ -109,4 +109,6 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path):
     assert not bad, f"ledger invariant violated: {bad}"
     assert [r["B"] for r in run.records] == sizes
     assert [r["lr"] for r in run.records] == [r["lr"] for r in reference.records]
-    assert_exact(run, reference, "ramp-up, two failures in ramp steps")
+    loss, params = assert_exact(run, reference, "ramp-up, two failures in ramp steps")
+    figures.append(f"ramp-up, two failures in ramp steps vs failure-free: loss {loss:.2e}, "
+                   f"parameters {params:.2e}")
