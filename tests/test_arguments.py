@@ -425,12 +425,31 @@ def test_swiglu_too_small_for_default_ffn():
     assert "pass --ffn-hidden-size" in refused(argv=argv)
 
 
-def test_full_distributed_optimizer_with_recover():
-    message = refused("--recover", "--use-distributed-optimizer", world_size=4)
-    assert "--num-distributed-optimizer-instances 4" in message
-    assert "drop --use-distributed-optimizer" in message
-    # One data-parallel rank is one replica: nothing to lose across replicas.
-    assert small("--recover", "--use-distributed-optimizer", world_size=1).num_replicas == 1
+def test_overlap_grad_reduce_under_recover_is_said_to_be_deferred():
+    (line,) = [n for n in small("--recover", "--overlap-grad-reduce").notices
+               if "--overlap-grad-reduce" in n]
+    assert "posted after the pipeline flush (deferred)" in line
+    assert not any("--overlap-grad-reduce" in n for n in small("--overlap-grad-reduce").notices)
+
+
+def test_distributed_optimizer_under_recover_is_one_instance_per_replica():
+    """--use-distributed-optimizer alone under --recover: every data-parallel rank is its own
+    instance (replica), said at start-up; asking for one instance across replicas is refused."""
+    cfg = small("--recover", "--use-distributed-optimizer", world_size=4)
+    assert cfg.parallel.num_distributed_optimizer_instances == 4
+    assert cfg.num_replicas == 4 and cfg.dp_ranks_per_replica == 1
+    (line,) = [n for n in cfg.notices if "--use-distributed-optimizer" in n]
+    assert "one optimizer instance per replica (--num-distributed-optimizer-instances 4)" in line
+    assert "replicated, not sharded" in line
+    message = refused("--recover", "--use-distributed-optimizer",
+                      "--num-distributed-optimizer-instances", "1", world_size=4)
+    assert "shards optimizer state across replicas" in message
+    assert "or leave it out (one instance per replica)" in message
+    # Without --recover, Megatron's meaning: one instance over the whole data-parallel group.
+    assert small("--use-distributed-optimizer", world_size=4).num_replicas == 1
+    # One data-parallel rank is one replica: nothing to lose across replicas, nothing to say.
+    single = small("--recover", "--use-distributed-optimizer", world_size=1)
+    assert single.num_replicas == 1 and not any("instance" in n for n in single.notices)
 
 
 def test_distributed_optimizer_instances_must_fit():

@@ -9,7 +9,8 @@ how many instances run it):
     microbatches in an extension pass that accumulates into the same buffer;
   - 3 instances, a second rank killed inside that extension pass;
   - the blocking path (rewind and reduce again, here the adaptive policy's drop) must give what
-    the same failure gives without a distributed optimizer.
+    the same failure gives without a distributed optimizer;
+  - --use-distributed-optimizer alone under --recover: one instance per replica, a failure.
 """
 
 import pytest
@@ -88,6 +89,22 @@ def test_kill_inside_extension_pass(tmp_path, reference):
     assert records[-1]["live_replicas"] == 1
     # Ranks 0, 1 hold instance 0 in both runs (the reference has 2 instances, this run 3).
     assert_exact(run, reference, "HSDP 3x2, kill inside the extension pass")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_distributed_optimizer_alone_is_one_instance_per_replica(tmp_path, reference):
+    # --use-distributed-optimizer without instances under --recover: three replicas of one rank,
+    # each its own instance (optimizer state replicated); replica 2 dies inside a reduce.
+    schedule = ("entries:\n"
+                "  - {iteration: 3, replica: 2, local_rank: 0, location: during-reduce}\n")
+    run = train(tmp_path, "alone", 3, ["--use-distributed-optimizer", *DROPOUT], schedule)
+    assert "one optimizer instance per replica (--num-distributed-optimizer-instances 3)" in (
+        run.result.output)
+    assert [(m["rank"], m["location"]) for m in run.markers] == [(2, "during-reduce")]
+    assert [r["live_replicas"] for r in run.records] == [3, 3, 2, 2, 2]
+    assert_ledger_held(run.records, 12)
+    # Every rank holds the whole model: ranks 0 and 1 compare with the same ranks of 2 x 2.
+    assert_exact(run, reference, "distributed optimizer alone, 3 replicas, kill inside reduce")
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

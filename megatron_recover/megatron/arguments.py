@@ -141,7 +141,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    # None: not given (Megatron's default, 1; under --recover one instance per replica).
+    g.add_argument("--num-distributed-optimizer-instances", type=int)
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int)
     # Megatron-LM only has the negative switch (fusion on by default); we add the positive one so
@@ -363,18 +364,28 @@ def _parallel_layout(ns, world_size: int) -> list[str]:
         problems.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
                         f"data-parallel size {dp}: use a multiple of {mbs * dp}")
     k = ns.num_distributed_optimizer_instances
-    if k > 1 and not ns.use_distributed_optimizer:
+    if k is not None and k > 1 and not ns.use_distributed_optimizer:
         problems.append(f"--num-distributed-optimizer-instances {k} needs "
                         "--use-distributed-optimizer: add it or drop the instances")
-    elif dp % k:
+    elif k is not None and dp % k:
         problems.append(f"data-parallel size {dp} is not divisible by "
                         f"--num-distributed-optimizer-instances {k}: use a divisor of {dp}")
     elif ns.recover and ns.use_distributed_optimizer and k == 1 and dp > 1:
-        problems.append("--use-distributed-optimizer with --recover shards optimizer state across "
-                        "replicas, and a dead replica would take its shard with it: pass "
-                        f"--num-distributed-optimizer-instances {dp} (one instance per replica, "
-                        "sharded within it) or drop --use-distributed-optimizer")
+        problems.append("--use-distributed-optimizer --num-distributed-optimizer-instances 1 with "
+                        "--recover shards optimizer state across replicas, and a dead replica "
+                        "would take its shard with it: pass --num-distributed-optimizer-instances "
+                        f"K, a divisor of {dp} (K replicas, each sharded over {dp}/K ranks), or "
+                        "leave it out (one instance per replica)")
     return problems
+
+
+def _optimizer_instances(ns, dp: int) -> int:
+    """--num-distributed-optimizer-instances, or, when it is not given, Megatron's 1 — except
+    that --recover with --use-distributed-optimizer makes every data-parallel rank its own
+    instance (a replica), since state sharded across replicas would die with one of them."""
+    if ns.num_distributed_optimizer_instances is not None:
+        return ns.num_distributed_optimizer_instances
+    return dp if ns.recover and ns.use_distributed_optimizer else 1
 
 
 _SAMPLE_FLAGS = ("--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples")
@@ -653,7 +664,8 @@ def _tokenizer_type(ns) -> str | None:
     return None
 
 
-def _notices(ns, argv: list[str], cuda_available: bool, te_available: bool) -> tuple[str, ...]:
+def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
+             te_available: bool) -> tuple[str, ...]:
     """The start-up lines about the arguments: choices made for the user, then the no-effect
     flags given, one line per reason."""
     lines = []
@@ -669,6 +681,20 @@ def _notices(ns, argv: list[str], cuda_available: bool, te_available: bool) -> t
     if ns.cross_entropy_loss_fusion and not cuda_available:
         lines.append("megatron-recover: --cross-entropy-loss-fusion: the fused kernel is "
                      "CUDA-only; the unfused vocab-parallel cross entropy computes the same loss")
+    dp = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
+    if (ns.recover and ns.use_distributed_optimizer
+            and ns.num_distributed_optimizer_instances is None and dp > 1):
+        lines.append(f"megatron-recover: --use-distributed-optimizer under --recover: one "
+                     f"optimizer instance per replica (--num-distributed-optimizer-instances "
+                     f"{dp}), since optimizer state sharded across replicas would die with one "
+                     "of them; each replica holds one data-parallel rank, so the optimizer state "
+                     "is replicated, not sharded: to shard it within replicas, pass "
+                     f"--num-distributed-optimizer-instances K, a divisor of {dp} (K replicas of "
+                     f"{dp}/K data-parallel ranks)")
+    if ns.recover and ns.overlap_grad_reduce:
+        lines.append("megatron-recover: --overlap-grad-reduce under --recover: the cross-replica "
+                     "reductions are posted after the pipeline flush (deferred), not overlapped "
+                     "with backward yet: the reduced gradients are the same, only the overlap is missing")
     if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
         lines.append("megatron-recover: --sequence-parallel has no effect with "
                      "--tensor-model-parallel-size 1 (Megatron-LM drops it too)")
@@ -738,7 +764,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             world_size=world_size, tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
             use_distributed_optimizer=ns.use_distributed_optimizer,
-            num_distributed_optimizer_instances=ns.num_distributed_optimizer_instances,
+            num_distributed_optimizer_instances=_optimizer_instances(ns, dp),
             overlap_grad_reduce=ns.overlap_grad_reduce, ddp_bucket_size=ns.ddp_bucket_size,
             sequence_parallel=ns.sequence_parallel and tp > 1,
             use_cpu_initialization=ns.use_cpu_initialization,
@@ -772,7 +798,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
                            else tuple(ns.rampup_batch_size)),
         train_samples=ns.train_samples or ns.train_iters * gbs,
         seed=ns.seed, log_interval=ns.log_interval,
-        notices=_notices(ns, argv, cuda_available, te_available),
+        notices=_notices(ns, argv, world_size, cuda_available, te_available),
     )
 
 
