@@ -10,6 +10,7 @@ failure-free ramped run; that run must equal stock Megatron (no --recover, megat
 microbatch calculator installed as Megatron-LM's loop does).
 """
 
+import json
 import re
 
 import pytest
@@ -19,23 +20,29 @@ from megatron_recover.launch import LaunchConfig, launch
 from megatron_recover.testing.compare import param_rdiff
 from tests.mpirun_harness import ENTRY
 from tests.policy.test_rampup import megatron_batches
-from tests.training_harness import EXACT_RTOL, STABLE_LR, assert_exact, run_training
+from tests.training_harness import (
+    EXACT_RTOL,
+    STABLE_LR,
+    assert_exact,
+    loss_rdiff,
+    run_training,
+)
 
 TIMEOUT_S = 240
 GBS, RAMPUP, TRAIN_SAMPLES = 16, (4, 4, 24), 60
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
        "--global-batch-size", str(GBS), "--rampup-batch-size", *map(str, RAMPUP),
-       "--train-samples", str(TRAIN_SAMPLES), "--lr-decay-samples", "48",
+       "--lr-decay-samples", "48",
        "--lr-warmup-samples", "8", *STABLE_LR, "--lr-decay-style", "cosine",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
        "--ddp-bucket-size", "2000", "--log-interval", "1",
        # No dropout: stock Megatron draws it in sequence, exact mode by microbatch id.
        "--hidden-dropout", "0", "--attention-dropout", "0"]
-SCHEDULE = """entries:
-  - {iteration: 3, replica: 1, local_rank: 0, location: during-reduce}
-  - {iteration: 5, replica: 3, local_rank: 0, location: backward}
-"""
+WHOLE_RUN = ["--train-samples", str(TRAIN_SAMPLES)]
+RAMP_STEP_FAILURE = "  - {iteration: 3, replica: 1, local_rank: 0, location: during-reduce}\n"
+FULL_BATCH_FAILURE = "  - {iteration: 5, replica: 3, local_rank: 0, location: backward}\n"
+SCHEDULE = "entries:\n" + RAMP_STEP_FAILURE + FULL_BATCH_FAILURE
 
 
 def expected_batches() -> list[tuple[int, int]]:
@@ -77,19 +84,26 @@ def test_megatron_cores_calculator_answers_from_the_policy_under_recover():
         megatron_calculator.unset_num_microbatches_calculator()
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The failure-free ramped run under --recover."""
+    return run_training(tmp_path_factory.mktemp("rampup") / "reference", 4, [*JOB, *WHOLE_RUN],
+                        timeout_s=TIMEOUT_S)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(4 * TIMEOUT_S)
-def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, figures):
+def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, reference, figures):
     batches = expected_batches()
     sizes = [size for _, size in batches]
     assert sizes == [4, 4, 8, 12, 16, 16]  # what the schedule above is meant to exercise
 
-    stock = launch(LaunchConfig(4, [*ENTRY, *JOB], tmp_path / "stock", timeout_s=TIMEOUT_S))
+    stock = launch(LaunchConfig(4, [*ENTRY, *JOB, *WHOLE_RUN], tmp_path / "stock",
+                                timeout_s=TIMEOUT_S))
     assert stock.succeeded, stock.output[-4000:]
     assert printed(stock.output, "global batch size") == sizes
     assert printed(stock.output, "consumed samples") == [sum(b) for b in batches]
 
-    reference = run_training(tmp_path / "reference", 4, JOB, timeout_s=TIMEOUT_S)
     assert [r["B"] for r in reference.records] == sizes  # micro-batch size 1: B_t = GBS_t
     assert printed(reference.result.output, "global batch size") == sizes
     assert printed(reference.result.output, "consumed samples") == [sum(b) for b in batches]
@@ -100,7 +114,7 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, figures):
                    f"parameters {params:.2e}")
     assert len(stock_losses) == len(sizes) and loss <= EXACT_RTOL and params <= EXACT_RTOL
 
-    run = run_training(tmp_path / "failures", 4, JOB, SCHEDULE, TIMEOUT_S)
+    run = run_training(tmp_path / "failures", 4, [*JOB, *WHOLE_RUN], SCHEDULE, TIMEOUT_S)
     assert sorted((m["rank"], m["location"], m["iteration"]) for m in run.markers) == [
         (1, "during-reduce", 3), (3, "backward", 5)]
     assert [r["live_replicas"] for r in run.records] == [4, 4, 3, 3, 2, 2]
@@ -112,3 +126,33 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, figures):
     loss, params = assert_exact(run, reference, "ramp-up, two failures in ramp steps")
     figures.append(f"ramp-up, two failures in ramp steps vs failure-free: loss {loss:.2e}, "
                    f"parameters {params:.2e}")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_ramp_up_resumes_from_a_checkpoint_written_after_a_failure(tmp_path, reference,
+                                                                     figures):
+    """A first launch trains the ramp phase (its 28 samples) and loses replica 1 in the first
+    ramp step; the checkpoint it writes at the end resumes on two replicas with the whole
+    --train-samples (a resumed job's sizes must divide by its data-parallel size, as at any
+    start), and the first iteration after it lays them out for the full B."""
+    ramp_samples = sum(size for _, size in expected_batches()[:4])
+    ckpt = tmp_path / "ckpt"
+    first = run_training(tmp_path / "first", 4, [
+        *JOB, "--train-samples", str(ramp_samples), "--save", str(ckpt), "--save-interval",
+        "100"], "entries:\n" + RAMP_STEP_FAILURE, TIMEOUT_S)
+    assert [(m["rank"], m["iteration"]) for m in first.markers] == [(1, 3)]
+    assert [r["B"] for r in first.records] == [4, 4, 8, 12]
+    state = json.loads((ckpt / "iter_0000004/recover_state.json").read_text())
+    assert state["live_replicas"] == [0, 2, 3] and state["ramp"] == [4, 4, 8, 12]
+    resumed = run_training(tmp_path / "resumed", 2, [*JOB, *WHOLE_RUN, "--load", str(ckpt)],
+                           timeout_s=TIMEOUT_S)
+    assert "resumed iteration 4" in resumed.result.output
+    assert [(r["iteration"], r["B"], r["live_replicas"]) for r in resumed.records] == [
+        (5, 16, 2), (6, 16, 2)]
+    assert all(r["invariant_ok"] and r["contributions"] == 16 for r in resumed.records)
+    loss = loss_rdiff(resumed.records, reference.records[4:])
+    params = max(param_rdiff(resumed.params(r), reference.params(0)) for r in range(2))
+    figures.append(f"ramp-up, resumed on 2 replicas after the ramp phase: loss {loss:.2e}, "
+                   f"parameters {params:.2e}")
+    assert loss <= EXACT_RTOL and params <= EXACT_RTOL
