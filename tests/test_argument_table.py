@@ -104,10 +104,7 @@ LLAMA3_TRAINING = [
     "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
 ]
 LLAMA3_PARALLEL = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "1",
-                   "--sequence-parallel",
-                   # --recover: one optimizer instance per replica must be spelled out.
-                   "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
-                   "--overlap-grad-reduce"]
+                   "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce"]
 
 
 def llama3_data_and_logging(tmp: Path) -> list[str]:
@@ -163,6 +160,9 @@ def test_llama3_argument_list_trains_under_recover_with_a_failure(tmp_path):
     print("\n".join(line for line in output.splitlines() if line.startswith("megatron-recover")
                     or "iteration " in line))
     for expected in ("bf16 parameters", "no effect here: --use-mcore-models",
+                     "one optimizer instance per replica (--num-distributed-optimizer-instances 2)",
+                     "--overlap-grad-reduce under --recover: the cross-replica reductions are "
+                     "posted after the pipeline flush (deferred)",
                      "--attention-backend fused has no effect with the local layer spec",
                      "--cross-entropy-loss-fusion: the fused kernel is CUDA-only"):
         assert expected in output, expected
