@@ -52,8 +52,11 @@ def test_global_batch_not_divisible(tmp_path):
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_full_distributed_optimizer_across_replicas(tmp_path):
-    refused(tmp_path, ["--recover", "--use-distributed-optimizer"],
-            "--num-distributed-optimizer-instances")
+    # Without instances, --use-distributed-optimizer under --recover is one instance per
+    # replica; one instance spanning the replicas is what cannot survive.
+    refused(tmp_path, ["--recover", "--use-distributed-optimizer",
+                       "--num-distributed-optimizer-instances", "1"],
+            "shards optimizer state across replicas")
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
