@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 
 from megatron_recover.megatron import argument_table
-from megatron_recover.policy.rampup import GlobalBatches
 from megatron_recover.megatron.config import (
     CheckpointConfig,
     DataConfig,
@@ -30,6 +29,7 @@ from megatron_recover.megatron.config import (
     RecoverConfig,
     TrainConfig,
 )
+from megatron_recover.policy.rampup import GlobalBatches
 
 # The tokenizers that load offline from files the user names (DESIGN.md, issue 4).
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -350,6 +350,14 @@ def _model_shape(ns) -> list[str]:
     return problems
 
 
+def _sizes(ns, world_size: int) -> tuple[int, int]:
+    """(data-parallel size, global batch size): world / (TP x PP), and --global-batch-size or
+    Megatron's default, micro-batch size x data-parallel size."""
+    dp = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
+    gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
+    return dp, gbs
+
+
 def _parallel_layout(ns, world_size: int) -> list[str]:
     """Divisibility of world, batch and optimizer instances; the distributed-optimizer rule."""
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
@@ -357,8 +365,7 @@ def _parallel_layout(ns, world_size: int) -> list[str]:
         return [f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                 f"--pipeline-model-parallel-size {pp}: launch a multiple of {tp * pp} processes "
                 "or change TP/PP"]
-    dp, mbs = world_size // (tp * pp), ns.micro_batch_size
-    gbs = ns.global_batch_size if ns.global_batch_size is not None else mbs * dp
+    (dp, gbs), mbs = _sizes(ns, world_size), ns.micro_batch_size
     problems = []
     if gbs % (mbs * dp):
         problems.append(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
@@ -410,15 +417,14 @@ def _unit(ns, world_size: int) -> list[str]:
         flags = _ITERATION_FLAGS if unit == "iteration" else _SAMPLE_FLAGS
         return [f"{', '.join(wrong)} with {unit}-based training: give the schedule in "
                 f"{unit}s ({', '.join(flags)})"]
-    dp = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
-    gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
+    gbs = _sizes(ns, world_size)[1]
     if ns.train_samples is not None and ns.train_samples < gbs:
         return [f"--train-samples {ns.train_samples} is less than one global batch ({gbs} "
                 "samples): train for at least one"]
     return []
 
 
-def _rampup(ns, gbs: int, dp: int) -> list[str]:
+def _rampup(ns, dp: int, gbs: int) -> list[str]:
     """Megatron-LM's rules for --rampup-batch-size START INCREMENT SAMPLES: sample-based
     training only, three values, START + k x INCREMENT reaching --global-batch-size, every global
     batch of the ramp divisible by micro-batch x data-parallel size; and --train-samples covers
@@ -453,9 +459,7 @@ def _schedule(ns, world_size: int) -> list[str]:
     problems = _unit(ns, world_size)
     if problems:
         return problems
-    dp = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
-    gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
-    problems = _rampup(ns, gbs, dp)
+    problems = _rampup(ns, *_sizes(ns, world_size))
     if problems:
         return problems
     sample_based = ns.train_samples is not None
@@ -681,7 +685,7 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
     if ns.cross_entropy_loss_fusion and not cuda_available:
         lines.append("megatron-recover: --cross-entropy-loss-fusion: the fused kernel is "
                      "CUDA-only; the unfused vocab-parallel cross entropy computes the same loss")
-    dp = world_size // (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size)
+    dp = _sizes(ns, world_size)[0]
     if (ns.recover and ns.use_distributed_optimizer
             and ns.num_distributed_optimizer_instances is None and dp > 1):
         lines.append(f"megatron-recover: --use-distributed-optimizer under --recover: one "
@@ -694,7 +698,8 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
     if ns.recover and ns.overlap_grad_reduce:
         lines.append("megatron-recover: --overlap-grad-reduce under --recover: the cross-replica "
                      "reductions are posted after the pipeline flush (deferred), not overlapped "
-                     "with backward yet: the reduced gradients are the same, only the overlap is missing")
+                     "with backward yet: the reduced gradients are the same, only the overlap "
+                     "is missing")
     if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
         lines.append("megatron-recover: --sequence-parallel has no effect with "
                      "--tensor-model-parallel-size 1 (Megatron-LM drops it too)")
@@ -717,8 +722,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
     ns = build_parser().parse_args(argv)
     _validate(ns, world_size, cuda_available, te_available, refused)
     tp = ns.tensor_model_parallel_size
-    dp = world_size // (tp * ns.pipeline_model_parallel_size)
-    gbs = ns.global_batch_size if ns.global_batch_size is not None else ns.micro_batch_size * dp
+    dp, gbs = _sizes(ns, world_size)
     fusion = ns.gradient_accumulation_fusion
     return TrainConfig(
         model=ModelConfig(

@@ -4,12 +4,13 @@ Contract of `MicrobatchSource(config)`:
 - Iteration t (1..train_iters) uses the training split's samples [(t-1)*GBS, t*GBS), the range
   Megatron's pretraining sampler gives iteration t; during a batch-size ramp-up, the GBS_t
   samples after those the earlier iterations consumed (`GlobalBatches`). Microbatch id k,
-  0 <= k < B_t = GBS_t / mbs, is the k-th slice of `micro_batch_size` samples in it. (Megatron's sampler hands data-parallel
-  rank r of dp its m-th microbatch of an iteration from slice m*dp + r.)
+  0 <= k < B_t = GBS_t / mbs, is the k-th slice of `micro_batch_size` samples in it.
+  (Megatron's sampler hands data-parallel rank r of dp its m-th microbatch of an iteration from
+  slice m*dp + r.)
 - Reserve ids B + j, 0 <= j < reserve_microbatches, are the run-wide reserve stream (the policy's
   reserve mode): samples [main_samples + j*mbs, +mbs), whatever the iteration, where main_samples
-  is the training split's size (--train-samples, or what train_iters iterations consume). They lie after every
-  main-stream sample, so a reserve id never repeats a training sample.
+  is the training split's size (--train-samples, or what train_iters iterations consume). They
+  lie after every main-stream sample, so a reserve id never repeats a training sample.
 - `microbatch(t, k)` returns Megatron's GPT batch as CPU tensors: tokens, labels, position_ids
   (int64 [mbs, seq]), loss_mask (float32 [mbs, seq], as megatron-core makes it) and
   attention_mask: None by default, because megatron-core's attention builds the causal mask
