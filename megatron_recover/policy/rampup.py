@@ -15,6 +15,7 @@ and its first sample (DESIGN.md, "Exact semantics": iteration t's global batch i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 
 
@@ -67,9 +68,8 @@ class GlobalBatches:
     def of(cls, global_batch_size: int, rampup: tuple[int, int, int] | None = None
            ) -> "GlobalBatches":
         """The schedule of --global-batch-size and --rampup-batch-size START INCREMENT SAMPLES
-        (None: no ramp-up)."""
-        ramp = () if rampup is None else ramp_up(*rampup, global_batch_size=global_batch_size)
-        return cls(global_batch_size, ramp)
+        (None: no ramp-up). Computed once per arguments: callers ask for it every iteration."""
+        return _global_batches(global_batch_size, None if rampup is None else tuple(rampup))
 
     def size(self, iteration: int) -> int:
         """Samples in iteration `iteration`'s global batch (iterations count from 1)."""
@@ -104,3 +104,9 @@ class GlobalBatches:
     def _check(iteration: int) -> None:
         if iteration < 1:
             raise ValueError(f"iterations are numbered from 1, got {iteration}")
+
+
+@lru_cache(maxsize=16)
+def _global_batches(global_batch_size: int, rampup: tuple[int, int, int] | None) -> GlobalBatches:
+    ramp = () if rampup is None else ramp_up(*rampup, global_batch_size=global_batch_size)
+    return GlobalBatches(global_batch_size, ramp)
