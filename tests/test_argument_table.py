@@ -100,7 +100,8 @@ LLAMA3_TRAINING = [
     "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001",
     "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine",
     "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-    "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--manual-gc",
+    "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+    "--calculate-per-token-loss", "--manual-gc",
     "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
 ]
 LLAMA3_PARALLEL = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "1",
@@ -130,7 +131,6 @@ LLAMA3_REFUSED = {
     ("--profile",): "the CUDA profiler (nsys) needs a CUDA device",
     ("--ckpt-format", "torch_dist"): "--recover saves per-rank torch files",
     # Not hardware: planned with overlapped gradient reduction (its own issue).
-    ("--calculate-per-token-loss",): "not supported yet under megatron-recover",
     ("--overlap-param-gather",): "not supported yet under megatron-recover",
 }
 
@@ -171,6 +171,9 @@ def test_llama3_argument_list_trains_under_recover_with_a_failure(tmp_path):
     assert [r["iteration"] for r in run.records] == list(range(1, LLAMA3_ITERATIONS + 1))
     assert_ledger_held(run.records, 8)
     assert run.records[-1]["live_replicas"] == 1
+    # --calculate-per-token-loss: the mock data masks no token, so every iteration divides by
+    # all 8 x 64 of its positions.
+    assert [r["loss_tokens"] for r in run.records] == [8 * 64] * LLAMA3_ITERATIONS
     # bf16 gradients reduced in bf16: a failure changes the reduction order, so the loss is
     # close, not equal (tests/test_precision.py measures the tolerance of this precision).
     assert loss_rdiff(run.records, reference.records) < 1e-3

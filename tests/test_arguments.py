@@ -327,7 +327,7 @@ def test_padded_vocab_size():
     (["--rampup-batch-size", "16", "16", "5859375"],
      ["--rampup-batch-size with --train-iters",
       "expected no batch-size rampup for iteration-based training", "give --train-samples"]),
-    (["--calculate-per-token-loss"], ["--calculate-per-token-loss", "drop it"]),
+    (["--overlap-param-gather"], ["--overlap-param-gather", "drop it"]),
     (["--decrease-batch-size-if-needed"], ["--decrease-batch-size-if-needed", "drop it"]),
     (["--num-layers-per-virtual-pipeline-stage", "1"],
      ["--num-layers-per-virtual-pipeline-stage: virtual pipeline", "1F1B"]),

@@ -97,6 +97,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-wsd-decay-samples", type=int)
     g.add_argument("--rampup-batch-size", nargs="*", type=int)  # START INCREMENT SAMPLES
+    g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -746,7 +747,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             cross_entropy_fusion_impl=ns.cross_entropy_fusion_impl,
             recompute_granularity=_recompute_granularity(ns),
             recompute_method=ns.recompute_method,
-            recompute_num_layers=ns.recompute_num_layers),
+            recompute_num_layers=ns.recompute_num_layers,
+            calculate_per_token_loss=ns.calculate_per_token_loss),
         optim=OptimConfig(
             lr=ns.lr, min_lr=ns.min_lr, lr_decay_style=ns.lr_decay_style,
             **_schedule_in_samples(ns, gbs),

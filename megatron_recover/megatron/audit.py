@@ -10,7 +10,9 @@ indexed directly rather than through `MicrobatchSource`.
   reserve    B_t distinct ids; reserve ids (>= B) never committed before in the run;
   adaptive   distinct failure-free ids, as many as the loss was divided by.
 In every mode the checksum sum equals the dataset checksums of the ids committed, no entry belongs
-to another iteration and no bucket was reduced with contents the ledger could not name. B_t, the
+to another iteration and no bucket was reduced with contents the ledger could not name; with
+--calculate-per-token-loss the loss tokens the commit lane counted (what the gradient is divided
+by) equal the unmasked tokens of those ids' samples in the dataset. B_t, the
 iteration's global batch in microbatches, and where its samples start come from megatron-core's own
 microbatch calculator stepped through the run's consumed samples (a batch-size ramp-up changes
 them), not from the schedule the policy and the data source share.
@@ -49,7 +51,7 @@ class LedgerAudit:
         self.main_samples = main_samples
         self.policy = policy
         self.mode = mode
-        self._checksums: dict[tuple[int, int], int] = {}
+        self._checksums: dict[tuple[int, int], tuple[int, int]] = {}  # -> (checksum, tokens)
         self._committed_reserve: set[int] = set()
         # Data-parallel size 1: only the global batch sizes are read, not per-rank counts.
         common = (global_batch_size, micro_batch_size, 1, False, -1)
@@ -69,6 +71,13 @@ class LedgerAudit:
         return self._batches[iteration - 1]
 
     def checksum(self, iteration: int, microbatch_id: int) -> int:
+        return self._microbatch(iteration, microbatch_id)[0]
+
+    def tokens(self, iteration: int, microbatch_id: int) -> int:
+        """The microbatch's loss tokens: its samples' unmasked positions."""
+        return self._microbatch(iteration, microbatch_id)[1]
+
+    def _microbatch(self, iteration: int, microbatch_id: int) -> tuple[int, int]:
         key = (iteration, microbatch_id)
         if key not in self._checksums:
             if microbatch_id < self.b:
@@ -76,15 +85,20 @@ class LedgerAudit:
             else:
                 first = self.main_samples + (microbatch_id - self.b) * self.mbs
             samples = [self.dataset[i] for i in range(first, first + self.mbs)]
-            self._checksums[key] = batch_checksum(
-                *(torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask")))
+            tokens, labels, loss_mask = (torch.stack([s[k] for s in samples])
+                                         for k in ("tokens", "labels", "loss_mask"))
+            self._checksums[key] = (batch_checksum(tokens, labels, loss_mask),
+                                    int(loss_mask.sum().item()))
             if len(self._checksums) > 8 * self.b:  # keep the cache to a few iterations
                 self._checksums.pop(next(iter(self._checksums)))
         return self._checksums[key]
 
-    def problems(self, iteration: int, totals: LaneTotals, divisor: int) -> list[str]:
+    def problems(self, iteration: int, totals: LaneTotals, divisor: int,
+                 tokens: int | None = None) -> list[str]:
         """What is wrong with the committed ledger `totals` of `iteration` (empty: the invariant
-        holds). `divisor`: what the iteration's loss and gradient are divided by."""
+        holds). `divisor`: how many microbatches the iteration's loss and gradient are divided
+        by; `tokens`: with per-token loss, the loss tokens the commit lane counted (None: not
+        checked here)."""
         problems = []
         if totals.poison:
             problems.append(f"{totals.poison} bucket(s) reduced with contents the ledger cannot "
@@ -118,11 +132,16 @@ class LedgerAudit:
                 problems.append(f"ids missing: {missing}")
             if totals.reserve:
                 problems.append(f"reserve ids {list(totals.reserve)} in exact mode")
-        expected = sum(self.checksum(iteration, k) for k in (*main, *totals.reserve))
-        expected += sum((n - 1) * self.checksum(iteration, k)
-                        for k, n in enumerate(totals.main_counts) if n > 1)
+        counts = {k: n for k, n in enumerate(totals.main_counts) if n > 0}
+        counts.update((k, 1) for k in totals.reserve)
+        expected = sum(n * self.checksum(iteration, k) for k, n in counts.items())
         if totals.checksum != expected:
             problems.append(f"batch checksums {totals.checksum} != {expected} from the dataset")
+        if tokens is not None:
+            expected = sum(n * self.tokens(iteration, k) for k, n in counts.items())
+            if tokens != expected:
+                problems.append(f"{tokens} loss tokens counted, {expected} in the dataset's "
+                                "samples of the committed ids")
         return problems
 
     def committed(self, totals: LaneTotals) -> None:

@@ -82,6 +82,9 @@ class ModelConfig:
     recompute_num_layers: int | None = None
     """With full recomputation: layers per recomputed chunk (uniform) or recomputed layers per
     pipeline stage (block) (--recompute-num-layers)."""
+    calculate_per_token_loss: bool = False
+    """The loss and gradient of an iteration are divided by its loss tokens (all of the global
+    batch's unmasked tokens), not averaged per microbatch (--calculate-per-token-loss)."""
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,21 @@ def wrap_ddp(model, transformer_config, ddp_config, cross_replica_group=None,
             pg_collection.intra_dp_cp = cross_replica_group
     ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model,
                                   pg_collection=pg_collection)
-    transformer_config.finalize_model_grads_func = finalize_model_grads
+    transformer_config.finalize_model_grads_func = (
+        finalize_model_grads if cross_replica_group is None else _finalize_keeping_token_sums)
     transformer_config.no_sync_func = ddp.no_sync
     return ddp
+
+
+def _finalize_keeping_token_sums(model, num_tokens=None, **kwargs):
+    """megatron-core's finalize_model_grads without its per-token division (under --recover).
+
+    With --calculate-per-token-loss megatron-core would all-reduce the pass's token count over
+    the stock data-parallel group (it spans replicas and is not fault tolerant) and divide the
+    gradient inside every pass, before layer 2's snapshot. Here the gradient stays a sum over
+    tokens; the trainer divides it once, after the commit, by the committed token count."""
+    del num_tokens
+    finalize_model_grads(model, **kwargs)
 
 
 def seed_microbatch(seed: int, iteration: int, microbatch_id: int) -> None:
@@ -92,20 +104,28 @@ def seed_microbatch(seed: int, iteration: int, microbatch_id: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(mixed)
 
 
-def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, output_tensor):
+def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, output_tensor):
+    """Megatron-LM's GPT loss: the mean over the microbatch's loss tokens or, `per_token`
+    (--calculate-per-token-loss), their sum with the token count, which the schedule then leaves
+    undivided."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    if not per_token:
+        loss = loss / mask.sum().clamp(min=1)
     on_first_loss()
     # The schedule divides the returned loss in place; report a copy (never the forced overflow).
-    reported = {"id": microbatch_id, "lm loss": loss.detach().clone()}
+    reported = {"id": microbatch_id, "lm loss": loss.detach().clone(), "tokens": int(tokens)}
     if overflow():
         loss = loss * float("inf")  # a failure-schedule test of fp16's loss scaler
-    return loss, reported
+    return (loss, tokens, reported) if per_token else (loss, reported)
 
 
 class MicrobatchPass:
-    """`run(iteration, ids, losses)`: forward/backward of `ids` through megatron's schedule.
+    """`run(iteration, ids, losses, tokens)`: forward/backward of `ids` through megatron's
+    schedule; each id's loss goes into `losses` and its loss-token count into `tokens` (on the
+    last pipeline stage: the others see no losses).
 
     `microbatch(iteration, id)` yields megatron's GPT batch dict, which names its own iteration
     and id; the forward step registers that batch (with a checksum of what it trains on) in the
@@ -146,9 +166,11 @@ class MicrobatchPass:
                 self.faults.at("backward", iteration)
 
         return output, partial(_loss_func, batch["loss_mask"], microbatch_id, on_first_loss,
-                               partial(self.faults.overflow, batch["iteration"], microbatch_id))
+                               partial(self.faults.overflow, batch["iteration"], microbatch_id),
+                               self.model.config.calculate_per_token_loss)
 
-    def run(self, iteration: int, ids: list[int], losses: dict[int, float]) -> None:
+    def run(self, iteration: int, ids: list[int], losses: dict[int, float],
+            tokens: dict[int, int]) -> None:
         outputs = self.forward_backward(
             forward_step_func=partial(self._forward_step, iteration),
             data_iterator=self._batches(iteration, ids),
@@ -160,3 +182,4 @@ class MicrobatchPass:
         )
         for out in outputs:  # only the last pipeline stage has losses
             losses[out["id"]] = float(out["lm loss"])
+            tokens[out["id"]] = out["tokens"]

@@ -63,6 +63,7 @@ def to_transformer_config(cfg: TrainConfig):
         cross_entropy_fusion_impl=m.cross_entropy_fusion_impl,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
+        calculate_per_token_loss=m.calculate_per_token_loss,
     )
 
 

@@ -114,7 +114,9 @@ def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, itera
     (loss, grad norm, milliseconds, skipped by the fp16 loss scaler?, global batch size).
 
     As Megatron-LM's training loop, megatron-core's microbatch calculator (installed by
-    `train`) is updated with the samples consumed so far and gives the iteration's count."""
+    `train`) is updated with the samples consumed so far and gives the iteration's count. The
+    loss is the mean over microbatches or, with --calculate-per-token-loss, the global batch's
+    loss sum over its loss tokens, as Megatron-LM reports it."""
     from megatron.core.num_microbatches_calculator import (
         get_current_global_batch_size,
         get_num_microbatches,
@@ -129,14 +131,16 @@ def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, itera
     start = time.perf_counter()
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = {}
-    micro_pass.run(iteration, ids, losses)
+    losses, tokens = {}, {}
+    micro_pass.run(iteration, ids, losses, tokens)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:  # as Megatron-LM: a step skipped by the fp16 loss scaler keeps the lr
         scheduler.step(increment=global_batch_size)
-    total = torch.tensor([sum(losses.values())], dtype=torch.float64)
+    total = torch.tensor([sum(losses.values()), sum(tokens.values())], dtype=torch.float64)
     dist.all_reduce(total)
-    return (total.item() / (global_batch_size // cfg.micro_batch_size), grad_norm,
+    divisor = (max(total[1].item(), 1) if cfg.model.calculate_per_token_loss
+               else global_batch_size // cfg.micro_batch_size)
+    return (total[0].item() / divisor, grad_norm,
             (time.perf_counter() - start) * 1e3, not update_successful, global_batch_size)
 
 
@@ -391,7 +395,7 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int
         model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
         group=setup.group, policy=policy,
         replica_group=setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
-        shard_group=setup.shard_group,
+        shard_group=setup.shard_group, per_token_loss=cfg.model.calculate_per_token_loss,
         computes_loss=parallel_state.is_pipeline_last_stage(),
         replica=replica_ids[setup.replica_index], replica_of_rank=replica_of_rank,
         run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,

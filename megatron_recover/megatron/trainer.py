@@ -26,6 +26,12 @@ One `ResilientTrainer.train_step(t)` per iteration, on every rank, drives the th
   5. Commit: the policy installs the next layout; the adaptive policy rescales the summed gradient
      to its committed count; the optimizer steps.
 
+With --calculate-per-token-loss the schedule leaves each microbatch's loss a sum over its loss
+tokens and megatron's own per-token division is skipped (`gpt._finalize_keeping_token_sums`); the
+commit lane also sums the loss tokens of the microbatches in the sent ledger, and the committed
+gradient is divided once by that count: all B microbatches' tokens under the static policy, the
+committed microbatches' under drop-and-go.
+
 Every decision is a function of agreed records, so all survivors take the same branch.
 """
 
@@ -63,12 +69,14 @@ class StepReport:
     extension_rounds: int
     buckets: int
     events: list[dict] = field(default_factory=list)
+    loss_tokens: int | None = None  # --calculate-per-token-loss: the committed loss tokens
 
 
 @dataclass
 class TrainerParts:
-    """What the trainer drives. `run_pass(iteration, ids, losses)` runs forward/backward of `ids`
-    through megatron's schedule (finalize included), adding each id's loss to `losses`.
+    """What the trainer drives. `run_pass(iteration, ids, losses, tokens)` runs forward/backward
+    of `ids` through megatron's schedule (finalize included), adding each id's loss to `losses`
+    and its loss-token count to `tokens` (on the last pipeline stage).
     `faults.at(location, iteration)` and `faults.arm_iteration(group, iteration, bucket)` are the
     failure simulator's points (a no-op object when there is no schedule)."""
 
@@ -81,13 +89,14 @@ class TrainerParts:
     policy: WorkloadPolicy
     replica: int
     replica_of_rank: dict[int, int]
-    run_pass: Callable[[int, list[int], dict[int, float]], None]
+    run_pass: Callable[[int, list[int], dict[int, float], dict[int, int]], None]
     faults: object
     audit: LedgerAudit
     restore: bool = True  # False: the --recover-no-restore negative control
     # Distributed-optimizer instances (HSDP): the replica's data-parallel ranks at this rank's
     # TP x PP position. They split the replica's microbatches and reduce-scatter its buckets.
     shard_group: object | None = None
+    per_token_loss: bool = False  # --calculate-per-token-loss
 
 
 class ResilientTrainer:
@@ -134,6 +143,7 @@ class ResilientTrainer:
         hooks.set_loss_divisor(state.b)  # B of this iteration (a ramp-up changes it)
         work = p.policy.work(p.replica)
         losses: dict[int, float] = {}
+        tokens: dict[int, int] = {}
         # As Megatron-LM's train_step: the optimizer left param.grad aliasing the grad buffer;
         # without dropping it, backward would add each first microbatch's gradient twice.
         p.model.zero_grad_buffer()
@@ -143,11 +153,11 @@ class ResilientTrainer:
         self.recovery.begin_pass()
         self.recovery.contributing = work.contributes_first_pass
         p.faults.at("pre-forward", iteration)
-        self._run(iteration, self._mine(work.first_pass), losses)
+        self._run(iteration, self._mine(work.first_pass), losses, tokens)
 
         while True:
             failed_locally = bool(self.recovery.wait())
-            lane = self._lane(iteration, losses)
+            lane = self._lane(iteration, losses, tokens)
             lane_record = p.group.allreduce(lane).wait()
             ok = int(not failed_locally and not lane_record.has_failure
                      and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
@@ -155,10 +165,12 @@ class ResilientTrainer:
             totals, problems = None, []
             if not agreed.failed_ranks and agreed.census[0] == agreed.size:
                 # This position's round succeeded everywhere: its lane is the committed ledger.
-                totals = self.lane_layout.decode(lane[1:])
-                problems = p.audit.problems(iteration, totals, self._divisor())
-            dead, commit, loss_sum, invariant_ok = self._replica_verdict(agreed, lane,
-                                                                         bool(problems))
+                totals = self.lane_layout.decode(lane[2:])
+                # Only the last pipeline stage saw the loss tokens.
+                counted = int(lane[1]) if p.per_token_loss and p.computes_loss else None
+                problems = p.audit.problems(iteration, totals, self._divisor(), counted)
+            verdict = self._replica_verdict(agreed, lane, bool(problems))
+            dead, commit = verdict.dead, verdict.commit
             if commit:
                 self._last_progress = time.time()
                 break
@@ -175,7 +187,7 @@ class ResilientTrainer:
                                "restore": decision.restore_mode, "g_ext": decision.g_ext,
                                "promotions": [list(x) for x in decision.promotions]})
                 if decision.boundary:
-                    self._extension_pass(iteration, work, losses)
+                    self._extension_pass(iteration, work, losses, tokens)
                     events[-1]["restored"] = time.time()
                     continue
             else:
@@ -184,8 +196,7 @@ class ResilientTrainer:
             events[-1]["restored"] = time.time()
 
         p.audit.committed(totals)
-        return self._commit(iteration, totals, problems, invariant_ok, loss_sum, agreed, start,
-                            events)
+        return self._commit(iteration, totals, problems, verdict, agreed, start, events)
 
     def _mine(self, ids) -> list[int]:
         """The ids of the replica's `ids` this rank runs: all, or every S-th with S shards."""
@@ -196,51 +207,56 @@ class ResilientTrainer:
         state = self.p.policy.state
         return state.contributions() if state.config.policy == ADAPTIVE else state.b
 
-    def _lane(self, iteration: int, losses: dict[int, float]) -> torch.Tensor:
-        """[loss sum, ledger] of what this rank's buckets sent to their reductions; with
-        distributed-optimizer shards, summed over the replica's shards (the union of their
+    def _lane(self, iteration: int, losses: dict[int, float],
+              tokens: dict[int, int]) -> torch.Tensor:
+        """[loss sum, loss tokens, ledger] of what this rank's buckets sent to their reductions;
+        with distributed-optimizer shards, summed over the replica's shards (the union of their
         ledgers, as the reduce-scatter summed their gradients).
 
-        The loss sum is over the ids in the sent ledger, so the logged loss is the loss of the
-        gradients that were reduced (each id's loss is on the last pipeline stage that ran it).
+        The sums are over the ids in the sent ledger, so the logged loss is the loss of the
+        gradients that were reduced (each id's loss is on the last pipeline stage that ran it),
+        and the token count is that of the microbatches the committed gradient holds.
         """
         sent, consistent = self.recovery.sent_ledger()
-        loss_sum = 0.0
+        loss_sum, token_sum = 0.0, 0
         if sent is not None and self.p.computes_loss:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
-        lane = torch.cat([torch.tensor([loss_sum], dtype=torch.float64),
+            token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
+        lane = torch.cat([torch.tensor([loss_sum, token_sum], dtype=torch.float64),
                           self.lane_layout.encode(sent, iteration, poison=int(not consistent))])
         if self.p.shard_group is not None:
             dist.all_reduce(lane, group=self.p.shard_group)  # intra-replica, as the reduce-scatter
         return lane
 
-    def _replica_verdict(self, agreed, lane, ledger_bad: bool) -> tuple[set[int], bool, float,
-                                                                       bool]:
-        """(dead replicas seen by any position, commit?, loss sum, invariant held at every
-        position?) — equal on a replica's ranks.
+    def _replica_verdict(self, agreed, lane, ledger_bad: bool) -> "_Verdict":
+        """The round's outcome for this replica, equal on all of its ranks.
 
         Without pipeline stages every position holds the loss; with them only the last stage
-        does, and the others report 0, so the maximum is the replica's loss sum.
+        does, and the others report 0, so the maximum is the replica's loss sum (and token count).
         """
         p = self.p
         w_init = p.policy.config.w_init
-        verdict = torch.zeros(w_init + 3, dtype=torch.float64)
+        verdict = torch.zeros(w_init + 4, dtype=torch.float64)
         for rank in agreed.failed_ranks:
             verdict[p.replica_of_rank[rank]] = 1.0
         verdict[w_init] = float(bool(agreed.failed_ranks) or agreed.census[0] != agreed.size)
         verdict[w_init + 1] = lane[0]
         verdict[w_init + 2] = float(ledger_bad)
+        verdict[w_init + 3] = lane[1]
         if p.replica_group is not None:
             # A peer that died makes this raise; the exit hook then takes this rank down too.
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=p.replica_group)
-        dead = {r for r in range(w_init) if verdict[r] > 0}
-        return dead, verdict[w_init] == 0, float(verdict[w_init + 1]), verdict[w_init + 2] == 0
+        return _Verdict(dead={r for r in range(w_init) if verdict[r] > 0},
+                        commit=bool(verdict[w_init] == 0), loss_sum=float(verdict[w_init + 1]),
+                        tokens=int(verdict[w_init + 3]),
+                        invariant_ok=bool(verdict[w_init + 2] == 0))
 
-    def _run(self, iteration: int, ids: list[int], losses: dict[int, float]) -> None:
+    def _run(self, iteration: int, ids: list[int], losses: dict[int, float],
+             tokens: dict[int, int]) -> None:
         """Run `ids` (possibly none: every rank still joins the reductions) through the schedule,
         then post every bucket's reduction."""
         if ids:
-            self.p.run_pass(iteration, ids, losses)
+            self.p.run_pass(iteration, ids, losses, tokens)
         self.recovery.reduce_all()
 
     def _blocking_restore(self, iteration: int, work) -> None:
@@ -257,7 +273,8 @@ class ResilientTrainer:
         self.recovery.contributing = work.contributes_first_pass or self._extended
         self.recovery.reduce_all()
 
-    def _extension_pass(self, iteration: int, work, losses: dict[int, float]) -> None:
+    def _extension_pass(self, iteration: int, work, losses: dict[int, float],
+                        tokens: dict[int, int]) -> None:
         """Run the extension ids on empty buckets (so the schedule's intra-replica syncs see only
         the new gradients), then add back what this replica already counts, then reduce."""
         self.recovery.begin_pass()
@@ -272,17 +289,24 @@ class ResilientTrainer:
         # zero microbatches, and the shard has nothing to add but still joins the reductions.
         mine = self._mine(extension)
         if mine:
-            self.p.run_pass(iteration, mine, losses)
+            self.p.run_pass(iteration, mine, losses, tokens)
         if self.p.restore and counted_before > 0:
             self.recovery.add_snapshots()
         self.recovery.reduce_all()
 
-    def _commit(self, iteration, totals, problems, invariant_ok, loss_sum, agreed, start,
+    def _commit(self, iteration, totals, problems, verdict: "_Verdict", agreed, start,
                 events) -> StepReport:
         p = self.p
         b = p.policy.state.b
         result = p.policy.commit()
-        if result.divisor != b:
+        divisor = result.divisor
+        if p.per_token_loss:
+            # The buckets hold sums over tokens; divide once by the committed ones, as
+            # megatron-core's finalize_model_grads does (nothing when every token was masked).
+            divisor = verdict.tokens
+            if divisor > 0:
+                p.model.scale_gradients(1.0 / divisor)
+        elif result.divisor != b:
             # Losses were divided by B in the schedule; drop-and-go divides by what it committed.
             p.model.scale_gradients(b / result.divisor)
         p.faults.at("optimizer-step", iteration)
@@ -295,13 +319,25 @@ class ResilientTrainer:
         for event in events:
             event["committed"] = time.time()
         return StepReport(
-            iteration=iteration, loss=loss_sum / result.divisor,
+            iteration=iteration, loss=verdict.loss_sum / max(divisor, 1),
             contributions=totals.count, B=b,
             live_replicas=len(result.roles), epoch=agreed.epoch,
-            ledger_checksum=totals.checksum, invariant_ok=bool(invariant_ok),
+            ledger_checksum=totals.checksum, invariant_ok=verdict.invariant_ok,
             ledger_problems=problems,
             grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(p.optimizer.get_loss_scale()), skipped=not update_successful,
             iteration_ms=(time.perf_counter() - start) * 1e3,
             extension_rounds=len(result.extension_rounds),
-            buckets=len(self.recovery.grads), events=events)
+            buckets=len(self.recovery.grads), events=events,
+            loss_tokens=verdict.tokens if p.per_token_loss else None)
+
+
+@dataclass
+class _Verdict:
+    """A round's outcome for one replica: the same on all of its ranks."""
+
+    dead: set[int]  # replicas any position saw fail
+    commit: bool  # no position saw a failure: the round commits
+    loss_sum: float  # the replica's loss sum (the last pipeline stage's)
+    tokens: int  # the loss tokens of the microbatches in the committed ledger
+    invariant_ok: bool  # the ledger invariant held at every position
