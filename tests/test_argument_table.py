@@ -105,7 +105,8 @@ LLAMA3_TRAINING = [
     "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
 ]
 LLAMA3_PARALLEL = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "1",
-                   "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+                   "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                   "--overlap-param-gather"]
 
 
 def llama3_data_and_logging(tmp: Path) -> list[str]:
@@ -130,8 +131,6 @@ LLAMA3_REFUSED = {
     ("--fp8-param-gather",): "fp8/fp4 training needs a CUDA device",
     ("--profile",): "the CUDA profiler (nsys) needs a CUDA device",
     ("--ckpt-format", "torch_dist"): "--recover saves per-rank torch files",
-    # Not hardware: planned with overlapped gradient reduction (its own issue).
-    ("--overlap-param-gather",): "not supported yet under megatron-recover",
 }
 
 

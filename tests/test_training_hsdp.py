@@ -10,11 +10,17 @@ how many instances run it):
   - 3 instances, a second rank killed inside that extension pass;
   - the blocking path (rewind and reduce again, here the adaptive policy's drop) must give what
     the same failure gives without a distributed optimizer;
-  - --use-distributed-optimizer alone under --recover: one instance per replica, a failure.
+  - --use-distributed-optimizer alone under --recover: one instance per replica, a failure;
+  - --overlap-param-gather, 3 instances x 2 shards: an extension pass of one microbatch per
+    instance leaves a shard without microbatches (its forward pre-hooks never fire), and a rank
+    dies entering the parameter all-gather its peer waits for in its next forward; and without
+    --recover, megatron's own overlapped all-gather gives the same parameters, bitwise.
 """
 
 import pytest
 
+from megatron_recover.launch import LaunchConfig, launch
+from tests.mpirun_harness import ENTRY
 from tests.training_harness import (
     EXACT_LOSS_RTOL,
     STABLE_LR,
@@ -125,3 +131,44 @@ def test_blocking_restore_matches_plain_data_parallel(tmp_path):
     diff = loss_rdiff(sharded, plain)
     print(f"HSDP 2x2 vs plain DP=2, adaptive drop: max relative loss diff {diff:.2e}")
     assert diff <= EXACT_LOSS_RTOL
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_overlap_param_gather_with_an_idle_shard_and_a_failure(tmp_path):
+    # GBS 6 over 3 instances: one microbatch per shard. Iteration 3: instance 2 dies inside a
+    # reduce; its 2 microbatches go one to each surviving instance, so shard 1 of each runs none
+    # in the extension pass. Iteration 4: rank 3 (instance 1, shard 1) dies after the step,
+    # entering the all-gather that rank 2 waits for in iteration 5's forward.
+    small = ["--global-batch-size", "6", *NO_DROPOUT]
+    schedule = ("entries:\n"
+                "  - {iteration: 3, replica: 2, local_rank: 0, location: during-reduce}\n"
+                "  - {iteration: 4, replica: 1, local_rank: 1, location: param-gather}\n")
+    reference = train(tmp_path, "plain", 6, [*hsdp(3), *small])
+    run = train(tmp_path, "overlap", 6, [*hsdp(3), *small, "--overlap-param-gather"], schedule)
+    result, records = run.result, run.records
+    assert sorted((m["rank"], m["location"]) for m in run.markers) == [
+        (3, "param-gather"), (4, "during-reduce")]
+    (first, second) = failure_events(records)
+    assert first["replicas"] == [2] and first["g_ext"] == 1, first  # one id per instance
+    assert second["replicas"] == [1], second
+    assert result.statuses[2]["state"] == "left", result.statuses[2]
+    assert run.completed() == [0, 1]
+    assert_ledger_held(records, 6)
+    assert [r["live_replicas"] for r in records] == [3, 3, 2, 2, 1]
+    # Both shards of instance 0 end with the same, fully gathered parameters.
+    assert result.statuses[0]["param_digest"] == result.statuses[1]["param_digest"]
+    assert_exact(run, reference, "HSDP 3x2 --overlap-param-gather, idle shard and failures")
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_stock_overlap_param_gather_gives_the_same_parameters(tmp_path):
+    # Megatron's path: the last step's parameters reach the other shards only in a next forward,
+    # so the end of training gathers them (as Megatron-LM does before a save and at the end).
+    job = [*ENTRY, *MODEL, "--use-distributed-optimizer", *NO_DROPOUT]
+    digests = {}
+    for name, extra in (("plain", []), ("overlap", ["--overlap-param-gather"])):
+        result = launch(LaunchConfig(4, [*job, *extra], tmp_path / name, TIMEOUT_S))
+        assert not result.timed_out and result.succeeded, result.output[-4000:]
+        digests[name] = {s["param_digest"] for s in result.statuses.values()}
+    print(f"stock DO x4, parameter digests: {digests}")
+    assert len(digests["plain"]) == 1 and digests["overlap"] == digests["plain"]

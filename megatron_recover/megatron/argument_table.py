@@ -182,8 +182,6 @@ _REFUSED_GROUPS = (
      "--pipeline-model-parallel-comm-backend --use-ring-exchange-p2p "
      "--no-scatter-gather-tensors-in-pipeline --defer-embedding-wgrad-compute "
      "--wgrad-deferral-limit --delay-wgrad-compute"),
-    ("not supported yet under megatron-recover (planned: parameter all-gather overlapped with "
-     "the next forward); drop it", "--overlap-param-gather"),
     ("it rounds a global batch down to a multiple of micro-batch x data-parallel size; here "
      "every global batch, ramp-up included, must be such a multiple, as Megatron-LM requires "
      "without the flag (and the batch stays B after failures by design): choose sizes that "

@@ -145,6 +145,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     # None: not given (Megatron's default, 1; under --recover one instance per replica).
     g.add_argument("--num-distributed-optimizer-instances", type=int)
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int)
     # Megatron-LM only has the negative switch (fusion on by default); we add the positive one so
     # a script can ask for it explicitly. Both write one value; None = the device's default.
@@ -384,6 +385,12 @@ def _parallel_layout(ns, world_size: int) -> list[str]:
                         "would take its shard with it: pass --num-distributed-optimizer-instances "
                         f"K, a divisor of {dp} (K replicas, each sharded over {dp}/K ranks), or "
                         "leave it out (one instance per replica)")
+    if ns.overlap_param_gather and not ns.use_distributed_optimizer:
+        problems.append("--overlap-param-gather only works with the distributed optimizer (as in "
+                        "Megatron-LM): add --use-distributed-optimizer or drop it")
+    if ns.overlap_param_gather and not ns.overlap_grad_reduce:
+        problems.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): "
+                        "add it or drop --overlap-param-gather")
     return problems
 
 
@@ -771,7 +778,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
             use_distributed_optimizer=ns.use_distributed_optimizer,
             num_distributed_optimizer_instances=_optimizer_instances(ns, dp),
-            overlap_grad_reduce=ns.overlap_grad_reduce, ddp_bucket_size=ns.ddp_bucket_size,
+            overlap_grad_reduce=ns.overlap_grad_reduce,
+            overlap_param_gather=ns.overlap_param_gather, ddp_bucket_size=ns.ddp_bucket_size,
             sequence_parallel=ns.sequence_parallel and tp > 1,
             use_cpu_initialization=ns.use_cpu_initialization,
             gradient_accumulation_fusion=cuda_available if fusion is None else fusion),

@@ -206,6 +206,10 @@ class ParallelConfig:
     default 1); each instance shards the state over data_parallel_size // this ranks."""
     overlap_grad_reduce: bool
     """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
+    overlap_param_gather: bool
+    """Overlap the distributed optimizer's parameter all-gather with the next forward pass: each
+    bucket group's gather is waited for in the forward pre-hook of its first module
+    (--overlap-param-gather; needs the distributed optimizer and --overlap-grad-reduce)."""
     ddp_bucket_size: int | None
     """Max parameters per gradient bucket (--ddp-bucket-size); None: megatron-core's default,
     max(40M, 1M x dp)."""

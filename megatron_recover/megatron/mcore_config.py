@@ -75,6 +75,7 @@ def to_ddp_config(cfg: TrainConfig):
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.precision.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather,
         use_distributed_optimizer=par.use_distributed_optimizer,
         num_distributed_optimizer_instances=par.num_distributed_optimizer_instances,
         bucket_size=par.ddp_bucket_size,
@@ -95,6 +96,7 @@ def to_optimizer_config(cfg: TrainConfig):
         min_loss_scale=p.min_loss_scale, loss_scale_window=p.loss_scale_window,
         hysteresis=p.hysteresis,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
     )
 
 

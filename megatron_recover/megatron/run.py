@@ -471,8 +471,18 @@ def _train_stock(cfg, ctx, setup: RankSetup) -> list[int]:
         # As Megatron-LM: every --save-interval iterations, and once more at the end.
         if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
                                     or iteration == cfg.train_iters):
+            _gather_parameters(setup.ddp_model)
             dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
+    _gather_parameters(setup.ddp_model)
     return skipped
+
+
+def _gather_parameters(ddp_model) -> None:
+    """With --overlap-param-gather the last step's parameters reach the other shards only in the
+    next forward; gather them now, as Megatron-LM does before a save and at the end of training
+    (its disable_forward_pre_hook)."""
+    if ddp_model.use_forward_hook:
+        ddp_model.start_param_sync(force_sync=True)
 
 
 def unwrap(ddp_model):
@@ -502,6 +512,7 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
         # As Megatron-LM: every --save-interval iterations, and once more at the end.
         if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
                                     or iteration == cfg.train_iters):
+            trainer.gather_parameters()
             save_checkpoint(cfg, trainer, setup, iteration)
         pending.append((report, record))
         # The lowest live rank: position 0 of the lowest live replica.
@@ -515,4 +526,5 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
             print(iteration_line(report, cfg.train_iters,
                                  cfg.global_batches.consumed_after(iteration), lr,
                                  report.B * cfg.micro_batch_size), flush=True)
+    trainer.gather_parameters()  # the final parameters, on every shard
     return skipped

@@ -32,6 +32,14 @@ commit lane also sums the loss tokens of the microbatches in the sent ledger, an
 gradient is divided once by that count: all B microbatches' tokens under the static policy, the
 committed microbatches' under drop-and-go.
 
+With --overlap-param-gather (distributed-optimizer instances) megatron dispatches each bucket
+group's parameter all-gather from the forward pre-hooks of the next pass, lazily, per pass. A
+shard that runs no microbatch in a pass (an extension pass can give it none) would then never
+join the all-gather its peers started. Here every shard dispatches all of them right after the
+optimizer step, in the same order; the forward pre-hooks only wait for them, so the all-gather
+still overlaps the next forward, and every shard waits for its own before the next step
+(`gather_parameters()` before a checkpoint and at the end).
+
 Every decision is a function of agreed records, so all survivors take the same branch.
 """
 
@@ -123,12 +131,32 @@ class ResilientTrainer:
             self._shard = dist.get_rank(parts.shard_group)
             self._shards = dist.get_world_size(parts.shard_group)
         hooks.install(parts.group.process_group, self.recovery)
+        # Megatron's flag for a parameter all-gather dispatched by the optimizer step: the
+        # forward pre-hooks then only wait, and do not dispatch the next bucket group's.
+        self._overlap_param_gather = parts.model.use_forward_hook
+        if self._overlap_param_gather:
+            parts.model.overlap_param_gather_with_optimizer_step = True
+            self._dispatch_param_gather()
 
     @property
     def shard(self) -> tuple[int, int]:
         """(this rank's shard, shards) of its replica's data-parallel ranks: (0, 1) without
         distributed-optimizer instances."""
         return self._shard, self._shards
+
+    def _dispatch_param_gather(self) -> None:
+        """Post every bucket group's parameter all-gather inside the instance (asynchronous)."""
+        self.p.model.start_param_sync(force_dispatch=True)
+
+    def gather_parameters(self) -> None:
+        """Wait for this rank's parameter all-gathers: the model's parameters are then the ones
+        the last step produced on every shard (nothing to do without --overlap-param-gather)."""
+        if not self._overlap_param_gather:
+            return
+        for bucket_group in self.p.model.bucket_groups:
+            if bucket_group.param_gather_handle is not None:
+                bucket_group.param_gather_handle.wait()
+                bucket_group.param_gather_handle = None
 
     def _before_reduce(self) -> None:
         self.p.faults.at("before-reduce", self._iteration)
@@ -310,12 +338,15 @@ class ResilientTrainer:
             # Losses were divided by B in the schedule; drop-and-go divides by what it committed.
             p.model.scale_gradients(b / result.divisor)
         p.faults.at("optimizer-step", iteration)
+        self.gather_parameters()  # the step writes this shard into the gathered buffers
         # Every survivor holds the same reduced gradient, so the loss scaler's found-inf decision
         # (taken on the intra-replica group) and its new scale are the same on all of them.
         update_successful, grad_norm, _ = p.optimizer.step()
         if update_successful and p.scheduler is not None:
             # As Megatron-LM: a skipped step consumed its samples but does not move the lr.
             p.scheduler.step(increment=b * self.micro_batch_size)  # this iteration's batch
+        if self._overlap_param_gather:
+            self._dispatch_param_gather()  # waited for by the next forward's pre-hooks
         for event in events:
             event["committed"] = time.time()
         return StepReport(
