@@ -55,6 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fault_hits", &PG::fault_hits, py::arg("point"));
 
   m.def("fault_tolerance_enabled", &ulfm::fault_tolerance_enabled);
+  m.def("set_fault_phase", &ulfm::set_fault_phase, py::arg("phase"));
   m.def("cuda_staging_compiled", [] {
 #ifdef ULFM_CUDA_STAGING
     return true;

@@ -607,15 +607,24 @@ int64_t ProcessGroupULFM::fault_hits(const std::string& point) {
 
 namespace {
 
+std::mutex phase_mutex;
+std::string fault_phase;  // set_fault_phase(); empty: never set
+
 [[noreturn]] void die_with_marker(const FaultArm& arm) {  // or freeze: see the end
-  char line[512];
+  std::string phase;
+  {
+    std::lock_guard<std::mutex> lock(phase_mutex);
+    phase = fault_phase;
+  }
+  char line[640];
   const int n = std::snprintf(line, sizeof(line),
-                              "{\"point\": \"%s\", \"rank\": %d, \"time\": %.6f%s%s}\n",
-                              arm.point.c_str(), world_rank(), now_s(),
+                              "{\"point\": \"%s\", \"rank\": %d, \"time\": %.6f, "
+                              "\"phase\": \"%s\"%s%s}\n",
+                              arm.point.c_str(), world_rank(), now_s(), phase.c_str(),
                               arm.marker_fields.empty() ? "" : ", ", arm.marker_fields.c_str());
   const int fd = ::open(arm.marker_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
   if (fd >= 0) {
-    ssize_t written = ::write(fd, line, size_t(n));
+    ssize_t written = ::write(fd, line, std::min(size_t(n), sizeof(line) - 1));
     (void)written;
     ::fsync(fd);
     ::close(fd);
@@ -626,6 +635,11 @@ namespace {
 }
 
 }  // namespace
+
+void set_fault_phase(std::string phase) {
+  std::lock_guard<std::mutex> lock(phase_mutex);
+  fault_phase = std::move(phase);
+}
 
 bool ProcessGroupULFM::kill_pending_at(const std::string& point) {
   // Only the armed occurrence posts the non-blocking variant: blocking and non-blocking

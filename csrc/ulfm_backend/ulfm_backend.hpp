@@ -181,4 +181,8 @@ class ProcessGroupULFM : public c10d::Backend {
 // True when this MPI job runs with fault tolerance on (mpirun --with-ft ulfm).
 bool fault_tolerance_enabled();
 
+// Test-only: what the main thread is doing (e.g. "schedule" while megatron's forward/backward
+// runs), written into a fault's marker as "phase" when the victim dies on a worker thread.
+void set_fault_phase(std::string phase);
+
 }  // namespace ulfm

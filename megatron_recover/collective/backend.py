@@ -155,6 +155,11 @@ class ULFMGroup:
         extra = json.dumps(marker_fields or {})[1:-1]
         self._native.arm_fault(point, occurrence, action, delay_s, marker_path, extra)
 
+    def set_fault_phase(self, phase: str) -> None:
+        """Test hook: what this process's main thread is doing now (process-wide, not per
+        group); a victim that dies on a worker thread writes it into its marker as "phase"."""
+        native_module().set_fault_phase(phase)
+
     def fault_hits(self, point: str) -> int:
         """How many times this rank reached fault point `point` (arm relative to it)."""
         return self._native.fault_hits(point)
