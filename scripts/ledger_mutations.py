@@ -33,6 +33,17 @@ SPARE_THEN_BLOCKING = ("  - {iteration: 1, replica: 0, local_rank: 0, location: 
                        "location: during-extension}\n")
 TRAINER = "megatron_recover/megatron/trainer.py"
 DATA = "megatron_recover/megatron/data.py"
+GRADIENTS = "megatron_recover/recovery/gradients.py"
+SNAPSHOT = ("        bucket.snapshot.copy_(grad)\n"
+            "        bucket.snapshot_ledger = bucket.ledger.copy()\n")
+POST = ("        if not self.contributing:\n"
+        "            grad.zero_()\n"
+        "            bucket.ledger.clear()\n"
+        "        bucket.sent = bucket.ledger.copy()\n"
+        "        # From here on `grad` holds the replica's (then the replicas') sum, not this rank's "
+        "own.\n"
+        "        bucket.ledger = Ledger(known=False)\n"
+        "        self._post(bucket)\n")
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class Mutation:
     replicas: int
     global_batch_size: int
     schedule: str | None  # failure schedule entries, or None: failure-free
+    extra: tuple[str, ...] = ()  # further job arguments
 
 
 ADD_BACK = "            self.recovery.add_snapshots()\n"
@@ -64,6 +76,8 @@ MUTATIONS = [
              "samples = [self.dataset[index + (os.environ.get('OMPI_COMM_WORLD_RANK') == '1' "
              "and (iteration, microbatch_id) == (2, 2))] for index in "
              "self.sample_range(iteration, microbatch_id)]", 3, 6, None),
+    Mutation("snapshot taken after the bucket is posted (overlapped reductions)", GRADIENTS,
+             SNAPSHOT + POST, POST + SNAPSHOT, 3, 6, BOUNDARY, ("--overlap-grad-reduce",)),
 ]
 
 
@@ -85,8 +99,8 @@ def run(mutation: Mutation, where: Path) -> dict:
     """Run the mutated job; return what its log says about the ledger invariant."""
     tree = mutated_tree(mutation, where)
     log = where / "log.jsonl"
-    args = [*MODEL, "--global-batch-size", str(mutation.global_batch_size), "--recover",
-            "--recover-log", str(log)]
+    args = [*MODEL, *mutation.extra, "--global-batch-size", str(mutation.global_batch_size),
+            "--recover", "--recover-log", str(log)]
     if mutation.schedule:
         (where / "schedule.yaml").write_text("entries:\n" + mutation.schedule)
         args += ["--recover-failure-schedule", str(where / "schedule.yaml")]

@@ -429,11 +429,10 @@ def test_swiglu_too_small_for_default_ffn():
     assert "pass --ffn-hidden-size" in refused(argv=argv)
 
 
-def test_overlap_grad_reduce_under_recover_is_said_to_be_deferred():
-    (line,) = [n for n in small("--recover", "--overlap-grad-reduce").notices
-               if "--overlap-grad-reduce" in n]
-    assert "posted after the pipeline flush (deferred)" in line
-    assert not any("--overlap-grad-reduce" in n for n in small("--overlap-grad-reduce").notices)
+def test_overlap_grad_reduce_has_megatrons_meaning_under_recover():
+    cfg = small("--recover", "--overlap-grad-reduce")
+    assert cfg.parallel.overlap_grad_reduce
+    assert not any("--overlap-grad-reduce" in n for n in cfg.notices)
 
 
 def test_distributed_optimizer_under_recover_is_one_instance_per_replica():

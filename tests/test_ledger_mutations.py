@@ -1,7 +1,8 @@
 """Each mutation of scripts/ledger_mutations.py (a broken restore, add-back skipped or doubled,
-an id dropped, a wrong sample on one rank) is caught by the ledger invariant of its own run.
+an id dropped, a wrong sample on one rank, a snapshot taken after its bucket was posted) is
+caught by the ledger invariant of its own run.
 
-Run: `make test`. CPU only, five small mpirun jobs under hard timeouts, about a minute.
+Run: `make test`. CPU only, six small mpirun jobs under hard timeouts, about a minute.
 """
 
 import sys

@@ -7,8 +7,10 @@ communication: a healthy slow rank that must not be declared failed).
 Locations, in the order an iteration reaches them:
   pre-forward       before the first forward of the iteration
   backward          after the first microbatch's forward, before its backward finishes
-  before-reduce     after the first pass, before any bucket reduction is posted
-  during-reduce     inside the ulfm all-reduce of a bucket, after it was posted
+  before-reduce     before the first bucket reduction of a pass is posted (with
+                    --overlap-grad-reduce, from the first pass's backward)
+  during-reduce     inside the ulfm all-reduce of a bucket, after it was posted (the second
+                    bucket posted; with --overlap-grad-reduce the first, during backward)
   during-consensus  inside the commit consensus, after the agreement was posted
   during-restore    after a failure, while stale buckets are rewound and reduced again
   during-extension  inside an extension pass, before its first backward
@@ -20,7 +22,10 @@ Locations, in the order an iteration reaches them:
                     the replica's shards (start_param_sync; its peers wait inside it); needs
                     --use-distributed-optimizer
 The victim writes a marker {location, iteration, rank, time} right before it SIGKILLs itself; an
-entry whose point the run never reaches is reported as not injected (`injection_report`).
+entry whose point the run never reaches is reported as not injected (`injection_report`). A
+victim inside a ulfm operation dies on the group's worker thread; its marker also says what the
+main thread was doing then: "phase" is "schedule" while megatron's forward/backward runs (with
+--overlap-grad-reduce a bucket's reduction can be in flight then), "after-schedule" otherwise.
 
 An optional top-level `overflows` list of {iteration, microbatch_id} forces an fp16 overflow: the
 backward of that microbatch, on whichever replica runs it (again, after a failure), is scaled to
@@ -167,6 +172,7 @@ class ScheduledFaults:
         self.mine = [e for e in entries if (e.replica, e.local_rank) == (replica, local_rank)]
         self.overflows = {(o.iteration, o.microbatch_id) for o in overflows}
         self.iteration = 0  # the iteration in progress (set by arm_iteration)
+        self._group = None  # a group with an armed native point (phase reports go to it)
         self.world_rank = world_rank
         self.marker_path = Path(marker_path)
 
@@ -203,6 +209,11 @@ class ScheduledFaults:
         """Whether any of this rank's entries is at `location`."""
         return any(entry.location == location for entry in self.mine)
 
+    def phase(self, phase: str) -> None:
+        """The main thread enters `phase` (the "phase" of a native point's marker)."""
+        if self._group is not None:
+            self._group.set_fault_phase(phase)
+
     def at_current(self, location: str) -> None:
         """`at(location, the iteration in progress)`, for points inside megatron's own calls."""
         self.at(location, self.iteration)
@@ -214,6 +225,7 @@ class ScheduledFaults:
             entry = self._due(location, iteration)
             if entry is None:
                 continue
+            self._group = group  # armed: its marker reports the phase
             nth = bucket_index if point == "reduce" else 1
             group.arm_fault(point, group.fault_hits(point) + nth, entry.action, 0.0,
                             str(self.marker_path),
@@ -244,6 +256,9 @@ class NoFaults:
 
     def wants(self, location: str) -> bool:
         return False
+
+    def phase(self, phase: str) -> None:
+        pass
 
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         pass

@@ -703,11 +703,6 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
                      "is replicated, not sharded: to shard it within replicas, pass "
                      f"--num-distributed-optimizer-instances K, a divisor of {dp} (K replicas of "
                      f"{dp}/K data-parallel ranks)")
-    if ns.recover and ns.overlap_grad_reduce:
-        lines.append("megatron-recover: --overlap-grad-reduce under --recover: the cross-replica "
-                     "reductions are posted after the pipeline flush (deferred), not overlapped "
-                     "with backward yet: the reduced gradients are the same, only the overlap "
-                     "is missing")
     if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
         lines.append("megatron-recover: --sequence-parallel has no effect with "
                      "--tensor-model-parallel-size 1 (Megatron-LM drops it too)")

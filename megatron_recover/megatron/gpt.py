@@ -8,6 +8,7 @@ so a microbatch recomputed on another replica after a failure draws the same dro
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -84,6 +85,31 @@ def wrap_ddp(model, transformer_config, ddp_config, cross_replica_group=None,
         finalize_model_grads if cross_replica_group is None else _finalize_keeping_token_sums)
     transformer_config.no_sync_func = ddp.no_sync
     return ddp
+
+
+def synced_inside_replica(ddp_model) -> set:
+    """The parameters whose gradients megatron-core's finalize_model_grads all-reduces in place
+    inside a replica after backward, by the conditions of its helpers at 0.16.1: the word
+    embedding shared by the first and last pipeline stages (tied embeddings, PP > 1) and, with
+    TP > 1, the sequence-parallel norms, the q/k layernorms and the parameters averaged over the
+    TP domain. (GPT's position-embedding group is the first stage alone: nothing to sync.)"""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    config = ddp_model.config
+    model = get_attr_wrapped_model(ddp_model, "pre_process", return_model_obj=True)
+    synced = set()
+    embedding_group = parallel_state.get_embedding_group(check_initialized=False)
+    if (embedding_group is not None and dist.get_world_size(embedding_group) > 1
+            and dist.get_rank() in dist.get_process_group_ranks(embedding_group)
+            and model.share_embeddings_and_output_weights):
+        synced.add(model.shared_embedding_or_output_weight())
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        for name, param in model.named_parameters():
+            if (getattr(param, "average_gradients_across_tp_domain", False)
+                    or (config.sequence_parallel and getattr(param, "sequence_parallel", False))
+                    or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))):
+                synced.add(param)
+    return synced
 
 
 def _finalize_keeping_token_sums(model, num_tokens=None, **kwargs):
@@ -171,6 +197,7 @@ class MicrobatchPass:
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float],
             tokens: dict[int, int]) -> None:
+        self.faults.phase("schedule")
         outputs = self.forward_backward(
             forward_step_func=partial(self._forward_step, iteration),
             data_iterator=self._batches(iteration, ids),
@@ -180,6 +207,7 @@ class MicrobatchPass:
             micro_batch_size=self.micro_batch_size,
             forward_only=False,
         )
+        self.faults.phase("after-schedule")
         for out in outputs:  # only the last pipeline stage has losses
             losses[out["id"]] = float(out["lm loss"])
             tokens[out["id"]] = out["tokens"]

@@ -6,9 +6,11 @@ cross-replica reductions itself once the schedule returned, after the pipeline f
 intra-replica embedding sync (the paper's deferred path), so a bucket's snapshot holds the
 replica's complete gradient and a rewind never has to redo an intra-replica step — and the
 schedules divide each microbatch loss by the iteration's global microbatch count B
-(`set_loss_divisor`). With
-distributed-optimizer instances the intra-instance reduce-scatter is the trainer's too (layer 2
-snapshots the bucket before it).
+(`set_loss_divisor`). With --overlap-grad-reduce, megatron's own signal that a bucket group's
+gradients are complete (its start_grad_sync, from the backward of the last microbatch) goes to
+layer 2, which posts the bucket there unless megatron syncs it inside the replica after
+backward (`GradientRecovery.bucket_ready`). With distributed-optimizer instances the
+intra-instance reduce-scatter is the trainer's too (layer 2 snapshots the bucket before it).
 """
 
 _recoveries = {}  # id(data-parallel process group) -> GradientRecovery
@@ -26,19 +28,26 @@ def set_loss_divisor(b: int) -> None:
     _loss_divisor = b
 
 
-def owns(bucket_group) -> bool:
-    """True when this bucket group's cross-replica reduction belongs to megatron-recover: its
-    data-parallel group or, with distributed-optimizer instances, its inter-instance group."""
-    if not _recoveries:
-        return False
+def _cross_replica_group(bucket_group):
+    """Its data-parallel group or, with distributed-optimizer instances, its inter-instance
+    group."""
     group = getattr(bucket_group, "data_parallel_group", None)  # absent with the dist. optimizer
     if group is None:
         group = getattr(bucket_group, "inter_distributed_optimizer_instance_group", None)
-    return id(group) in _recoveries
+    return group
+
+
+def owns(bucket_group) -> bool:
+    """True when this bucket group's cross-replica reduction belongs to megatron-recover."""
+    return bool(_recoveries) and id(_cross_replica_group(bucket_group)) in _recoveries
 
 
 def start_grad_sync(bucket_group) -> None:
-    """Nothing: the trainer posts the cross-replica reduction after the schedule (deferred)."""
+    """Megatron found the bucket group's gradients complete (--overlap-grad-reduce, in the last
+    microbatch's backward): layer 2 posts what is due (nothing outside an overlapped first
+    pass); the rest is posted by the trainer after the schedule."""
+    recovery = _recoveries[id(_cross_replica_group(bucket_group))]
+    recovery.bucket_ready([bucket.grad_data for bucket in bucket_group.buckets])
 
 
 def finish_grad_sync(bucket_group) -> None:

@@ -27,7 +27,12 @@ from megatron_recover.faults.schedule import (
 )
 from megatron_recover.megatron import mcore_config
 from megatron_recover.megatron.audit import LedgerAudit
-from megatron_recover.megatron.gpt import MicrobatchPass, build_gpt, wrap_ddp
+from megatron_recover.megatron.gpt import (
+    MicrobatchPass,
+    build_gpt,
+    synced_inside_replica,
+    wrap_ddp,
+)
 from megatron_recover.megatron.report import RecoverLog, iteration_line
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
 from megatron_recover.megatron import checkpoint, dist_checkpoint
@@ -396,6 +401,8 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int
         group=setup.group, policy=policy,
         replica_group=setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
         shard_group=setup.shard_group, per_token_loss=cfg.model.calculate_per_token_loss,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
         computes_loss=parallel_state.is_pipeline_last_stage(),
         replica=replica_ids[setup.replica_index], replica_of_rank=replica_of_rank,
         run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,

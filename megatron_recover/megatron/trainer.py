@@ -5,7 +5,10 @@ One `ResilientTrainer.train_step(t)` per iteration, on every rank, drives the th
   1. The policy says which microbatch ids this replica runs; `run_pass` runs them through
      megatron's schedule (pipeline flush and intra-replica syncs included), then every bucket's
      ulfm all-reduce is posted (layer 2 snapshots each bucket first; a spare zeroes its bucket
-     after the snapshot).
+     after the snapshot). With --overlap-grad-reduce the first pass posts each bucket from the
+     backward of its last microbatch, as megatron would, except the buckets megatron syncs
+     inside the replica after backward (layer 2 posts those after the schedule); extension
+     passes and blocking restores stay deferred.
   2. The commit lane — this replica's loss sum and the gradient ledger its buckets sent (which
      microbatch gradients they hold, with checksums of the batches; layer 2) — is all-reduced on
      the same group, then a consensus gives every survivor the same failure record. The census
@@ -105,6 +108,10 @@ class TrainerParts:
     # TP x PP position. They split the replica's microbatches and reduce-scatter its buckets.
     shard_group: object | None = None
     per_token_loss: bool = False  # --calculate-per-token-loss
+    overlap_grad_reduce: bool = False  # --overlap-grad-reduce: post first-pass buckets in backward
+    # Parameters megatron syncs in place inside the replica after backward (finalize_model_grads):
+    # with overlap, their buckets are posted after the schedule.
+    synced_inside_replica: frozenset = frozenset()
 
 
 class ResilientTrainer:
@@ -120,11 +127,12 @@ class ResilientTrainer:
         config = parts.policy.config
         self.lane_layout = LaneLayout(config.b, reserve=config.mode == RESERVE
                                       and config.policy != ADAPTIVE)
-        buckets = [bucket.grad_data for group in parts.model.bucket_groups
-                   for bucket in group.buckets]
-        self.recovery = GradientRecovery(parts.group, buckets,
+        buckets = [bucket for group in parts.model.bucket_groups for bucket in group.buckets]
+        deferred = [bucket.grad_data for bucket in buckets
+                    if parts.overlap_grad_reduce and bucket.params & parts.synced_inside_replica]
+        self.recovery = GradientRecovery(parts.group, [bucket.grad_data for bucket in buckets],
                                          before_first_reduce=self._before_reduce,
-                                         shard_group=parts.shard_group)
+                                         shard_group=parts.shard_group, deferred=deferred)
         if parts.shard_group is None:
             self._shard, self._shards = 0, 1
         else:
@@ -166,7 +174,8 @@ class ResilientTrainer:
         self._iteration = iteration
         start = time.perf_counter()
         events = []
-        p.faults.arm_iteration(p.group, iteration, bucket_index=2)
+        # Overlapped, the first bucket posted is in flight while backward still runs.
+        p.faults.arm_iteration(p.group, iteration, bucket_index=1 if p.overlap_grad_reduce else 2)
         state = p.policy.begin(iteration)
         hooks.set_loss_divisor(state.b)  # B of this iteration (a ramp-up changes it)
         work = p.policy.work(p.replica)
@@ -181,7 +190,8 @@ class ResilientTrainer:
         self.recovery.begin_pass()
         self.recovery.contributing = work.contributes_first_pass
         p.faults.at("pre-forward", iteration)
-        self._run(iteration, self._mine(work.first_pass), losses, tokens)
+        self._run(iteration, self._mine(work.first_pass), losses, tokens,
+                  overlap=p.overlap_grad_reduce)
 
         while True:
             failed_locally = bool(self.recovery.wait())
@@ -280,11 +290,16 @@ class ResilientTrainer:
                         invariant_ok=bool(verdict[w_init + 2] == 0))
 
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float],
-             tokens: dict[int, int]) -> None:
+             tokens: dict[int, int], overlap: bool = False) -> None:
         """Run `ids` (possibly none: every rank still joins the reductions) through the schedule,
-        then post every bucket's reduction."""
+        then post every bucket's reduction not posted during its backward (`overlap`)."""
         if ids:
-            self.p.run_pass(iteration, ids, losses, tokens)
+            if overlap:
+                self.recovery.start_overlap()
+            try:
+                self.p.run_pass(iteration, ids, losses, tokens)
+            finally:
+                self.recovery.stop_overlap()
         self.recovery.reduce_all()
 
     def _blocking_restore(self, iteration: int, work) -> None:
@@ -317,6 +332,11 @@ class ResilientTrainer:
         # zero microbatches, and the shard has nothing to add but still joins the reductions.
         mine = self._mine(extension)
         if mine:
+            if self.p.overlap_grad_reduce:
+                # Megatron counts each parameter's gradient-ready hooks per pass to know when a
+                # bucket is complete; start this pass's count from zero (posting stays ours).
+                for bucket_group in self.p.model.bucket_groups:
+                    bucket_group.reset()
             self.p.run_pass(iteration, mine, losses, tokens)
         if self.p.restore and counted_before > 0:
             self.recovery.add_snapshots()

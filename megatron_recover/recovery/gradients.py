@@ -18,8 +18,23 @@ Every bucket carries a gradient ledger (`ledger.py`) that each of these operatio
 updates the gradient; `sent_ledger()` is what this rank's buckets handed to their latest
 reductions, the evidence the commit lane carries.
 
-Contract: all members of the group call `reduce_bucket` for the same buckets in the same order.
-`wait()` never raises for a peer failure; failures come back as records.
+Overlapped (--overlap-grad-reduce, first passes only): while megatron's schedule runs, megatron
+reports each bucket whose gradients its last microbatch completed (`bucket_ready`), and the
+buckets are posted from there, during backward, in one fixed order: a bucket goes out once every
+bucket before it in that order went out. Buckets that megatron syncs in place inside the replica
+after backward (`deferred`: a tied embedding with pipeline stages, sequence-parallel norms) come
+last in the order and are posted only after the schedule returned, with the rest (`reduce_all`),
+so a reduction in flight never races such a sync and the snapshot holds the synced gradient. A
+rank with nothing to run posts everything in that same order. With distributed-optimizer shards
+the reduce-scatter is posted asynchronously too (on gloo, whose asynchronous reduce-scatter only
+progresses inside wait(), an all-reduce of the bucket: the shard receives the same sum), and
+each bucket's ulfm all-reduce follows its reduce-scatter: posted, in order, at the first report
+from megatron after the reduce-scatter finished (or by `wait`). No thread of ours is involved (a
+Python helper would wait for the GIL while backward holds it); an error of the reduce-scatter
+surfaces on the main thread and takes the exit-hook path (`runtime`).
+
+Contract: all members of the group post the same buckets in the same order (`reduce_all` after
+each pass). `wait()` never raises for a peer failure; failures come back as records.
 """
 
 from dataclasses import dataclass, field
@@ -41,14 +56,17 @@ class _Bucket:
     ledger: Ledger = field(default_factory=Ledger)  # what `grad` holds now
     snapshot_ledger: Ledger = field(default_factory=Ledger)  # what `snapshot` holds
     sent: Ledger | None = None  # what the latest reduction of this pass summed from this rank
+    deferred: bool = False  # synced inside the replica after backward: posted after the pass
+    ready: bool = False  # overlapped pass: megatron found the bucket's gradients complete
 
 
 class GradientRecovery:
     """The cross-replica reduction of one rank's gradient buckets, with rewind."""
 
     def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
-                 shard_group=None):
-        """`grads`: the gradient buckets, in the order every member reduces them.
+                 shard_group=None, deferred: list[torch.Tensor] = ()):
+        """`grads`: the gradient buckets, in the order every member reduces them (`deferred`
+        ones, synced inside the replica after backward, moved to the end).
         `before_first_reduce()` runs before the first reduction of each pass (fault point).
         `shard_group`: with a distributed optimizer in the replica, the torch group of the ranks
         holding the other shards of these buckets (Megatron's intra-instance data-parallel
@@ -58,9 +76,14 @@ class GradientRecovery:
         self.contributing = True
         self.before_first_reduce = before_first_reduce
         self._buckets: dict[int, _Bucket] = {}  # data_ptr of the bucket -> state, in order
-        for grad in grads:
-            self._state(grad)
+        late = {grad.data_ptr() for grad in deferred}
+        for grad in [g for g in grads if g.data_ptr() not in late] + list(deferred):
+            self._state(grad).deferred = grad.data_ptr() in late
         self._posted_in_pass = 0
+        self.overlap = False  # megatron's bucket_ready calls post buckets (during backward)
+        self._overlapped = False  # this pass posted during backward
+        # Shards, overlapped: (bucket, its reduce-scatter in flight), in posting order.
+        self._scattering: list[tuple[_Bucket, object]] = []
 
     def _state(self, grad: torch.Tensor) -> _Bucket:
         key = grad.data_ptr()
@@ -92,7 +115,53 @@ class GradientRecovery:
             assert bucket.work is None, "begin_pass with reductions in flight"
             bucket.reduced_epoch = None
             bucket.sent = None
+            bucket.ready = False
         self._posted_in_pass = 0
+        self.overlap = False
+        self._overlapped = False
+        assert not self._scattering, "begin_pass with reduce-scatters in flight"
+
+    def start_overlap(self) -> None:
+        """This pass posts each bucket as soon as megatron finds it complete (its backward)."""
+        self.overlap = True
+        self._overlapped = True
+
+    def stop_overlap(self) -> None:
+        """The schedule returned: what is left is posted by `reduce_all`."""
+        self.overlap = False
+
+    def bucket_ready(self, grads: list[torch.Tensor]) -> None:
+        """Megatron found these buckets' gradients complete in the last microbatch's backward:
+        post every bucket whose turn has come (nothing outside an overlapped pass)."""
+        if not self.overlap:
+            return
+        self._post_scattered()
+        for grad in grads:
+            self._buckets[grad.data_ptr()].ready = True
+        for bucket in self._buckets.values():
+            if bucket.sent is not None:
+                continue  # posted in this pass
+            if bucket.deferred or not bucket.ready:
+                return
+            self.reduce_bucket(bucket.grad)
+
+    def _scatter_async(self, bucket: _Bucket):
+        """Post the bucket's reduce-scatter inside the replica; returns its torch Work."""
+        if dist.get_backend(self.shard_group) == "gloo":
+            # Gloo's asynchronous reduce-scatter makes progress only inside wait(); its
+            # all-reduce runs on gloo's own threads. This rank's shard receives the same sum
+            # (the rest of the bucket too, which the distributed optimizer does not read).
+            return dist.all_reduce(bucket.grad, group=self.shard_group, async_op=True)
+        return dist.reduce_scatter_tensor(bucket.shard, bucket.grad, group=self.shard_group,
+                                          async_op=True)
+
+    def _post_scattered(self, block: bool = False) -> None:
+        """Post the ulfm all-reduce of every bucket whose reduce-scatter finished, in order (all
+        of them, waiting, with `block`)."""
+        while self._scattering and (block or self._scattering[0][1].is_completed()):
+            bucket, scatter = self._scattering.pop(0)
+            scatter.wait()  # intra-replica: a dead peer makes this raise (the replica gate)
+            bucket.work = self.group.allreduce(bucket.shard)
 
     def register(self, iteration: int, microbatch_id: int, checksum: int) -> None:
         """A microbatch's backward accumulates into every bucket of this rank: record it."""
@@ -121,13 +190,22 @@ class GradientRecovery:
         bucket.sent = bucket.ledger.copy()
         # From here on `grad` holds the replica's (then the replicas') sum, not this rank's own.
         bucket.ledger = Ledger(known=False)
-        if self.shard_group is not None:
+        self._post(bucket)
+
+    def _post(self, bucket: _Bucket) -> None:
+        grad = bucket.grad
+        if self.shard_group is None:
+            bucket.work = self.group.allreduce(bucket.shard)
+        elif self._overlapped:
+            self._scattering.append((bucket, self._scatter_async(bucket)))
+        else:
             # Intra-replica: a dead peer makes this raise and the rank leaves with its replica.
             dist.reduce_scatter_tensor(bucket.shard, grad, group=self.shard_group)
-        bucket.work = self.group.allreduce(bucket.shard)
+            bucket.work = self.group.allreduce(bucket.shard)
 
     def wait(self) -> list[FailureRecord]:
         """Wait for every posted reduction; return the failure records among them."""
+        self._post_scattered(block=True)
         failures = []
         for bucket in self._buckets.values():
             if bucket.work is None:
@@ -171,7 +249,9 @@ class GradientRecovery:
             bucket.ledger.add(bucket.snapshot_ledger)
 
     def reduce_all(self) -> None:
-        """Post every bucket's reduction, in order (after a rewind the snapshot is retaken and
-        holds the same contents)."""
+
+        """Post every bucket's reduction not yet posted in this pass, in order (after a rewind
+        the snapshot is retaken and holds the same contents)."""
         for bucket in list(self._buckets.values()):
-            self.reduce_bucket(bucket.grad)
+            if bucket.sent is None:
+                self.reduce_bucket(bucket.grad)
