@@ -5,7 +5,10 @@ Run: `make test`. CPU only, 4 oversubscribed ranks per run, each under a hard ti
 Overlapped, layer 2 posts a bucket as soon as megatron-core reports it complete in the last
 microbatch's backward; the failure schedule's `during-reduce` then kills the victim inside the
 first bucket it posted, and its marker records what the main thread was doing ("schedule":
-megatron's forward/backward was still running). Every layout is checked two ways:
+megatron's forward/backward was still running). The victim also stalls (computes, without
+communication) right after that post, inside backward: on two oversubscribed cores the ulfm
+worker thread may otherwise get the CPU only after the victim's short backward has ended, and
+the kill would land after the schedule. Every layout is checked two ways:
   - failure-free, overlapped and deferred runs end with bitwise-equal parameters (a bucket
     posted before its gradients were complete, or before megatron's in-replica syncs, would
     change them);
@@ -40,6 +43,7 @@ OVERLAP = ["--overlap-grad-reduce"]
 # layout: (arguments, victim's (replica, local rank), the ranks that complete after the kill,
 # the replicas left, how many different parameter digests the survivors hold: one per stage,
 # the victim's stall before the iteration, in seconds)
+POST_STALL_S = 0.3
 LAYOUTS = {
     "dp4": ([], (1, 0), [0, 2, 3], 3, 1, 0),
     # Replica 1 is world ranks 1 (stage 0) and 3 (stage 1). Megatron-core gives a stage after
@@ -76,7 +80,9 @@ def test_kill_while_reductions_overlap_backward(tmp_path, layout):
     # Iteration 3: megatron-core learns each bucket's gradient hooks in iteration 1 and reports
     # complete buckets from iteration 2 on.
     victim = f"iteration: 3, replica: {replica}, local_rank: {local_rank}"
-    schedule = f"entries:\n  - {{{victim}, location: during-reduce}}\n"
+    schedule = (f"entries:\n  - {{{victim}, location: during-reduce}}\n"
+                f"  - {{{victim}, location: after-post, action: stall, "
+                f"seconds: {POST_STALL_S}}}\n")
     if stall:
         schedule += (f"  - {{{victim}, location: pre-forward, action: stall, "
                      f"seconds: {stall}}}\n")
@@ -95,10 +101,12 @@ def test_kill_while_reductions_overlap_backward(tmp_path, layout):
 def test_deferred_kill_is_after_the_schedule(tmp_path):
     # The control for the marker: without the flag the same kill lands after the schedule.
     args, (replica, local_rank), survivors, _, _, _ = LAYOUTS["dp4"]
-    schedule = (f"entries:\n  - {{iteration: 3, replica: {replica}, local_rank: {local_rank}, "
-                "location: during-reduce}\n")
+    victim = f"iteration: 3, replica: {replica}, local_rank: {local_rank}"
+    schedule = (f"entries:\n  - {{{victim}, location: during-reduce}}\n"
+                f"  - {{{victim}, location: after-post, action: stall, "
+                f"seconds: {POST_STALL_S}}}\n")
     run = train(tmp_path, "kill", args, schedule)
-    (marker,) = run.markers
+    (marker,) = [m for m in run.markers if m["location"] == "during-reduce"]
     assert marker["phase"] == "after-schedule", marker
     assert run.completed() == survivors
     assert_ledger_held(run.records, GBS)

@@ -9,6 +9,8 @@ Locations, in the order an iteration reaches them:
   backward          after the first microbatch's forward, before its backward finishes
   before-reduce     before the first bucket reduction of a pass is posted (with
                     --overlap-grad-reduce, from the first pass's backward)
+  after-post        right after the first ulfm all-reduce of a pass was posted (with
+                    --overlap-grad-reduce, inside the first pass's backward)
   during-reduce     inside the ulfm all-reduce of a bucket, after it was posted (the second
                     bucket posted; with --overlap-grad-reduce the first, during backward)
   during-consensus  inside the commit consensus, after the agreement was posted
@@ -44,7 +46,8 @@ import yaml
 
 from megatron_recover.faults.injection import read_markers, write_marker
 
-LOCATIONS = ("pre-forward", "backward", "before-reduce", "during-reduce", "during-consensus",
+LOCATIONS = ("pre-forward", "backward", "before-reduce", "after-post", "during-reduce",
+             "during-consensus",
              "during-restore", "during-extension", "optimizer-step", "grad-norm", "param-gather")
 # Reached inside megatron's optimizer step, where the trainer does not call: the iteration is
 # the one the trainer armed last.

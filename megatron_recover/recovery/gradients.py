@@ -64,10 +64,11 @@ class GradientRecovery:
     """The cross-replica reduction of one rank's gradient buckets, with rewind."""
 
     def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
-                 shard_group=None, deferred: list[torch.Tensor] = ()):
+                 shard_group=None, deferred: list[torch.Tensor] = (), after_first_post=None):
         """`grads`: the gradient buckets, in the order every member reduces them (`deferred`
         ones, synced inside the replica after backward, moved to the end).
-        `before_first_reduce()` runs before the first reduction of each pass (fault point).
+        `before_first_reduce()` runs before the first reduction of each pass is posted,
+        `after_first_post()` right after its first ulfm all-reduce was (fault points).
         `shard_group`: with a distributed optimizer in the replica, the torch group of the ranks
         holding the other shards of these buckets (Megatron's intra-instance data-parallel
         group); None without one."""
@@ -75,11 +76,14 @@ class GradientRecovery:
         self.shard_group = shard_group
         self.contributing = True
         self.before_first_reduce = before_first_reduce
+        self.after_first_post = after_first_post
         self._buckets: dict[int, _Bucket] = {}  # data_ptr of the bucket -> state, in order
         late = {grad.data_ptr() for grad in deferred}
         for grad in [g for g in grads if g.data_ptr() not in late] + list(deferred):
             self._state(grad).deferred = grad.data_ptr() in late
         self._posted_in_pass = 0
+        self._allreduced = False  # a ulfm all-reduce was posted in this pass
+        self.intervals: list[tuple[float, float]] = []  # the last wait's reductions: (start, end)
         self.overlap = False  # megatron's bucket_ready calls post buckets (during backward)
         self._overlapped = False  # this pass posted during backward
         # Shards, overlapped: (bucket, its reduce-scatter in flight), in posting order.
@@ -117,6 +121,7 @@ class GradientRecovery:
             bucket.sent = None
             bucket.ready = False
         self._posted_in_pass = 0
+        self._allreduced = False  # a ulfm all-reduce was posted in this pass
         self.overlap = False
         self._overlapped = False
         assert not self._scattering, "begin_pass with reduce-scatters in flight"
@@ -161,7 +166,7 @@ class GradientRecovery:
         while self._scattering and (block or self._scattering[0][1].is_completed()):
             bucket, scatter = self._scattering.pop(0)
             scatter.wait()  # intra-replica: a dead peer makes this raise (the replica gate)
-            bucket.work = self.group.allreduce(bucket.shard)
+            self._allreduce(bucket)
 
     def register(self, iteration: int, microbatch_id: int, checksum: int) -> None:
         """A microbatch's backward accumulates into every bucket of this rank: record it."""
@@ -195,23 +200,33 @@ class GradientRecovery:
     def _post(self, bucket: _Bucket) -> None:
         grad = bucket.grad
         if self.shard_group is None:
-            bucket.work = self.group.allreduce(bucket.shard)
+            self._allreduce(bucket)
         elif self._overlapped:
             self._scattering.append((bucket, self._scatter_async(bucket)))
         else:
             # Intra-replica: a dead peer makes this raise and the rank leaves with its replica.
             dist.reduce_scatter_tensor(bucket.shard, grad, group=self.shard_group)
-            bucket.work = self.group.allreduce(bucket.shard)
+            self._allreduce(bucket)
+
+    def _allreduce(self, bucket: _Bucket) -> None:
+        """Post the ulfm all-reduce of (this rank's shard of) the bucket."""
+        first = not self._allreduced
+        bucket.work = self.group.allreduce(bucket.shard)
+        self._allreduced = True
+        if first and self.after_first_post is not None:
+            self.after_first_post()
 
     def wait(self) -> list[FailureRecord]:
         """Wait for every posted reduction; return the failure records among them."""
         self._post_scattered(block=True)
         failures = []
+        self.intervals = []
         for bucket in self._buckets.values():
             if bucket.work is None:
                 continue
             record = bucket.work.wait()
             bucket.work = None
+            self.intervals.append((record.started_s, record.finished_s))
             if record.has_failure:
                 bucket.reduced_epoch = None
                 failures.append(record)
@@ -223,6 +238,11 @@ class GradientRecovery:
         """Every bucket's latest reduction succeeded, all under the current epoch."""
         epoch = self.group.epoch
         return all(b.reduced_epoch == epoch for b in self._buckets.values())
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Memory this rank's snapshots take (one per bucket, the bucket's size)."""
+        return sum(b.snapshot.numel() * b.snapshot.element_size() for b in self._buckets.values())
 
     @property
     def grads(self) -> list[torch.Tensor]:
