@@ -1,15 +1,23 @@
-"""Failure-free cost of --recover and of its hang watchdog, measured side by side.
+"""Failure-free cost of --recover, overlapped and deferred, and of its hang watchdog, side by side.
 
 Usage: .venv/bin/python scripts/bench_overhead.py [--json] [--ranks 4] [--iterations 40]
        [--rounds 2] [--hang-timeout 3]
 
-Runs the same tiny GPT job (mock data, CPU) in four modes, alternately, `--rounds` times each,
-in one sitting (this machine is noisy): stock Megatron data parallelism on gloo; the same over
-the ulfm backend without recovery (`--cross-replica-backend ulfm`); `--recover` with the hang
-watchdog off (snapshots, commit lane, consensus, policy); and `--recover --recover-hang-timeout T` (Open MPI's failure
-detector thread heartbeating every T/2 s, the replica gate). Reports the median per-iteration
-time of each, skipping warm-up iterations, and the ratios recover / stock, recover /
-ulfm-without-recovery and watchdog on / off.
+Runs the same tiny GPT job (mock data, CPU, data parallelism over `--ranks` replicas) in these
+modes, alternately, `--rounds` times each, in one sitting (this machine is noisy):
+  stock           Megatron as a stock user runs it: gloo, --overlap-grad-reduce
+  stock-ulfm      the same over the ulfm backend, no recovery (--cross-replica-backend ulfm)
+  deferred        --recover without --overlap-grad-reduce: every bucket after the schedule
+  overlapped      --recover --overlap-grad-reduce: buckets posted during backward
+each in fp32 and in bf16, plus `watchdog` (overlapped, fp32, --recover-hang-timeout T: Open
+MPI's failure detector heartbeating every T/2 s and the replica gate; the other --recover modes
+run with the watchdog off). Reports the median per-iteration time of each, skipping warm-up
+iterations, and the ratios. From the recovery log of the --recover runs (the ulfm worker's
+timestamps of every bucket reduction of the first round): `reduce_share`, the share of the
+iteration during which some cross-replica reduction was running, and `hidden_share`, the part of
+that time before megatron's schedule returned (hidden under backward), both for the overlapped
+fp32 runs (and the deferred ones for comparison); `snapshot_bytes_ratio`, snapshot memory per
+rank over its gradient buffer.
 """
 
 import argparse
@@ -28,6 +36,13 @@ from megatron_recover.launch import LaunchConfig, launch  # noqa: E402
 WARMUP_ITERATIONS = 5
 ITERATION_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
                           r"([0-9.]+)")
+MODES = {
+    "stock": ["--overlap-grad-reduce"],
+    "stock-ulfm": ["--overlap-grad-reduce", "--cross-replica-backend", "ulfm"],
+    "deferred": ["--recover", "--recover-hang-timeout", "0"],
+    "overlapped": ["--overlap-grad-reduce", "--recover", "--recover-hang-timeout", "0"],
+}
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
 
 
 def job(iterations: int, ranks: int) -> list[str]:
@@ -35,21 +50,31 @@ def job(iterations: int, ranks: int) -> list[str]:
             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
             "--global-batch-size", str(4 * ranks), "--train-iters", str(iterations),
             "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "256", "--log-interval", "1"]
+            "--vocab-size", "256", "--log-interval", "1", "--ddp-bucket-size", "20000"]
 
 
-def iteration_times(mode: str, ranks: int, iterations: int, hang_timeout: float,
-                    tmp: Path) -> list[float]:
-    extra = {"stock": [], "ulfm": ["--cross-replica-backend", "ulfm"],
-             "recover": ["--recover", "--recover-hang-timeout", "0"],
-             "watchdog": ["--recover", "--recover-hang-timeout", f"{hang_timeout:g}"]}[mode]
+def run_mode(name: str, extra: list[str], ranks: int, iterations: int, tmp: Path) -> dict:
+    """One run: its per-iteration times after warm-up and, under --recover, its log records."""
+    where = tmp / name
+    log = where / "log.jsonl"
+    recover = ["--recover-log", str(log)] if "--recover" in extra else []
     command = [sys.executable, str(ROOT / "pretrain_gpt_recover.py"),
-               *job(iterations, ranks), *extra]
-    result = launch(LaunchConfig(ranks, command, tmp / f"status-{mode}", timeout_s=900))
+               *job(iterations, ranks), *extra, *recover]
+    result = launch(LaunchConfig(ranks, command, where / "status", timeout_s=900))
     if not result.succeeded:
-        raise SystemExit(f"{mode} run failed:\n{result.output[-3000:]}")
+        raise SystemExit(f"{name} run failed:\n{result.output[-3000:]}")
     times = {int(it): float(ms) for it, ms in ITERATION_MS.findall(result.output)}
-    return [times[i] for i in sorted(times) if i > WARMUP_ITERATIONS]
+    records = [json.loads(line) for line in log.read_text().splitlines()] if recover else []
+    return {"times": [times[i] for i in sorted(times) if i > WARMUP_ITERATIONS],
+            "records": [r for r in records if r["iteration"] > WARMUP_ITERATIONS]}
+
+
+def shares(records: list[dict]) -> tuple[float, float]:
+    """(reduce_share, hidden_share) over the records, from their summed timestamps."""
+    reduce_ms = sum(r["reduction"]["reduce_ms"] for r in records)
+    hidden_ms = sum(r["reduction"]["hidden_ms"] for r in records)
+    iteration_ms = sum(r["iteration_ms"] for r in records)
+    return reduce_ms / iteration_ms, hidden_ms / reduce_ms if reduce_ms else 0.0
 
 
 def main() -> int:
@@ -65,32 +90,56 @@ def main() -> int:
     if args.iterations <= WARMUP_ITERATIONS:
         parser.error(f"--iterations must exceed the {WARMUP_ITERATIONS} warm-up iterations "
                      "that are not measured")
-    samples = {"stock": [], "ulfm": [], "recover": [], "watchdog": []}
+    modes = {f"{mode}-{precision}": [*flags, *PRECISIONS[precision]]
+             for precision in PRECISIONS for mode, flags in MODES.items()}
+    modes["watchdog-fp32"] = ["--overlap-grad-reduce", "--recover",
+                              "--recover-hang-timeout", f"{args.hang_timeout:g}"]
+    runs = {name: {"times": [], "records": []} for name in modes}
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         for round_index in range(args.rounds):
-            for mode in samples:
-                print(f"round {round_index + 1}/{args.rounds}: {mode}", file=sys.stderr,
+            for name, extra in modes.items():
+                print(f"round {round_index + 1}/{args.rounds}: {name}", file=sys.stderr,
                       flush=True)
-                samples[mode] += iteration_times(mode, args.ranks, args.iterations,
-                                                 args.hang_timeout, Path(tmp))
-    medians = {mode: statistics.median(times) for mode, times in samples.items()}
-    report = {"ranks": args.ranks, "iterations_measured": {m: len(t) for m, t in samples.items()},
-              "stock_ms": medians["stock"], "ulfm_without_recovery_ms": medians["ulfm"],
-              "recover_ms": medians["recover"],
-              "ratio": medians["recover"] / medians["stock"],
-              "ratio_vs_ulfm_without_recovery": medians["recover"] / medians["ulfm"],
-              "hang_timeout_s": args.hang_timeout, "watchdog_ms": medians["watchdog"],
-              "watchdog_ratio": medians["watchdog"] / medians["recover"]}
+                run = run_mode(f"{name}-{round_index}", extra, args.ranks, args.iterations,
+                               Path(tmp))
+                runs[name]["times"] += run["times"]
+                runs[name]["records"] += run["records"]
+    ms = {name: statistics.median(run["times"]) for name, run in runs.items()}
+    reduce_share, hidden_share = shares(runs["overlapped-fp32"]["records"])
+    deferred_reduce_share, deferred_hidden_share = shares(runs["deferred-fp32"]["records"])
+    last = runs["overlapped-fp32"]["records"][-1]["reduction"]
+    report = {
+        "ranks": args.ranks,
+        "iterations_measured": {name: len(run["times"]) for name, run in runs.items()},
+        "median_ms": ms,
+        "ratio_overlap_vs_stock": ms["overlapped-fp32"] / ms["stock-fp32"],
+        "ratio_overlap_vs_stock_bf16": ms["overlapped-bf16"] / ms["stock-bf16"],
+        "ratio_overlap_vs_deferred": ms["overlapped-fp32"] / ms["deferred-fp32"],
+        "ratio_overlap_vs_deferred_bf16": ms["overlapped-bf16"] / ms["deferred-bf16"],
+        "ratio_overlap_vs_stock_ulfm": ms["overlapped-fp32"] / ms["stock-ulfm-fp32"],
+        "ratio_stock_ulfm_vs_stock": ms["stock-ulfm-fp32"] / ms["stock-fp32"],
+        "reduce_share": reduce_share, "hidden_share": hidden_share,
+        "deferred_reduce_share": deferred_reduce_share,
+        "deferred_hidden_share": deferred_hidden_share,
+        "snapshot_bytes_ratio": last["snapshot_bytes"] / last["grad_bytes"],
+        "hang_timeout_s": args.hang_timeout,
+        "watchdog_ratio": ms["watchdog-fp32"] / ms["overlapped-fp32"],
+    }
     if args.json:
         print(json.dumps(report))
-    else:
-        print(f"median iteration time, {args.ranks} ranks, failure-free: stock (gloo) "
-              f"{report['stock_ms']:.1f} ms, stock over ulfm "
-              f"{report['ulfm_without_recovery_ms']:.1f} ms, --recover "
-              f"{report['recover_ms']:.1f} ms; recover/stock {report['ratio']:.3f}, "
-              f"recover/ulfm {report['ratio_vs_ulfm_without_recovery']:.3f}")
-        print(f"hang watchdog ({args.hang_timeout:g} s): on {report['watchdog_ms']:.1f} ms vs "
-              f"off {report['recover_ms']:.1f} ms; on/off {report['watchdog_ratio']:.3f}")
+        return 0
+    print(f"median iteration time, {args.ranks} ranks, failure-free (ms):")
+    for precision in PRECISIONS:
+        print(f"  {precision}: " + ", ".join(f"{mode} {ms[f'{mode}-{precision}']:.1f}"
+                                               for mode in MODES))
+    print(f"recover overlapped / stock: fp32 {report['ratio_overlap_vs_stock']:.3f}, bf16 "
+          f"{report['ratio_overlap_vs_stock_bf16']:.3f}; overlapped / deferred (fp32) "
+          f"{report['ratio_overlap_vs_deferred']:.3f}")
+    print(f"cross-replica reduction running during {100 * reduce_share:.1f}% of an overlapped "
+          f"iteration, {100 * hidden_share:.1f}% of it under backward (deferred: "
+          f"{100 * deferred_reduce_share:.1f}%, {100 * deferred_hidden_share:.1f}%)")
+    print(f"snapshot memory / gradient buffer per rank: {report['snapshot_bytes_ratio']:.3f}")
+    print(f"hang watchdog ({args.hang_timeout:g} s) on / off: {report['watchdog_ratio']:.3f}")
     return 0
 
 

@@ -16,7 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("rank", &ulfm::FailureRecord::rank)
       .def_readonly("epoch", &ulfm::FailureRecord::epoch)
       .def_readonly("repaired", &ulfm::FailureRecord::repaired)
-      .def_readonly("census", &ulfm::FailureRecord::census);
+      .def_readonly("census", &ulfm::FailureRecord::census)
+      .def_readonly("started_s", &ulfm::FailureRecord::started_s)
+      .def_readonly("finished_s", &ulfm::FailureRecord::finished_s);
 
   py::class_<ulfm::WorkULFM, c10d::Work, c10::intrusive_ptr<ulfm::WorkULFM>>(m, "WorkULFM")
       .def("has_failure", &ulfm::WorkULFM::has_failure)

@@ -320,11 +320,13 @@ void ProcessGroupULFM::worker_loop() {
     }
     FailureRecord record;
     std::exception_ptr error;
+    record.started_s = now_s();
     try {
       task.run(&record);
     } catch (...) {
       error = std::current_exception();
     }
+    record.finished_s = now_s();
     fill_membership(&record);
     task.work->complete(&record, error);
   }

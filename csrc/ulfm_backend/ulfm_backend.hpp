@@ -45,6 +45,8 @@ struct FailureRecord {
   int64_t epoch = 0;                  // group epoch after the operation
   bool repaired = false;              // this operation revoked and shrank the communicator
   std::vector<int64_t> census;        // consensus only: element-wise sum over survivors
+  double started_s = 0.0;             // wall clock (s) when the worker thread began it
+  double finished_s = 0.0;            // and when it was done with it
 };
 
 // Test-only fault injection: SIGKILL or SIGSTOP this process (or delay it) at a named point.

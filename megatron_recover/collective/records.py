@@ -1,6 +1,6 @@
 """Typed results of ulfm operations: what every caller of layer 1 reads after a collective."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class CollectiveTimeout(RuntimeError):
@@ -25,6 +25,8 @@ class FailureRecord:
     epoch: the group epoch after the operation; bumped once per repair.
     repaired: this operation revoked and shrank the communicator.
     census: consensus only, the element-wise sum of every survivor's census.
+    started_s, finished_s: when this rank's worker thread began and ended the operation (wall
+        clock, time.time()'s); not part of what survivors compare.
     """
 
     failed_ranks: tuple[int, ...]
@@ -33,6 +35,8 @@ class FailureRecord:
     epoch: int
     repaired: bool
     census: tuple[int, ...] = ()
+    started_s: float = field(default=0.0, compare=False)
+    finished_s: float = field(default=0.0, compare=False)
 
     @property
     def has_failure(self) -> bool:
@@ -47,4 +51,6 @@ class FailureRecord:
             epoch=native.epoch,
             repaired=native.repaired,
             census=tuple(native.census),
+            started_s=native.started_s,
+            finished_s=native.finished_s,
         )

@@ -81,6 +81,10 @@ class StepReport:
     buckets: int
     events: list[dict] = field(default_factory=list)
     loss_tokens: int | None = None  # --calculate-per-token-loss: the committed loss tokens
+    # The first round's cross-replica reductions, from the ulfm worker's timestamps: how long
+    # some reduction was running, how much of that before megatron's schedule returned (hidden
+    # under backward), and this rank's snapshot and gradient-buffer bytes.
+    reduction: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -124,6 +128,7 @@ class ResilientTrainer:
         self._last_progress = time.time()
         self._iteration = 0
         self._extended = False  # an extension pass ran in the iteration in progress
+        self._schedule_end = 0.0  # when the first pass's schedule returned (reduction timing)
         config = parts.policy.config
         self.lane_layout = LaneLayout(config.b, reserve=config.mode == RESERVE
                                       and config.policy != ADAPTIVE)
@@ -132,6 +137,7 @@ class ResilientTrainer:
                     if parts.overlap_grad_reduce and bucket.params & parts.synced_inside_replica]
         self.recovery = GradientRecovery(parts.group, [bucket.grad_data for bucket in buckets],
                                          before_first_reduce=self._before_reduce,
+                                         after_first_post=self._after_post,
                                          shard_group=parts.shard_group, deferred=deferred)
         if parts.shard_group is None:
             self._shard, self._shards = 0, 1
@@ -169,6 +175,9 @@ class ResilientTrainer:
     def _before_reduce(self) -> None:
         self.p.faults.at("before-reduce", self._iteration)
 
+    def _after_post(self) -> None:
+        self.p.faults.at("after-post", self._iteration)
+
     def train_step(self, iteration: int) -> StepReport:
         p = self.p
         self._iteration = iteration
@@ -192,9 +201,12 @@ class ResilientTrainer:
         p.faults.at("pre-forward", iteration)
         self._run(iteration, self._mine(work.first_pass), losses, tokens,
                   overlap=p.overlap_grad_reduce)
+        reduction = None
 
         while True:
             failed_locally = bool(self.recovery.wait())
+            if reduction is None:
+                reduction = self._reduction_timing(self._schedule_end)
             lane = self._lane(iteration, losses, tokens)
             lane_record = p.group.allreduce(lane).wait()
             ok = int(not failed_locally and not lane_record.has_failure
@@ -234,7 +246,26 @@ class ResilientTrainer:
             events[-1]["restored"] = time.time()
 
         p.audit.committed(totals)
-        return self._commit(iteration, totals, problems, verdict, agreed, start, events)
+        report = self._commit(iteration, totals, problems, verdict, agreed, start, events)
+        report.reduction = reduction
+        return report
+
+    def _reduction_timing(self, schedule_end: float) -> dict:
+        """The first round's reductions: the time some reduction was running, and the part of
+        it before `schedule_end` (megatron's schedule had not returned: hidden under backward
+        with --overlap-grad-reduce), in ms; snapshot and gradient-buffer bytes."""
+        busy = hidden = 0.0
+        reach = float("-inf")
+        for start, end in sorted(self.recovery.intervals):  # the union of the intervals
+            start = max(start, reach)
+            if end > start:
+                busy += end - start
+                hidden += max(0.0, min(end, schedule_end) - start)
+                reach = end
+        grads = self.recovery.grads
+        return {"reduce_ms": busy * 1e3, "hidden_ms": hidden * 1e3,
+                "snapshot_bytes": self.recovery.snapshot_bytes,
+                "grad_bytes": sum(g.numel() * g.element_size() for g in grads)}
 
     def _mine(self, ids) -> list[int]:
         """The ids of the replica's `ids` this rank runs: all, or every S-th with S shards."""
@@ -300,6 +331,7 @@ class ResilientTrainer:
                 self.p.run_pass(iteration, ids, losses, tokens)
             finally:
                 self.recovery.stop_overlap()
+        self._schedule_end = time.time()  # what reduce_all posts now was not under backward
         self.recovery.reduce_all()
 
     def _blocking_restore(self, iteration: int, work) -> None:
