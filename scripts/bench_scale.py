@@ -71,7 +71,8 @@ ANY, SPARE = "any", "spare"  # victim kinds a plan may ask for besides BOUNDARY 
 # Where a death lands in an iteration, as the agreed records see it: in the first record
 # (detected at the iteration's reduce or consensus), in a second one (it died while the survivors
 # recovered from the first), or after the commit (found by the next iteration's reduce).
-FIRST_RECORD = ("pre-forward", "backward", "before-reduce", "during-reduce", "during-consensus")
+FIRST_RECORD = ("pre-forward", "backward", "before-reduce", "after-post", "during-reduce",
+                "during-consensus")
 IN_RECOVERY = ("during-extension", "during-restore")
 AFTER_COMMIT = ("optimizer-step",)
 assert set(FIRST_RECORD + IN_RECOVERY + AFTER_COMMIT) == set(LOCATIONS) - set(OPTIMIZER_LOCATIONS)
@@ -89,7 +90,7 @@ EPISODES = (
     ((ANY, "optimizer-step"),),
     ((PROMOTION, "during-reduce"), (SPARE, "during-reduce")),
     ((BOUNDARY, "pre-forward"),),
-    ((PROMOTION, "backward"),),
+    ((PROMOTION, "after-post"),),
 )
 FIRST_FAILURE = 2  # iteration 1 stays failure-free: ranks still starting up are joining it
 FAILURE_SPACING = 2

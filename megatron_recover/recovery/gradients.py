@@ -269,7 +269,6 @@ class GradientRecovery:
             bucket.ledger.add(bucket.snapshot_ledger)
 
     def reduce_all(self) -> None:
-
         """Post every bucket's reduction not yet posted in this pass, in order (after a rewind
         the snapshot is retaken and holds the same contents)."""
         for bucket in list(self._buckets.values()):
