@@ -41,21 +41,19 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 OVERLAP = ["--overlap-grad-reduce"]
 # layout: (arguments, victim's (replica, local rank), the ranks that complete after the kill,
-# the replicas left, how many different parameter digests the survivors hold: one per stage,
-# the victim's stall before the iteration, in seconds)
+# the replicas left, how many different parameter digests the survivors hold: one per stage)
 POST_STALL_S = 0.3
 LAYOUTS = {
-    "dp4": ([], (1, 0), [0, 2, 3], 3, 1, 0),
+    "dp4": ([], (1, 0), [0, 2, 3], 3, 1),
     # Replica 1 is world ranks 1 (stage 0) and 3 (stage 1). Megatron-core gives a stage after
     # the first one bucket, here holding the output layer's tied weight: it is posted after the
     # schedule. Stage 0's embedding bucket too; its other buckets go out during backward.
-    "pp2-tied": (["--pipeline-model-parallel-size", "2"], (1, 0), [0, 2], 1, 2, 0),
+    "pp2-tied": (["--pipeline-model-parallel-size", "2"], (1, 0), [0, 2], 1, 2),
     # Instance 1 is world ranks 2, 3; shard 1 (rank 3) dies. Both shards hold the whole model.
-    # The victim's all-reduce is posted once its reduce-scatter with shard 0 finished; a victim
-    # ahead of its peer by more than its remaining backward would die after the schedule. It
-    # stalls (computes, no communication) before the iteration, so shard 0 is already waiting.
+    # Its first all-reduce goes out at megatron's second report, after the first bucket's
+    # reduce-scatter with shard 0.
     "do2x2": (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
-              (1, 1), [0, 1], 1, 1, 0.5),
+              (1, 1), [0, 1], 1, 1),
 }
 
 
@@ -72,7 +70,7 @@ def digests(run):
 @pytest.mark.timeout(4 * TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_kill_while_reductions_overlap_backward(tmp_path, layout):
-    args, (replica, local_rank), survivors, live, stages, stall = LAYOUTS[layout]
+    args, (replica, local_rank), survivors, live, stages = LAYOUTS[layout]
     deferred = train(tmp_path, "deferred", args)
     reference = train(tmp_path, "overlapped", [*args, *OVERLAP])
     assert digests(reference) == digests(deferred), "overlap changed the reduced gradients"
@@ -83,9 +81,6 @@ def test_kill_while_reductions_overlap_backward(tmp_path, layout):
     schedule = (f"entries:\n  - {{{victim}, location: during-reduce}}\n"
                 f"  - {{{victim}, location: after-post, action: stall, "
                 f"seconds: {POST_STALL_S}}}\n")
-    if stall:
-        schedule += (f"  - {{{victim}, location: pre-forward, action: stall, "
-                     f"seconds: {stall}}}\n")
     run = train(tmp_path, "kill", [*args, *OVERLAP], schedule)
     (marker,) = [m for m in run.markers if m["location"] == "during-reduce"]
     assert marker["iteration"] == 3
@@ -100,7 +95,7 @@ def test_kill_while_reductions_overlap_backward(tmp_path, layout):
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_deferred_kill_is_after_the_schedule(tmp_path):
     # The control for the marker: without the flag the same kill lands after the schedule.
-    args, (replica, local_rank), survivors, _, _, _ = LAYOUTS["dp4"]
+    args, (replica, local_rank), survivors, _, _ = LAYOUTS["dp4"]
     victim = f"iteration: 3, replica: {replica}, local_rank: {local_rank}"
     schedule = (f"entries:\n  - {{{victim}, location: during-reduce}}\n"
                 f"  - {{{victim}, location: after-post, action: stall, "

@@ -28,10 +28,13 @@ so a reduction in flight never races such a sync and the snapshot holds the sync
 rank with nothing to run posts everything in that same order. With distributed-optimizer shards
 the reduce-scatter is posted asynchronously too (on gloo, whose asynchronous reduce-scatter only
 progresses inside wait(), an all-reduce of the bucket: the shard receives the same sum), and
-each bucket's ulfm all-reduce follows its reduce-scatter: posted, in order, at the first report
-from megatron after the reduce-scatter finished (or by `wait`). No thread of ours is involved (a
-Python helper would wait for the GIL while backward holds it); an error of the reduce-scatter
-surfaces on the main thread and takes the exit-hook path (`runtime`).
+each bucket's ulfm all-reduce follows its reduce-scatter: at megatron's next report the main
+thread waits for the reduce-scatters posted at the previous one and posts their all-reduces, in
+order (the last ones: `wait`). So the reduce-scatters overlap the backward between two reports,
+at most one report's worth is in flight, and every all-reduce but the last ones' goes out during
+backward whatever the scheduling. No thread of ours is involved (a Python helper would wait for
+the GIL while backward holds it); an error of the reduce-scatter surfaces on the main thread
+and takes the exit-hook path (`runtime`).
 
 Contract: all members of the group post the same buckets in the same order (`reduce_all` after
 each pass). `wait()` never raises for a peer failure; failures come back as records.
@@ -160,10 +163,10 @@ class GradientRecovery:
         return dist.reduce_scatter_tensor(bucket.shard, bucket.grad, group=self.shard_group,
                                           async_op=True)
 
-    def _post_scattered(self, block: bool = False) -> None:
-        """Post the ulfm all-reduce of every bucket whose reduce-scatter finished, in order (all
-        of them, waiting, with `block`)."""
-        while self._scattering and (block or self._scattering[0][1].is_completed()):
+    def _post_scattered(self) -> None:
+        """Wait for the reduce-scatters in flight and post their buckets' ulfm all-reduces, in
+        order."""
+        while self._scattering:
             bucket, scatter = self._scattering.pop(0)
             scatter.wait()  # intra-replica: a dead peer makes this raise (the replica gate)
             self._allreduce(bucket)
@@ -218,7 +221,7 @@ class GradientRecovery:
 
     def wait(self) -> list[FailureRecord]:
         """Wait for every posted reduction; return the failure records among them."""
-        self._post_scattered(block=True)
+        self._post_scattered()
         failures = []
         self.intervals = []
         for bucket in self._buckets.values():
