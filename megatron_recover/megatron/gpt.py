@@ -137,9 +137,10 @@ def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, out
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
-    tokens = mask.sum().to(torch.int)
+    count = mask.sum()
+    tokens = count.to(torch.int)
     if not per_token:
-        loss = loss / mask.sum().clamp(min=1)
+        loss = loss / count.clamp(min=1)
     on_first_loss()
     # The schedule divides the returned loss in place; report a copy (never the forced overflow).
     reported = {"id": microbatch_id, "lm loss": loss.detach().clone(), "tokens": int(tokens)}
