@@ -47,6 +47,7 @@ PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
 
 def job(iterations: int, ranks: int) -> list[str]:
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--eval-iters", "0",
             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
             "--global-batch-size", str(4 * ranks), "--train-iters", str(iterations),
             "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_recover.faults import read_markers  # noqa: E402
 from megatron_recover.faults.schedule import (  # noqa: E402
+    EVALUATION_LOCATIONS,
     LOCATIONS,
     OPTIMIZER_LOCATIONS,
     ScheduleEntry,
@@ -75,7 +76,8 @@ FIRST_RECORD = ("pre-forward", "backward", "before-reduce", "after-post", "durin
                 "during-consensus")
 IN_RECOVERY = ("during-extension", "during-restore")
 AFTER_COMMIT = ("optimizer-step",)
-assert set(FIRST_RECORD + IN_RECOVERY + AFTER_COMMIT) == set(LOCATIONS) - set(OPTIMIZER_LOCATIONS)
+assert set(FIRST_RECORD + IN_RECOVERY + AFTER_COMMIT) == (set(LOCATIONS)
+        - set(OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS))
 
 # One episode per failure iteration, cycled until the plan has its failures: (kind, location).
 # A death in recovery follows a death of the same iteration. Every failure iteration is followed
@@ -194,6 +196,7 @@ def job_arguments(replicas: int, g_init: int, iterations: int) -> list[str]:
     recomputed microbatch must reproduce its id's dropout mask; four gradient buckets, so a death
     inside the reduce leaves some buckets reduced and others not."""
     return ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--eval-iters", "0",
             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
             "--global-batch-size", str(g_init * replicas), "--train-iters", str(iterations),
             "--lr", "1e-2", "--clip-grad", "1.0", "--seed", "1234", "--mock-data",

@@ -75,7 +75,9 @@ def job_arguments(data_dir: Path) -> list[str]:
     --train-iters), as a long run's would be. ~1.6M parameters in 4 gradient buckets, so a
     failure inside the second bucket's reduce leaves the iteration partially reduced."""
     return ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
-            "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ_LENGTH),
+            "--num-attention-heads", str(HEADS),
+            "--eval-iters", "0",
+            "--seq-length", str(SEQ_LENGTH),
             "--max-position-embeddings", str(SEQ_LENGTH), "--micro-batch-size", "1",
             "--global-batch-size", str(GLOBAL_BATCH), "--lr", "1e-3", "--min-lr", "1e-4",
             "--lr-decay-style", "cosine", "--lr-decay-iters", "200", "--lr-warmup-iters", "2",

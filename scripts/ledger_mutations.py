@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from megatron_recover.launch import LaunchConfig, launch  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--eval-iters", "0",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
          "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "128", "--ddp-bucket-size", "2000", "--log-interval", "1",

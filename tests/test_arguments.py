@@ -121,12 +121,13 @@ def test_megatron_gpt3_example_parses(gpt2_files):
     assert cfg.num_microbatches_per_replica == 192
     assert o.lr_warmup_samples == pytest.approx(430.0 * 1536)
     assert cfg.train_samples == 500000 * 1536
-    # --attention-backend auto is the default; the logging flags have no effect (yet), said once.
+    # --attention-backend auto is the default; every logging flag of the script is implemented.
     assert cfg.notices[0].startswith("megatron-recover: --transformer-impl not given: local")
-    assert cfg.notices[1:] == (
-        "megatron-recover: no effect here: --eval-interval --eval-iters --tensorboard-dir: "
-        "logging sink or timer not implemented yet (evaluation, TensorBoard and Megatron's "
-        "timers are planned); training is unchanged, and --recover-log records every iteration",)
+    assert cfg.notices[1:] == ()
+    assert (cfg.evaluation.interval, cfg.evaluation.iters) == (1000, 10)
+    assert cfg.evaluation.evaluations(cfg.train_iters) == 501  # one per interval, one at the end
+    assert cfg.logging.tensorboard_dir == gpt2_files["dir"] / "tb"
+    assert cfg.logging.log_interval == 100 and cfg.logging.tensorboard_log_interval == 1
     assert cfg.model.transformer_impl == "local"  # not given, and TE does not import here
     assert not cfg.recover.enabled
 
@@ -563,15 +564,29 @@ def test_every_problem_in_one_message():
 
 def test_no_effect_arguments_named_once_per_reason_in_order():
     cfg = small("--distributed-backend", "nccl", "--no-masked-softmax-fusion",
-                "--wandb-project=proj", "--log-throughput", "--timing-log-level", "2",
+                "--log-params-norm", "--timing-log-level", "2",
                 "--no-bias-dropout-fusion", "--distributed-backend", "gloo",
                 "--profile-ranks", "0", "1", "--num-workers", "4")
     lines = [line for line in cfg.notices if "no effect here" in line]
     assert [line.split(": ")[2] for line in lines] == [
         "--distributed-backend", "--no-masked-softmax-fusion --no-bias-dropout-fusion",
-        "--wandb-project --log-throughput --timing-log-level", "--profile-ranks",
-        "--num-workers"]
+        "--log-params-norm --timing-log-level", "--profile-ranks", "--num-workers"]
     assert "rendezvous, ranks and timeouts come from MPI" in lines[0]
+
+
+def test_wandb_without_the_package_is_refused_and_logging_flags_parse():
+    with pytest.raises(ValueError, match="--wandb-project proj: the wandb package is not "
+                       "installed here"):
+        small("--wandb-project=proj")
+    cfg = small("--log-throughput", "--eval-interval", "5", "--eval-iters", "2",
+                "--no-log-loss-scale-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                "--exit-interval", "7", "--exit-signal-handler", "--exit-signal", "SIGUSR1")
+    assert cfg.logging.log_throughput and not cfg.logging.log_loss_scale
+    assert cfg.logging.log_validation_ppl and not cfg.notices[1:]
+    assert (cfg.evaluation.interval, cfg.evaluation.iters) == (5, 2)
+    assert cfg.exit.interval == 7 and cfg.exit.signal_handler and cfg.exit.signal == "SIGUSR1"
+    with pytest.raises(ValueError, match="--eval-iters must be >= 0"):
+        small("--eval-iters", "-1")
 
 
 def test_unknown_argument_is_an_argparse_error(capsys):

@@ -24,6 +24,7 @@ from tests.training_harness import (
 pytestmark = pytest.mark.mpi
 TIMEOUT_S = 240
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--eval-iters", "0",
        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
        "--global-batch-size", "12", *STABLE_LR, "--lr-decay-iters", "8",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.mpi
 HANG_S = 3.0
 TIMEOUT_S = 240
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--eval-iters", "0",
        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
        *STABLE_LR, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
        "--overlap-grad-reduce", "--ddp-bucket-size", "2000", "--log-interval", "1",

@@ -29,6 +29,7 @@ from tests.training_harness import (
 pytestmark = pytest.mark.mpi
 TIMEOUT_S = 300
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--eval-iters", "0",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
          "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "128", "--ddp-bucket-size", "2000", "--log-interval", "1",

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.mpi
 TIMEOUT_S = 240
 ITERATIONS = 4
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--eval-iters", "0",
        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
        "--global-batch-size", "8", "--train-iters", str(ITERATIONS), *STABLE_LR,
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",

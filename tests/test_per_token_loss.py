@@ -49,7 +49,7 @@ def job(tmp_path_factory):
                    check=True, capture_output=True, timeout=300)
     # No dropout: megatron-core's own run draws its masks in sequence, not per microbatch id.
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+            "--eval-iters", "0", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
             "--micro-batch-size", "1", "--global-batch-size", str(B),
             "--train-iters", str(ITERATIONS), *STABLE_LR,
             "--data-path", str(out / "corpus_text_document"), "--split", "949,50,1",

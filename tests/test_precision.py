@@ -30,6 +30,7 @@ TIMEOUT_S = 240
 ITERATIONS = 8
 GBS = 16
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--eval-iters", "0",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
          "--global-batch-size", str(GBS), "--train-iters", str(ITERATIONS), *STABLE_LR,
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",

@@ -31,6 +31,7 @@ from tests.training_harness import (
 TIMEOUT_S = 240
 GBS, RAMPUP, TRAIN_SAMPLES = 16, (4, 4, 24), 60
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--eval-iters", "0",
        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
        "--global-batch-size", str(GBS), "--rampup-batch-size", *map(str, RAMPUP),
        "--lr-decay-samples", "48",

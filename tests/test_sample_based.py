@@ -14,6 +14,7 @@ pytestmark = pytest.mark.mpi
 TIMEOUT_S = 240
 GBS = 8
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--eval-iters", "0",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
          "--global-batch-size", str(GBS), *STABLE_LR, "--lr-decay-style", "cosine",
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.mpi
 TIMEOUT_S = 300
 ITERATIONS = 5
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--eval-iters", "0",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
          "--global-batch-size", "12", "--train-iters", str(ITERATIONS), *STABLE_LR,
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",

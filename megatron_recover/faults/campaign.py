@@ -38,6 +38,7 @@ ITERATIONS = 6
 MICROBATCHES_PER_REPLICA = 2
 RUN_TIMEOUT_S = 300
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--eval-iters", "0",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
          "--train-iters", str(ITERATIONS), *STABLE_LR, "--mock-data",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--overlap-grad-reduce",

@@ -23,6 +23,9 @@ Locations, in the order an iteration reaches them:
   param-gather      in the distributed optimizer's step, entering the parameter all-gather of
                     the replica's shards (start_param_sync; its peers wait inside it); needs
                     --use-distributed-optimizer
+  evaluation        in the evaluation that follows the iteration (every --eval-interval, and at
+                    the end), before the victim's first forward-only pass; needs an evaluation
+                    after that iteration
 The victim writes a marker {location, iteration, rank, time} right before it SIGKILLs itself; an
 entry whose point the run never reaches is reported as not injected (`injection_report`). A
 victim inside a ulfm operation dies on the group's worker thread; its marker also says what the
@@ -48,10 +51,13 @@ from megatron_recover.faults.injection import read_markers, write_marker
 
 LOCATIONS = ("pre-forward", "backward", "before-reduce", "after-post", "during-reduce",
              "during-consensus",
-             "during-restore", "during-extension", "optimizer-step", "grad-norm", "param-gather")
+             "during-restore", "during-extension", "optimizer-step", "grad-norm", "param-gather",
+             "evaluation")
 # Reached inside megatron's optimizer step, where the trainer does not call: the iteration is
 # the one the trainer armed last.
 OPTIMIZER_LOCATIONS = ("grad-norm", "param-gather")
+# Reached only by jobs that evaluate, between iterations.
+EVALUATION_LOCATIONS = ("evaluation",)
 
 
 ACTIONS = ("kill", "stop", "stall")
@@ -149,9 +155,10 @@ def generate_schedule(num_replicas: int, ranks_per_replica: int, count: int, see
                       locations: tuple[str, ...] | None = None) -> list[ScheduleEntry]:
     """A seeded random schedule: `count` distinct replicas die, at least one replica survives.
     By default at the locations every job reaches (not the optimizer-step collectives, which
-    need --clip-grad or a distributed optimizer)."""
+    need --clip-grad or a distributed optimizer, nor evaluation)."""
     if locations is None:
-        locations = tuple(loc for loc in LOCATIONS if loc not in OPTIMIZER_LOCATIONS)
+        locations = tuple(loc for loc in LOCATIONS
+                          if loc not in OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS)
     if count >= num_replicas:
         raise ValueError(f"--count {count} would kill every one of {num_replicas} replicas")
     unknown = set(locations) - set(LOCATIONS)

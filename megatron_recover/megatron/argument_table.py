@@ -44,20 +44,17 @@ class Entry:
 # ---------------------------------------------------------------------------------------------
 
 _NO_EFFECT_GROUPS = (
-    ("logging sink or timer not implemented yet (evaluation, TensorBoard and Megatron's timers "
-     "are planned); training is unchanged, and --recover-log records every iteration",
-     "--tensorboard-dir:1 --tensorboard-log-interval:1 --tensorboard-queue-size:1 "
-     "--log-timers-to-tensorboard --log-validation-ppl-to-tensorboard --log-memory-to-tensorboard "
-     "--log-world-size-to-tensorboard --no-log-loss-scale-to-tensorboard "
-     "--disable-log-loss-scale-to-tensorboard --wandb-project:1 --wandb-entity:1 "
-     "--wandb-exp-name:1 --wandb-save-dir:1 --log-throughput --log-params-norm "
+    ("a metric or timer that megatron-recover does not compute (the iteration line, TensorBoard "
+     "and --recover-log carry the loss, learning rate, grad norm, loss scale, iteration time, "
+     "live replicas and failures); training is unchanged",
+     "--log-memory-to-tensorboard --log-params-norm "
      "--log-num-zeros-in-grad --timing-log-level:1 --timing-log-option:1 "
      "--no-barrier-with-level-1-timing --log-device-memory-used --log-energy "
      "--log-max-attention-logit --log-memory-interval:1 --log-progress --logging-level:1 "
-     "--config-logger-dir:1 --eval-interval:1 --eval-iters:1"),
-    ("not implemented yet: the job runs to --train-iters / --train-samples (a clean exit before "
-     "the allocation ends is planned)",
-     "--exit-duration-in-mins:1"),
+     "--config-logger-dir:1"),
+    ("no data-loader worker processes run here (the microbatches are read in the training "
+     "process), so there is no worker to give a signal handler",
+     "--exit-signal-handler-for-dataloader"),
     ("NVIDIA's one-logger telemetry is not used", "--no-one-logger --one-logger-project:1 "
      "--one-logger-run-name:1 --one-logger-async --app-tag-run-name:1 --app-tag-run-version:1"),
     ("straggler detection is not used; a frozen rank is detected by --recover-hang-timeout",
@@ -218,8 +215,8 @@ _REFUSED_GROUPS = (
      "--use-mp-args-from-checkpoint-args --use-persistent-ckpt-worker "
      "--disable-use-tokenizer-model-from-checkpoint-args "
      "--no-use-tokenizer-model-from-checkpoint-args"),
-    ("not supported: the job trains, exactly, for --train-iters / --train-samples; drop it",
-     "--exit-interval --exit-signal-handler --exit-signal --exit-signal-handler-for-dataloader "
+    ("not supported: the job trains for --train-iters / --train-samples (or until an --exit-* "
+     "flag stops it) and evaluates the one validation split of --split; drop it",
      "--skip-train --test-mode --iterations-to-skip --full-validation --multiple-validation-sets"),
     ("Megatron-LM's rerun engine and its checks are not supported (megatron-recover's own "
      "per-iteration audit checks every committed gradient); drop it", "--rerun-mode "
@@ -365,6 +362,11 @@ IMPLEMENTED_NOTES = {
                      "--ckpt-format torch (the default under --recover), torch_dist refused",
     "--use-distributed-optimizer": "with --recover, one instance per replica must be spelled "
                                    "out: --num-distributed-optimizer-instances",
+    "--wandb-project": "refused where the wandb package is not installed",
+    "--exit-duration-in-mins": "the ranks agree on the last iteration (any rank past the "
+                               "duration stops them all after that iteration)",
+    "--tensorboard-dir": "written by the lowest live rank; a rank that takes over continues the "
+                         "same curves",
 }
 
 

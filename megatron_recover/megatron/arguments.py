@@ -22,6 +22,9 @@ from megatron_recover.megatron import argument_table
 from megatron_recover.megatron.config import (
     CheckpointConfig,
     DataConfig,
+    EvalConfig,
+    ExitConfig,
+    LoggingConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -36,6 +39,7 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 # Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")  # Megatron-LM's --exit-signal choices
 # Hang detection (Open MPI's threaded failure detector) for --recover runs: a frozen rank is
 # declared failed after this long. Minutes-long stalls are rare on healthy GPU clusters, and a
 # heartbeat every 30 s costs nothing measurable; tests use a few seconds.
@@ -180,6 +184,29 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist"])
 
 
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("validation, logging and exit")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    for flag in ("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"):
+        g.add_argument(flag, action="store_false", dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--wandb-project", default="")
+    g.add_argument("--wandb-exp-name", default="")
+    g.add_argument("--wandb-save-dir", default="")
+    g.add_argument("--wandb-entity", default="")
+    g.add_argument("--exit-duration-in-mins", type=float)
+    g.add_argument("--exit-interval", type=int)
+    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=EXIT_SIGNALS)
+
+
 def _add_recover_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("recovery (megatron-recover)")
     g.add_argument("--recover", action="store_true",
@@ -211,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Megatron GPT pre-training that survives "
                                      "replica failures (megatron-recover).")
     for add in (_add_model_args, _add_training_args, _add_precision_args, _add_parallel_args,
-                _add_data_args, _add_checkpoint_args, _add_recover_args,
+                _add_data_args, _add_checkpoint_args, _add_logging_args, _add_recover_args,
                 argument_table.add_no_effect_args):
         add(parser)
     return parser
@@ -242,7 +269,9 @@ def _positive(ns) -> list[str]:
                  "--log-interval", "--global-batch-size", "--ffn-hidden-size",
                  "--max-position-embeddings", "--save-interval", "--lr-decay-iters",
                  "--ddp-bucket-size", "--vocab-size", "--num-query-groups",
-                 "--make-vocab-size-divisible-by", "--kv-channels", "--recompute-num-layers"):
+                 "--make-vocab-size-divisible-by", "--kv-channels", "--recompute-num-layers",
+                 "--eval-interval", "--tensorboard-log-interval", "--tensorboard-queue-size",
+                 "--exit-interval"):
         value = getattr(ns, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             problems.append(f"{flag} must be a positive integer, got {value}")
@@ -603,6 +632,19 @@ def _checkpointing(ns) -> list[str]:
     return problems
 
 
+def _logging(ns, wandb_available: bool) -> list[str]:
+    problems = []
+    if ns.eval_iters < 0:
+        problems.append(f"--eval-iters must be >= 0 (0: no evaluation), got {ns.eval_iters}")
+    if ns.exit_duration_in_mins is not None and ns.exit_duration_in_mins < 0:
+        problems.append(f"--exit-duration-in-mins must be >= 0, got {ns.exit_duration_in_mins}")
+    if ns.wandb_project and not wandb_available:
+        problems.append(f"--wandb-project {ns.wandb_project}: the wandb package is not "
+                        "installed here: install it (pip install wandb) or drop the flag "
+                        "(--tensorboard-dir logs the same values)")
+    return problems
+
+
 def _recover(ns) -> list[str]:
     given = [flag for flag in ("--recover-policy", "--recover-mode", "--recover-failure-schedule",
                                "--recover-log", "--recover-hang-timeout")
@@ -627,7 +669,7 @@ def _recover(ns) -> list[str]:
 
 
 def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
-              refused: list[str]) -> None:
+              refused: list[str], wandb_available: bool = False) -> None:
     """Raise one ValueError listing every problem found (`refused`: the refused flags' lines
     first), or return."""
     problems = _required(ns)
@@ -638,7 +680,7 @@ def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
                     + _schedule(ns, world_size) + _recompute(ns))
     problems += (_device_refusals(ns, cuda_available, te_available) + _precision(ns)
                  + _weight_decay_and_decoupled_lr(ns) + _data(ns) + _tokenizer(ns)
-                 + _checkpointing(ns) + _recover(ns))
+                 + _checkpointing(ns) + _logging(ns, wandb_available) + _recover(ns))
     problems = refused + problems
     if problems:
         raise ValueError("pretrain_gpt_recover.py: invalid arguments:\n  "
@@ -723,7 +765,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
     """
     argv, refused = argument_table.split_refused(argv)
     ns = build_parser().parse_args(argv)
-    _validate(ns, world_size, cuda_available, te_available, refused)
+    _validate(ns, world_size, cuda_available, te_available, refused,
+              wandb_available=bool(ns.wandb_project) and _wandb_imports())
     tp = ns.tensor_model_parallel_size
     dp, gbs = _sizes(ns, world_size)
     fusion = ns.gradient_accumulation_fusion
@@ -806,7 +849,21 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
         rampup_batch_size=(None if ns.rampup_batch_size is None
                            else tuple(ns.rampup_batch_size)),
         train_samples=ns.train_samples or ns.train_iters * gbs,
-        seed=ns.seed, log_interval=ns.log_interval,
+        seed=ns.seed,
+        logging=LoggingConfig(
+            log_interval=ns.log_interval, log_throughput=ns.log_throughput,
+            tensorboard_dir=_path_or_none(ns.tensorboard_dir),
+            tensorboard_log_interval=ns.tensorboard_log_interval,
+            tensorboard_queue_size=ns.tensorboard_queue_size,
+            log_loss_scale=ns.log_loss_scale_to_tensorboard,
+            log_validation_ppl=ns.log_validation_ppl_to_tensorboard,
+            log_world_size=ns.log_world_size_to_tensorboard,
+            log_timers=ns.log_timers_to_tensorboard,
+            wandb_project=ns.wandb_project or None, wandb_exp_name=ns.wandb_exp_name,
+            wandb_save_dir=ns.wandb_save_dir, wandb_entity=ns.wandb_entity),
+        evaluation=EvalConfig(interval=ns.eval_interval, iters=ns.eval_iters),
+        exit=ExitConfig(duration_mins=ns.exit_duration_in_mins, interval=ns.exit_interval,
+                        signal_handler=ns.exit_signal_handler, signal=ns.exit_signal),
         notices=_notices(ns, argv, world_size, cuda_available, te_available),
     )
 
@@ -837,6 +894,14 @@ def _schedule_in_samples(ns, gbs: int) -> dict:
 
 def _or(value, default):
     return default if value is None else value
+
+
+def _wandb_imports() -> bool:
+    try:
+        import wandb  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def _path_or_none(value: str | None) -> Path | None:

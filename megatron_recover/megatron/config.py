@@ -325,6 +325,79 @@ class RecoverConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation on the validation split of --split, as Megatron-LM's training loop runs it."""
+
+    interval: int | None
+    """--eval-interval: iterations between evaluations (default 1000); None: only at the end."""
+    iters: int
+    """--eval-iters: global batches per evaluation (default 100); 0: no evaluation."""
+
+    def due(self, iteration: int) -> bool:
+        """Whether an evaluation follows `iteration` (the one at the end of training aside)."""
+        return bool(self.iters and self.interval and iteration % self.interval == 0)
+
+    def evaluations(self, train_iters: int) -> int:
+        """How many evaluations of the validation split a run of train_iters iterations makes
+        (Megatron-LM sizes the split for them): one per interval, and one at the end."""
+        if not self.iters:
+            return 0
+        return (train_iters // self.interval if self.interval else 0) + 1
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Console lines, TensorBoard and Weights & Biases (written by the lowest live rank)."""
+
+    log_interval: int
+    """--log-interval: iterations between console lines (default 100); values averaged over it."""
+    log_throughput: bool = False
+    """--log-throughput: TFLOP/s per rank in the iteration line (Megatron-LM's model FLOPs)."""
+    tensorboard_dir: Path | None = None
+    """--tensorboard-dir: where the TensorBoard event files go; None: none."""
+    tensorboard_log_interval: int = 1
+    """--tensorboard-log-interval: iterations between TensorBoard values (default 1)."""
+    tensorboard_queue_size: int = 1000
+    """--tensorboard-queue-size: values the writer holds before it flushes (default 1000)."""
+    log_loss_scale: bool = True
+    """False with --no-log-loss-scale-to-tensorboard."""
+    log_validation_ppl: bool = False
+    """--log-validation-ppl-to-tensorboard: also the validation perplexity."""
+    log_world_size: bool = False
+    """--log-world-size-to-tensorboard: the live ranks."""
+    log_timers: bool = False
+    """--log-timers-to-tensorboard: iteration time (and throughput with --log-throughput)."""
+    wandb_project: str | None = None
+    """--wandb-project: also log to Weights & Biases (needs the `wandb` package)."""
+    wandb_exp_name: str = ""
+    """--wandb-exp-name: the run's name there."""
+    wandb_save_dir: str = ""
+    """--wandb-save-dir: its local files (default: beside --save)."""
+    wandb_entity: str = ""
+    """--wandb-entity: the team or user."""
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    """Leaving before --train-iters (Megatron-LM's exit flags): every rank stops after the same
+    iteration, with a checkpoint first when --save is given."""
+
+    duration_mins: float | None = None
+    """--exit-duration-in-mins: stop once a rank has run this long (since its start)."""
+    interval: int | None = None
+    """--exit-interval: stop after the first iteration that is a multiple of it."""
+    signal_handler: bool = False
+    """--exit-signal-handler: stop after the iteration in which a rank received --exit-signal."""
+    signal: str = "SIGTERM"
+    """--exit-signal: the signal --exit-signal-handler catches (default SIGTERM)."""
+
+    @property
+    def agreed(self) -> bool:
+        """Whether the ranks must agree every iteration (a clock or a signal decides)."""
+        return self.duration_mins is not None or self.signal_handler
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything `pretrain_gpt_recover.py` needs, validated; one per rank, equal on all ranks."""
 
@@ -347,13 +420,19 @@ class TrainConfig:
     (Megatron-LM builds the split with that many), train_iters x GBS otherwise."""
     seed: int
     """Base random seed (--seed, default 1234)."""
-    log_interval: int
-    """Iterations between console lines (--log-interval, default 100)."""
+    logging: LoggingConfig
+    evaluation: EvalConfig
+    exit: ExitConfig = ExitConfig()
     rampup_batch_size: tuple[int, int, int] | None = None
     """--rampup-batch-size START INCREMENT SAMPLES (sample-based training), or None."""
     notices: tuple[str, ...] = ()
     """Start-up lines about the arguments: the no-effect flags given (with the reason), and
     choices made for the user (layer spec, fallbacks); rank 0 prints them."""
+
+    @property
+    def log_interval(self) -> int:
+        """Iterations between console lines (--log-interval, default 100)."""
+        return self.logging.log_interval
 
     @property
     def data_parallel_size(self) -> int:

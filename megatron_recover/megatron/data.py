@@ -97,13 +97,17 @@ class MicrobatchSourceConfig:
         global batch then starts after the samples the earlier iterations consumed and holds
         that iteration's size (`GlobalBatches`); microbatch ids of iteration t are 0..B_t-1.
     data_path: prefix of the .bin/.idx pair (--data-path), or None for mock data (--mock-data).
-    split: train/valid/test weights as in --split; only the training split is used. May be
-        None with mock data (megatron ignores it there).
+    split: train/valid/test weights as in --split (evaluation reads the validation and test
+        splits). May be None with mock data (megatron ignores it there).
     seed: megatron's dataset shuffle seed (--seed).
     reserve_microbatches: length of the reserve stream in microbatches (reserve mode; 0 in
         exact mode).
     cache_dir: where megatron caches its index files (--data-cache-path); None: megatron's
         default beside the data. Unused with mock data.
+    eval_iters, evaluations: global batches per evaluation (--eval-iters) and evaluations of the
+        validation split in the run; the validation split is then built with
+        evaluations x eval_iters x GBS samples and the test split with eval_iters x GBS, as
+        Megatron-LM sizes them (0: neither is read).
     create_attention_mask: put a dense causal mask in each batch instead of None.
     reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron-LM's flags of those names
         (restart positions / block attention after each EOD, drop EOD from the loss); a reset
@@ -122,6 +126,8 @@ class MicrobatchSourceConfig:
     seed: int = DEFAULT_SEED
     reserve_microbatches: int = 0
     cache_dir: Optional[str] = None
+    eval_iters: int = 0
+    evaluations: int = 0
     create_attention_mask: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -142,6 +148,8 @@ class MicrobatchSourceConfig:
             raise ValueError(f"train_samples ({self.train_samples}) is less than the "
                              f"{consumed} samples {self.train_iters} iterations consume")
         _check_int("reserve_microbatches", self.reserve_microbatches, minimum=0)
+        _check_int("eval_iters", self.eval_iters, minimum=0)
+        _check_int("evaluations", self.evaluations, minimum=0)
         _check_int("seed", self.seed, minimum=0)
         for attribute in ("eod", "vocab_size", "unique_identifiers"):
             if not hasattr(self.tokenizer, attribute):
@@ -196,7 +204,32 @@ class MicrobatchSource:
             )
         self.config = config
         self.batches = config.batches
-        self.dataset = _build_training_split(config)
+        self.dataset, valid, test = _build_splits(config)
+        # Megatron-LM evaluates a split only if --split gives it documents.
+        self.eval_datasets = {name: dataset for name, dataset in (("valid", valid), ("test", test))
+                              if dataset is not None and config.eval_iters > 0}
+
+    @property
+    def eval_microbatches(self) -> int:
+        """Microbatches in one evaluation: eval_iters global batches of B."""
+        return self.config.eval_iters * self.config.microbatches_per_iteration
+
+    def eval_microbatch(self, split: str, evaluation: int, index: int) -> Dict[str, Any]:
+        """Microbatch `index` (0 <= index < eval_microbatches) of evaluation number `evaluation`
+        (1, 2, ...) of the "valid" or "test" split: as Megatron-LM's validation iterator reads
+        the split, evaluation k covers its samples [(k-1) E mbs, k E mbs) with E =
+        eval_microbatches, in order. The batch names itself (`split`, `evaluation`, `index`)."""
+        config = self.config
+        count = self.eval_microbatches
+        if not 0 <= index < count:
+            raise ValueError(f"evaluation microbatch {index} is outside 0..{count - 1}")
+        dataset = self.eval_datasets[split]
+        start = ((evaluation - 1) * count + index) * config.micro_batch_size
+        if evaluation < 1 or start + config.micro_batch_size > len(dataset):
+            raise ValueError(f"evaluation {evaluation} of the {split} split is past its "
+                             f"{len(dataset)} samples")
+        batch = _stack([dataset[i] for i in range(start, start + config.micro_batch_size)])
+        return {**batch, "split": split, "evaluation": evaluation, "index": index}
 
     def sample_range(self, iteration: int, microbatch_id: int) -> range:
         """The training-split sample indices (before megatron's shuffle) of one microbatch."""
@@ -221,22 +254,28 @@ class MicrobatchSource:
     def microbatch(self, iteration: int, microbatch_id: int) -> Dict[str, Optional[torch.Tensor]]:
         """Megatron's GPT batch for one microbatch id of one iteration, as CPU tensors."""
         samples = [self.dataset[index] for index in self.sample_range(iteration, microbatch_id)]
-        batch = {
-            key: torch.stack([sample[key] for sample in samples]) if key in samples[0] else None
-            for key in BATCH_KEYS
-        }
-        return {**batch, "iteration": iteration, "microbatch_id": microbatch_id}
+        return {**_stack(samples), "iteration": iteration, "microbatch_id": microbatch_id}
 
 
-def _build_training_split(config: MicrobatchSourceConfig):
-    dataset = _build(config, config.main_samples)
-    if len(dataset) < config.num_samples:
+def _stack(samples) -> Dict[str, Optional[torch.Tensor]]:
+    return {key: torch.stack([sample[key] for sample in samples]) if key in samples[0] else None
+            for key in BATCH_KEYS}
+
+
+def _build_splits(config: MicrobatchSourceConfig):
+    """(train, valid, test): megatron builds each split from its own documents with its own
+    size, so the evaluation sizes do not change the training split."""
+    gbs = config.global_batch_size
+    evaluation = ([config.evaluations * config.eval_iters * gbs, config.eval_iters * gbs]
+                  if config.eval_iters else [None, None])
+    train, valid, test = _build(config, [config.main_samples, *evaluation])
+    if len(train) < config.num_samples:
         # The whole-epoch slack after the main stream is too short for the reserve stream.
-        dataset = _build(config, config.num_samples)
-    return dataset
+        train = _build(config, [config.num_samples, None, None])[0]
+    return train, valid, test
 
 
-def _build(config: MicrobatchSourceConfig, num_samples: int):
+def _build(config: MicrobatchSourceConfig, sizes: list):
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -246,14 +285,14 @@ def _build(config: MicrobatchSourceConfig, num_samples: int):
     cache_dir = None if mock else _cache_dir(config)
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset,
-        # Only the training split is read. The builder builds every split with a weight (None:
-        # one epoch), and the weights decide which documents train, exactly as in megatron.
-        [num_samples, None, None],
+        # The builder builds every split with a weight (None: one epoch), and the weights
+        # decide which documents train, exactly as in megatron.
+        sizes,
         lambda: True,
         _gpt_dataset_config(config, cache_dir),
     )
     with contextlib.nullcontext() if mock else _exclusive_lock(cache_dir):
-        return builder.build()[0]
+        return builder.build()
 
 
 def _gpt_dataset_config(config: MicrobatchSourceConfig, cache_dir: Optional[str]):

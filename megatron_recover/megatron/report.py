@@ -1,38 +1,118 @@
-"""Progress output: Megatron-style iteration lines on the console, one JSON record per iteration.
+"""Progress output, written by the lowest live rank (rank 0 of the repaired cross-replica group,
+position 0 of its replica), so it goes on when the rank that wrote it so far dies:
 
-Both are written by the lowest live rank (rank 0 of the repaired cross-replica group), so the log
-goes on when the rank that wrote it so far dies.
+- Megatron-LM's iteration line every --log-interval iterations (`IntervalStats`): the elapsed
+  time per iteration and the lm loss averaged over the interval, the skipped and NaN iteration
+  counts of the interval, this iteration's learning rate, batch size, loss scale and grad norm,
+  TFLOP/s per rank with --log-throughput; then ours: live replicas, contributions/B, failures;
+- a line for each failure, when it happens;
+- one JSON record per iteration (`RecoverLog`, --recover-log).
+
+Every rank keeps the statistics (they come from agreed values), so a new writer continues the
+interval where the old one left it.
 """
 
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 
-def iteration_line(report, train_iters: int, consumed_samples: int, lr: float,
-                   global_batch_size: int) -> str:
-    grad_norm = "n/a" if report.grad_norm is None else f"{report.grad_norm:.3f}"
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    line = (f" [{stamp}] iteration {report.iteration:8d}/{train_iters:8d} |"
-            f" consumed samples: {consumed_samples:12d} |"
-            f" elapsed time per iteration (ms): {report.iteration_ms:.1f} |"
-            f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |"
-            f" lm loss: {report.loss:.6E} | loss scale: {report.loss_scale:.1f} |"
-            f" grad norm: {grad_norm} |")
-    if report.skipped:
-        line += " skipped (inf/nan gradient) |"
-    line += (f" live replicas: {report.live_replicas} |"
-             f" contributions: {report.contributions}/{report.B} |")
-    for event in report.events:
-        if event["event"] == "failure":
-            line += (f"\n     replica(s) {event['replicas']} lost (ranks {event['ranks']}),"
-                     f" epoch {event['epoch']}, {event['restore']} restore")
+def model_flops(model, padded_vocab_size: int, batch_size: int) -> float:
+    """Megatron-LM's model FLOPs of one iteration of a dense GPT (its
+    num_floating_point_operations): forward and backward are 3 x the forward's 2 FLOPs per
+    multiply-add, over the query/key/value and output projections (keys and values per query
+    group), the attention scores and their values, the MLP (x 3/2 gated with SwiGLU) and the
+    logits, for batch_size sequences of seq_length tokens. `model` is a ModelConfig."""
+    s, h, layers = model.seq_length, model.hidden_size, model.num_layers
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    query_ratio = model.kv_channels * heads / h
+    attention = (1 + groups / heads + s / h) * query_ratio
+    mlp = model.ffn_hidden_size / h * (1.5 if model.swiglu else 1.0)
+    logits = padded_vocab_size / (2 * layers * h)
+    return 12 * batch_size * s * layers * h * h * (attention + mlp + logits)
+
+
+class IntervalStats:
+    """Megatron-LM's training_log bookkeeping between two iteration lines."""
+
+    def __init__(self):
+        self.failures = 0  # replicas lost so far (the whole run)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.iterations = 0
+        self.elapsed_ms = 0.0
+        self.loss_sum = 0.0
+        self.advanced = 0
+        self.skipped = 0
+        self.nan = 0
+
+    def add(self, loss: float, skipped: bool, iteration_ms: float, lost_replicas: int = 0) -> None:
+        """One iteration. As Megatron-LM, the loss of a skipped step is not averaged; a skipped
+        step whose loss is inf or NaN also counts as a NaN iteration."""
+        self.iterations += 1
+        self.elapsed_ms += iteration_ms
+        self.failures += lost_replicas
+        if skipped:
+            self.skipped += 1
+            self.nan += int(not math.isfinite(loss))
+        else:
+            self.loss_sum += loss
+            self.advanced += 1
+
+    def line(self, *, iteration: int, train_iters: int, consumed_samples: int, lr: float,
+             global_batch_size: int, loss_scale: float, grad_norm: float | None,
+             flops: float | None = None, ranks: int = 1, recover: dict | None = None) -> str:
+        """The iteration line (then the interval starts again). `flops`: the iteration's model
+        FLOPs with --log-throughput; `ranks`: the ranks that ran it; `recover`: our fields."""
+        ms = self.elapsed_ms / max(self.iterations, 1)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        line = (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
+                f" consumed samples: {consumed_samples:12d} |"
+                f" elapsed time per iteration (ms): {ms:.1f} |")
+        if flops is not None:
+            tflops = flops / (ms / 1e3 * 1e12 * ranks)
+            # Megatron-LM's one decimal; a model this machine's CPUs train needs more digits.
+            shown = f"{tflops:.1f}" if tflops >= 0.1 else f"{tflops:.2e}"
+            line += f" throughput per GPU (TFLOP/s/GPU): {shown} |"
+        line += f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |"
+        if self.advanced:
+            line += f" lm loss: {self.loss_sum / self.advanced:.6E} |"
+        line += f" loss scale: {loss_scale:.1f} |"
+        if grad_norm is not None:
+            line += f" grad norm: {grad_norm:.3f} |"
+        line += (f" number of skipped iterations: {self.skipped:3d} |"
+                 f" number of nan iterations: {self.nan:3d} |")
+        if recover is not None:
+            line += (f" live replicas: {recover['live replicas']} |"
+                     f" contributions: {recover['contributions']}/{recover['B']} |"
+                     f" failures: {self.failures} |")
+        self._reset()
+        return line
+
+
+def failure_lines(iteration: int, events: list[dict]) -> list[str]:
+    """One line per failure of an iteration, as it is repaired."""
+    lines = []
+    for event in events:
+        if event["event"] != "failure":
+            continue
+        line = (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+                f" replica(s) {event['replicas']} lost (ranks {event['ranks']}),"
+                f" epoch {event['epoch']}, ")
+        if event.get("during") == "evaluation":
+            line += "during the evaluation after it: evaluated again by the survivors"
+        else:
+            line += f"{event['restore']} restore"
             if event["g_ext"]:
                 line += f", extension pass of {event['g_ext']}"
             if event["promotions"]:
                 line += f", promoted {event['promotions']}"
-    return line
+        lines.append(line)
+    return lines
 
 
 class RecoverLog:

@@ -9,12 +9,15 @@ run give the same losses up to floating-point reassociation.
 """
 
 import hashlib
+import os
 import shutil
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -33,8 +36,15 @@ from megatron_recover.megatron.gpt import (
     synced_inside_replica,
     wrap_ddp,
 )
-from megatron_recover.megatron.report import RecoverLog, iteration_line
+from megatron_recover.megatron.evaluation import EvalPass, result_of
+from megatron_recover.megatron.report import (
+    IntervalStats,
+    RecoverLog,
+    failure_lines,
+    model_flops,
+)
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
+from megatron_recover.megatron.writers import MetricWriters, training_scalars, validation_scalars
 from megatron_recover.megatron import checkpoint, dist_checkpoint
 from megatron_recover.policy import (
     ADAPTIVE,
@@ -77,6 +87,13 @@ def _check_optimizer_locations(cfg, entries) -> None:
         if entry.location == "grad-norm" and cfg.optim.clip_grad <= 0:
             raise ValueError(f"{cfg.recover.failure_schedule}: location grad-norm is the "
                              "--clip-grad norm all-reduce; this job has --clip-grad 0")
+        evaluates = cfg.evaluation.due(entry.iteration) or (
+            cfg.evaluation.iters > 0 and entry.iteration == cfg.train_iters)
+        if entry.location == "evaluation" and not evaluates:
+            raise ValueError(f"{cfg.recover.failure_schedule}: location evaluation at iteration "
+                             f"{entry.iteration}: no evaluation follows it (--eval-interval "
+                             f"{cfg.evaluation.interval}, --eval-iters {cfg.evaluation.iters}, "
+                             f"--train-iters {cfg.train_iters})")
         if entry.location == "param-gather" and not cfg.parallel.use_distributed_optimizer:
             raise ValueError(f"{cfg.recover.failure_schedule}: location param-gather is the "
                              "distributed optimizer's parameter all-gather; add "
@@ -166,6 +183,8 @@ def microbatch_source(cfg):
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.train_iters, train_samples=cfg.train_samples,
         rampup_batch_size=cfg.rampup_batch_size, data_path=d.data_path,
+        eval_iters=cfg.evaluation.iters,
+        evaluations=cfg.evaluation.evaluations(cfg.train_iters),
         split=d.split, seed=cfg.seed,
         reserve_microbatches=reserve, cache_dir=d.data_cache_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
@@ -373,7 +392,8 @@ def _faults(cfg, ctx, setup: RankSetup):
                            load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters))
 
 
-def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int]:
+def _trainer(cfg, ctx, setup: RankSetup, dataset,
+             wants_exit=lambda: False) -> tuple[ResilientTrainer, int]:
     """The resilient trainer of this rank and the first iteration to run (after a --load)."""
     from megatron.core import parallel_state
 
@@ -410,7 +430,7 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset) -> tuple[ResilientTrainer, int
                           micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
                           policy=cfg.recover.policy, mode=cfg.recover.mode,
                           rampup_batch_size=cfg.rampup_batch_size),
-        restore=cfg.recover.restore),
+        restore=cfg.recover.restore, wants_exit=wants_exit),
         micro_batch_size=cfg.micro_batch_size)
     _install_calculator(cfg, trainer)
     return trainer, start
@@ -437,18 +457,204 @@ class Trained:
 
 
 def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trained:
-    """Train for cfg.train_iters iterations on `source` (a MicrobatchSource); the lowest live
-    rank prints and logs."""
+    """Train for cfg.train_iters iterations on `source` (a MicrobatchSource), or until an
+    --exit-* flag stops every rank after the same iteration; the lowest live rank prints and
+    logs."""
     setup = build(cfg, ctx, source.microbatch, vocab_size)
-    skipped = []
-    if cfg.recover.enabled:
-        skipped = _train_resilient(cfg, ctx, setup, source.dataset)
-    else:
-        skipped = _train_stock(cfg, ctx, setup)
+    progress = Progress(cfg, ctx, setup, source, vocab_size)
+    try:
+        if cfg.recover.enabled:
+            skipped = _train_resilient(cfg, ctx, setup, source.dataset, progress)
+        else:
+            skipped = _train_stock(cfg, ctx, setup, progress)
+    finally:
+        progress.writers.close()
     return Trained(unwrap(setup.ddp_model), float(setup.optimizer.get_loss_scale()), skipped)
 
 
-def _train_stock(cfg, ctx, setup: RankSetup) -> list[int]:
+class ExitRequests:
+    """Megatron-LM's --exit-duration-in-mins, --exit-interval and --exit-signal-handler."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg.exit
+        self.signal_received = False
+        if self.cfg.signal_handler:
+            signal.signal(getattr(signal, self.cfg.signal), self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        del signum, frame
+        self.signal_received = True
+
+    def minutes(self) -> float:
+        """This rank's running time, from its process start (Megatron-LM: from pretrain's)."""
+        return (time.time() - psutil.Process().create_time()) / 60
+
+    def requested(self) -> bool:
+        """Whether this rank asks to stop now (its clock, or the signal): the ranks agree on it."""
+        duration = self.cfg.duration_mins
+        return self.signal_received or (duration is not None and self.minutes() > duration)
+
+    def reason(self, iteration: int, agreed_request: bool) -> str | None:
+        """Why every rank stops after `iteration`, or None."""
+        if agreed_request:
+            if self.signal_received:
+                return f"received {self.cfg.signal} (--exit-signal-handler)"
+            if self.cfg.duration_mins is not None and self.minutes() > self.cfg.duration_mins:
+                return (f"after {self.minutes():.2f} minutes (--exit-duration-in-mins "
+                        f"{self.cfg.duration_mins:g})")
+            return "another rank's --exit-duration-in-mins or --exit-signal-handler request"
+        if self.cfg.interval and iteration % self.cfg.interval == 0:
+            return f"--exit-interval {self.cfg.interval}"
+        return None
+
+
+class Progress:
+    """What both training loops do after each iteration, in Megatron-LM's order: the iteration
+    line and TensorBoard values, an evaluation when one is due, a checkpoint when one is due,
+    and the exit checks; evaluations at the end of training. Every rank computes the same
+    values; the lowest live rank prints and writes them."""
+
+    def __init__(self, cfg, ctx, setup: RankSetup, source, vocab_size: int):
+        from megatron.core import parallel_state
+
+        self.cfg = cfg
+        self.setup = setup
+        self.stats = IntervalStats()
+        self.exits = ExitRequests(cfg)
+        self.eval_pass = EvalPass(setup.ddp_model, source, cfg.model.seq_length,
+                                  cfg.micro_batch_size, setup.micro_pass.faults,
+                                  setup.micro_pass.forward_backward)
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        run_id = [f"megatron-recover-{int(time.time())}-{os.getpid()}"]
+        dist.broadcast_object_list(run_id, src=0)
+        self.writers = MetricWriters(cfg, run_id[0])
+        self.flops = (model_flops(cfg.model, mcore_config.padded_vocab_size(cfg, vocab_size), 1)
+                      if cfg.logging.log_throughput else None)
+        self.trainer = None  # the resilient trainer (--recover)
+
+    def is_writer(self) -> bool:
+        """The lowest live rank: position 0 of the lowest live replica (global rank 0 when
+        stock)."""
+        if self.trainer is None:
+            return dist.get_rank() == 0
+        return self.setup.group.rank == 0 and self.setup.local_rank == 0
+
+    def live_ranks(self) -> int:
+        if self.trainer is None:
+            return dist.get_world_size()
+        return len(self.trainer.p.policy.layout.replicas) * self.cfg.parallel.ranks_per_replica
+
+    def after_iteration(self, iteration: int, *, loss: float, skipped: bool, iteration_ms: float,
+                        global_batch_size: int, grad_norm, recover: dict | None = None,
+                        events=()) -> None:
+        """The iteration line, the failure lines and the TensorBoard values."""
+        cfg, log = self.cfg, self.cfg.logging
+        lost = sum(len(e["replicas"]) for e in events if e["event"] == "failure")
+        self.stats.add(loss, skipped, iteration_ms, lost)
+        writer = self.is_writer()
+        lr = self.setup.optimizer.param_groups[0]["lr"]  # after the step, as Megatron-LM logs
+        consumed = cfg.global_batches.consumed_after(iteration)
+        loss_scale = float(self.setup.optimizer.get_loss_scale())
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        flops = None if self.flops is None else self.flops * global_batch_size
+        if writer:
+            for line in failure_lines(iteration, list(events)):
+                print(line, flush=True)
+        if recover is not None:
+            recover = {**recover, "failures": self.stats.failures}
+        if writer and iteration % log.log_interval == 0:
+            print(self.stats.line(iteration=iteration, train_iters=cfg.train_iters,
+                                  consumed_samples=consumed, lr=lr,
+                                  global_batch_size=global_batch_size, loss_scale=loss_scale,
+                                  grad_norm=grad_norm, flops=flops, ranks=self.live_ranks(),
+                                  recover=recover), flush=True)
+        elif iteration % log.log_interval == 0:
+            self.stats.line(iteration=iteration, train_iters=cfg.train_iters,
+                            consumed_samples=consumed, lr=lr, global_batch_size=global_batch_size,
+                            loss_scale=loss_scale, grad_norm=grad_norm)  # starts the interval
+        if self.writers.enabled and iteration % log.tensorboard_log_interval == 0:
+            seconds = iteration_ms / 1e3
+            throughput = None if flops is None else flops / (seconds * 1e12 * self.live_ranks())
+            self.writers.add(training_scalars(
+                cfg, iteration=iteration, consumed_samples=consumed, lr=lr,
+                global_batch_size=global_batch_size, loss=loss, loss_scale=loss_scale,
+                grad_norm=grad_norm, iteration_s=seconds, throughput=throughput,
+                live_ranks=self.live_ranks(), recover=recover))
+        self.writers.write(writer)
+
+    def evaluate(self, iteration: int, split: str = "valid", at_end: bool = False) -> None:
+        """One evaluation of `split` after `iteration`; its line and TensorBoard values."""
+        cfg = self.cfg
+        interval = cfg.evaluation.interval
+        if split == "valid":
+            evaluation = (iteration // interval if not at_end else
+                          (cfg.train_iters // interval if interval else 0) + 1)
+        else:
+            evaluation = 1
+        ddp = self.setup.ddp_model
+        if ddp.use_forward_hook:
+            # As Megatron-LM: no parameter all-gather overlaps an evaluation's forward passes.
+            if self.trainer is not None:
+                self.trainer.gather_parameters()
+            ddp.disable_forward_pre_hook(param_sync=self.trainer is None)
+        try:
+            if self.trainer is None:
+                dp = cfg.data_parallel_size
+                ids = list(range(self.setup.dp_rank, self.eval_pass.count, dp))
+                values = self.eval_pass.values(split, evaluation, iteration, ids,
+                                               self.last_stage and self.tp_rank == 0)
+                dist.all_reduce(values)  # each id's slot from exactly one rank
+                events = []
+            else:
+                values, events = self.trainer.evaluate(
+                    lambda ids: self.eval_pass.values(split, evaluation, iteration, ids,
+                                                      self.last_stage), self.eval_pass.count)
+        finally:
+            if ddp.use_forward_hook:
+                ddp.enable_forward_pre_hook()
+        result = result_of(values, split, evaluation, iteration, events)
+        self.stats.failures += sum(len(e["replicas"]) for e in events)
+        writer = self.is_writer()
+        if writer:
+            for line in failure_lines(iteration, events):
+                print(line, flush=True)
+            print(result.line(at_end), flush=True)
+        if split == "valid":
+            self.writers.add(validation_scalars(cfg, result,
+                                                cfg.global_batches.consumed_after(iteration)))
+        self.writers.write(writer)
+
+    def save_due(self, iteration: int) -> bool:
+        """As Megatron-LM: every --save-interval iterations, and once more at the end."""
+        cfg = self.cfg
+        return bool(cfg.checkpoint.save) and (iteration % cfg.checkpoint.save_interval == 0
+                                              or iteration == cfg.train_iters)
+
+    def stopping(self, iteration: int, agreed_request: bool, saved: bool, save) -> bool:
+        """Whether every rank stops after `iteration` (an --exit-* flag); it saves first (once)
+        with --save."""
+        reason = self.exits.reason(iteration, agreed_request)
+        if reason is None or iteration == self.cfg.train_iters:
+            return False
+        if self.cfg.checkpoint.save and not saved:
+            save()
+        if self.is_writer():
+            save_dir = self.cfg.checkpoint.save
+            saved_to = f"; checkpoint in {save_dir}" if save_dir else ""
+            print(f"megatron-recover: exiting program at iteration {iteration}: {reason}"
+                  f"{saved_to}", flush=True)
+        return True
+
+    def end_of_training(self, iteration: int) -> None:
+        """Megatron-LM's evaluations after the last iteration: the validation and test splits."""
+        if not self.cfg.evaluation.iters:
+            return
+        for split in self.eval_pass.splits():
+            self.evaluate(iteration, split, at_end=True)
+
+
+def _train_stock(cfg, ctx, setup: RankSetup, progress: Progress) -> list[int]:
     """Megatron-LM's loop over plain data parallelism, megatron-core's microbatch calculator
     included; returns the iterations whose step the fp16 loss scaler skipped."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
@@ -459,6 +665,12 @@ def _train_stock(cfg, ctx, setup: RankSetup) -> list[int]:
     state = (setup.ddp_model, setup.optimizer, setup.scheduler)
     start = dist_checkpoint.load(cfg.checkpoint.load, *state) + 1 if cfg.checkpoint.load else 1
     consumed = cfg.global_batches.first_sample(start)
+    iteration = start - 1
+
+    def save():
+        _gather_parameters(setup.ddp_model)
+        dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
+
     for iteration in range(start, cfg.train_iters + 1):
         loss, grad_norm, ms, was_skipped, global_batch_size = _stock_step(
             cfg, setup.ddp_model, setup.optimizer, setup.scheduler, setup.micro_pass,
@@ -466,20 +678,22 @@ def _train_stock(cfg, ctx, setup: RankSetup) -> list[int]:
         consumed += global_batch_size
         if was_skipped:
             skipped.append(iteration)
-        if ctx.rank == 0 and iteration % cfg.log_interval == 0:
-            norm = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
-            print(f" iteration {iteration:8d}/{cfg.train_iters:8d} |"
-                  f" consumed samples: {consumed:12d} | lm loss: {loss:.6E} |"
-                  f" global batch size: {global_batch_size:5d} |"
-                  f" elapsed time per iteration (ms): {ms:.1f} |"
-                  f" loss scale: {float(setup.optimizer.get_loss_scale()):.1f} |"
-                  f" grad norm: {norm} | number of skipped iterations: {len(skipped)} |",
-                  flush=True)
-        # As Megatron-LM: every --save-interval iterations, and once more at the end.
-        if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
-                                    or iteration == cfg.train_iters):
-            _gather_parameters(setup.ddp_model)
-            dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
+        progress.after_iteration(iteration, loss=loss, skipped=was_skipped, iteration_ms=ms,
+                                 global_batch_size=global_batch_size, grad_norm=grad_norm)
+        if cfg.evaluation.due(iteration):
+            progress.evaluate(iteration)
+        saved = progress.save_due(iteration)
+        if saved:
+            save()
+        request = False
+        if cfg.exit.agreed:  # as Megatron-LM: the maximum over every rank
+            flag = torch.tensor([float(progress.exits.requested())])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            request = bool(flag.item() > 0)
+        if progress.stopping(iteration, request, saved, save):
+            break
+    else:
+        progress.end_of_training(iteration)
     _gather_parameters(setup.ddp_model)
     return skipped
 
@@ -500,38 +714,50 @@ def unwrap(ddp_model):
     return model.module if isinstance(model, Float16Module) else model
 
 
-def _train_resilient(cfg, ctx, setup: RankSetup, dataset) -> list[int]:
+def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress) -> list[int]:
     """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped."""
-    trainer, start = _trainer(cfg, ctx, setup, dataset)
+    trainer, start = _trainer(cfg, ctx, setup, dataset, wants_exit=progress.exits.requested)
+    progress.trainer = trainer
     skipped = []
     log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None, last_written=start - 1)
     # Committed iterations whose records this rank has not seen written. Writers can die after a
     # commit and before their record is out, several in a row; whoever writes next writes what
     # the log lacks (bounded: a chain of PENDING_RECORDS writer deaths is not survived in full).
     pending = deque(maxlen=PENDING_RECORDS)
+    iteration = start - 1
+
+    def save():
+        trainer.gather_parameters()
+        save_checkpoint(cfg, trainer, setup, iteration)
+
     for iteration in range(start, cfg.train_iters + 1):
         lr = setup.optimizer.param_groups[0]["lr"]
         report = trainer.train_step(iteration)
         if report.skipped:
             skipped.append(iteration)
-        record = dict(lr=lr, tokens=report.contributions * cfg.micro_batch_size
-                      * cfg.model.seq_length)
-        # As Megatron-LM: every --save-interval iterations, and once more at the end.
-        if cfg.checkpoint.save and (iteration % cfg.checkpoint.save_interval == 0
-                                    or iteration == cfg.train_iters):
-            trainer.gather_parameters()
-            save_checkpoint(cfg, trainer, setup, iteration)
-        pending.append((report, record))
-        # The lowest live rank: position 0 of the lowest live replica.
-        if setup.group.rank != 0 or setup.local_rank != 0:
-            continue
-        if log.path is None and cfg.recover.log:
-            log = RecoverLog(cfg.recover.log)  # the writer moved here
-        log.write_missing(pending)
-        pending.clear()
-        if iteration % cfg.log_interval == 0 or report.events:
-            print(iteration_line(report, cfg.train_iters,
-                                 cfg.global_batches.consumed_after(iteration), lr,
-                                 report.B * cfg.micro_batch_size), flush=True)
+        pending.append((report, dict(lr=lr, tokens=report.contributions * cfg.micro_batch_size
+                                     * cfg.model.seq_length)))
+        if progress.is_writer():
+            if log.path is None and cfg.recover.log:
+                log = RecoverLog(cfg.recover.log)  # the writer moved here
+            log.write_missing(pending)
+            pending.clear()
+        recovery_s = sum(e["committed"] - e["detected"] for e in report.events
+                         if e["event"] == "failure")
+        progress.after_iteration(
+            iteration, loss=report.loss, skipped=report.skipped, iteration_ms=report.iteration_ms,
+            global_batch_size=report.B * cfg.micro_batch_size, grad_norm=report.grad_norm,
+            events=report.events,
+            recover={"live replicas": report.live_replicas, "contributions": report.contributions,
+                     "B": report.B, "recovery seconds": recovery_s})
+        if cfg.evaluation.due(iteration):
+            progress.evaluate(iteration)
+        saved = progress.save_due(iteration)
+        if saved:
+            save()
+        if progress.stopping(iteration, report.exit_requested, saved, save):
+            break
+    else:
+        progress.end_of_training(iteration)
     trainer.gather_parameters()  # the final parameters, on every shard
     return skipped

@@ -59,6 +59,8 @@ from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.policy import ADAPTIVE, RESERVE, WorkloadPolicy
 from megatron_recover.recovery import GradientRecovery, LaneLayout
 
+LANE_HEAD = 3  # the commit lane: loss sum, loss tokens, exit request; then the ledger
+
 
 @dataclass
 class StepReport:
@@ -81,6 +83,7 @@ class StepReport:
     buckets: int
     events: list[dict] = field(default_factory=list)
     loss_tokens: int | None = None  # --calculate-per-token-loss: the committed loss tokens
+    exit_requested: bool = False  # some rank asked to stop after this iteration (--exit-*)
     # The first round's cross-replica reductions, from the ulfm worker's timestamps: how long
     # some reduction was running, how much of that before megatron's schedule returned (hidden
     # under backward), and this rank's snapshot and gradient-buffer bytes.
@@ -116,6 +119,9 @@ class TrainerParts:
     # Parameters megatron syncs in place inside the replica after backward (finalize_model_grads):
     # with overlap, their buckets are posted after the schedule.
     synced_inside_replica: frozenset = frozenset()
+    # Whether this rank asks to stop after the iteration (--exit-duration-in-mins, a signal with
+    # --exit-signal-handler); the request rides in the commit lane, so all survivors agree.
+    wants_exit: Callable[[], bool] = lambda: False
 
 
 class ResilientTrainer:
@@ -215,7 +221,7 @@ class ResilientTrainer:
             totals, problems = None, []
             if not agreed.failed_ranks and agreed.census[0] == agreed.size:
                 # This position's round succeeded everywhere: its lane is the committed ledger.
-                totals = self.lane_layout.decode(lane[2:])
+                totals = self.lane_layout.decode(lane[LANE_HEAD:])
                 # Only the last pipeline stage saw the loss tokens.
                 counted = int(lane[1]) if p.per_token_loss and p.computes_loss else None
                 problems = p.audit.problems(iteration, totals, self._divisor(), counted)
@@ -250,6 +256,41 @@ class ResilientTrainer:
         report.reduction = reduction
         return report
 
+    def evaluate(self, run_ids: Callable[[list[int]], torch.Tensor],
+                 count: int) -> tuple[torch.Tensor, list[dict]]:
+        """An evaluation between iterations: the live replicas split the ids 0..count-1
+        (replica i of W runs i, i + W, ...; a replica's shards every S-th of those), and
+        `run_ids(ids)` returns this rank's slot vector (evaluation.py). The vectors are summed
+        over the replicas' ulfm group; a failure anywhere makes every survivor drop the dead
+        replicas from the policy's layout (as an iteration boundary would) and evaluate again
+        on the new split. Returns the summed vector, on every rank of every live replica, and
+        the failure events."""
+        p = self.p
+        events = []
+        while True:
+            live = sorted(p.policy.layout.replicas)
+            values = run_ids(self._mine(range(live.index(p.replica), count, len(live))))
+            if p.shard_group is not None:
+                dist.all_reduce(values, group=p.shard_group)  # the shards split the replica's
+            record = p.group.allreduce(values).wait()
+            ok = int(not record.has_failure and record.epoch == p.group.epoch)
+            agreed = p.group.consensus([ok]).wait()
+            verdict = self._replica_verdict(agreed, torch.zeros(LANE_HEAD), ledger_bad=False)
+            if verdict.commit:
+                self._last_progress = time.time()
+                break
+            new_dead = sorted(verdict.dead - self.dead_replicas)
+            if new_dead:
+                self.dead_replicas.update(new_dead)
+                p.policy.drop(new_dead)
+                events.append({"event": "failure", "replicas": new_dead,
+                               "ranks": list(agreed.failed_ranks), "epoch": agreed.epoch,
+                               "detected": time.time(), "during": "evaluation"})
+        if p.replica_group is not None:
+            # Only the last pipeline stage ran the loss: the others hold zeros.
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=p.replica_group)
+        return values, events
+
     def _reduction_timing(self, schedule_end: float) -> dict:
         """The first round's reductions: the time some reduction was running, and the part of
         it before `schedule_end` (megatron's schedule had not returned: hidden under backward
@@ -278,7 +319,8 @@ class ResilientTrainer:
 
     def _lane(self, iteration: int, losses: dict[int, float],
               tokens: dict[int, int]) -> torch.Tensor:
-        """[loss sum, loss tokens, ledger] of what this rank's buckets sent to their reductions;
+        """[loss sum, loss tokens, exit request, ledger] of what this rank's buckets sent to
+        their reductions;
         with distributed-optimizer shards, summed over the replica's shards (the union of their
         ledgers, as the reduce-scatter summed their gradients).
 
@@ -291,7 +333,8 @@ class ResilientTrainer:
         if sent is not None and self.p.computes_loss:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
             token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
-        lane = torch.cat([torch.tensor([loss_sum, token_sum], dtype=torch.float64),
+        head = [loss_sum, token_sum, float(self.p.wants_exit())]
+        lane = torch.cat([torch.tensor(head, dtype=torch.float64),
                           self.lane_layout.encode(sent, iteration, poison=int(not consistent))])
         if self.p.shard_group is not None:
             dist.all_reduce(lane, group=self.p.shard_group)  # intra-replica, as the reduce-scatter
@@ -305,20 +348,22 @@ class ResilientTrainer:
         """
         p = self.p
         w_init = p.policy.config.w_init
-        verdict = torch.zeros(w_init + 4, dtype=torch.float64)
+        verdict = torch.zeros(w_init + 5, dtype=torch.float64)
         for rank in agreed.failed_ranks:
             verdict[p.replica_of_rank[rank]] = 1.0
         verdict[w_init] = float(bool(agreed.failed_ranks) or agreed.census[0] != agreed.size)
         verdict[w_init + 1] = lane[0]
         verdict[w_init + 2] = float(ledger_bad)
         verdict[w_init + 3] = lane[1]
+        verdict[w_init + 4] = lane[2]
         if p.replica_group is not None:
             # A peer that died makes this raise; the exit hook then takes this rank down too.
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=p.replica_group)
         return _Verdict(dead={r for r in range(w_init) if verdict[r] > 0},
                         commit=bool(verdict[w_init] == 0), loss_sum=float(verdict[w_init + 1]),
                         tokens=int(verdict[w_init + 3]),
-                        invariant_ok=bool(verdict[w_init + 2] == 0))
+                        invariant_ok=bool(verdict[w_init + 2] == 0),
+                        exit_requested=bool(verdict[w_init + 4] > 0))
 
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float],
              tokens: dict[int, int], overlap: bool = False) -> None:
@@ -412,7 +457,8 @@ class ResilientTrainer:
             iteration_ms=(time.perf_counter() - start) * 1e3,
             extension_rounds=len(result.extension_rounds),
             buckets=len(self.recovery.grads), events=events,
-            loss_tokens=verdict.tokens if p.per_token_loss else None)
+            loss_tokens=verdict.tokens if p.per_token_loss else None,
+            exit_requested=verdict.exit_requested)
 
 
 @dataclass
@@ -424,3 +470,4 @@ class _Verdict:
     loss_sum: float  # the replica's loss sum (the last pipeline stage's)
     tokens: int  # the loss tokens of the microbatches in the committed ledger
     invariant_ok: bool  # the ledger invariant held at every position
+    exit_requested: bool = False  # some rank of some replica asked to stop after this iteration

@@ -30,6 +30,7 @@ __all__ = [
     "begin_iteration",
     "apply_failure",
     "commit_iteration",
+    "without",
 ]
 
 
@@ -82,6 +83,12 @@ def apply_failure(state: IterationState, failed) -> tuple[IterationState, Policy
     work = {r: w for r, w in state.work.items() if r not in failed}
     new_state = replace(state, work=work, failed=state.failed | failed)
     return new_state, PolicyDecision(BLOCKING, dropped=dropped)
+
+
+def without(layout: AdaptiveLayout, failed: set[int]) -> AdaptiveLayout:
+    """Replicas that died between iterations: their slices are dropped from then on."""
+    return AdaptiveLayout(g_cur=layout.g_cur,
+                          replicas=tuple(r for r in layout.replicas if r not in failed))
 
 
 def commit_iteration(state: IterationState) -> IterationResult:

@@ -53,7 +53,7 @@ from megatron_recover.policy.records import (
     commit_maps,
 )
 
-__all__ = ["initial_layout", "begin_iteration", "apply_failure", "commit_iteration"]
+__all__ = ["initial_layout", "begin_iteration", "apply_failure", "commit_iteration", "without"]
 
 
 def begin_iteration(
@@ -155,6 +155,12 @@ def commit_iteration(state: IterationState) -> IterationResult:
         next_reserve=state.reserve_next,
         **maps,
     )
+
+
+def without(layout: Layout, failed: set[int]) -> Layout:
+    """The layout after replicas died between iterations: Algorithm 7 over the survivors, the
+    layout a boundary iteration would have left (no work was in flight, so nothing to recover)."""
+    return advance_layout([r for r in layout.replicas if r not in failed], layout.b)
 
 
 def _promotable_spare(state: IterationState, work, dead_work: ReplicaWork) -> int | None:

@@ -90,6 +90,19 @@ class WorkloadPolicy:
         self._state, decision = self._impl.apply_failure(self.state, failed)
         return decision
 
+    def drop(self, failed: Iterable[int]) -> None:
+        """Between iterations (an evaluation), remove dead replicas from the layout: the next
+        iteration starts on the survivors, as after a boundary iteration."""
+        if self._state is not None:
+            raise ValueError(f"iteration {self._state.iteration} is in progress: a failure in "
+                             "it goes to on_failure")
+        failed = set(failed)
+        unknown = failed - set(self.layout.replicas)
+        if unknown or failed == set(self.layout.replicas):
+            raise ValueError(f"cannot drop replicas {sorted(failed)} from the live "
+                             f"{list(self.layout.replicas)}")
+        self.layout = self._impl.without(self.layout, failed)
+
     def work(self, replica: int) -> RankWork:
         """What `replica` runs and contributes in the iteration in progress."""
         return rank_work(self.state, replica)

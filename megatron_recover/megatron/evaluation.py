@@ -1,0 +1,132 @@
+"""Evaluation on the validation split (and the test split at the end), as Megatron-LM's
+`evaluate`: --eval-iters global batches every --eval-interval iterations and once at the end.
+
+Evaluation k reads the split's E = eval_iters x B microbatches after those of evaluations
+1..k-1 (`MicrobatchSource.eval_microbatch`), each through megatron's schedule with
+forward_only=True, in eval mode (no dropout). The value is Megatron-LM's: the loss summed over
+every loss token of the E microbatches, divided by their number.
+
+Splitting the ids. `EvalPass.values(split, k, ids)` runs `ids` and returns a vector of 2E
+float64 slots, (loss sum, loss tokens) of microbatch j in slots 2j and 2j + 1, zero where this
+rank did not run j. The runners of the ids (the data-parallel ranks of a stock run, the live
+replicas and their shards under --recover) cover every id exactly once, so summing the vectors
+over them leaves in each slot one runner's value plus zeros: exactly that value. A microbatch's
+loss is a function of the parameters and the batch alone (every replica holds the same
+parameters; eval mode draws no dropout), and the sums over the ids are taken in id order after
+the reduction, on every rank. The result is therefore the same, bitwise, however the ids were
+split: after a failure the survivors re-split them and get the failure-free value.
+
+The loss divisor. The schedule divides each returned loss in place, by the patched
+`hooks.loss_divisor` (the iteration's B under --recover); an evaluation resets it to megatron's
+own (the pass's microbatch count), and the values are copies taken before the division anyway.
+"""
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from megatron_recover.megatron import hooks
+
+SPLIT_TITLES = {"valid": "", "test": " on test set"}  # Megatron-LM's end-of-training prefixes
+
+
+@dataclass
+class EvalResult:
+    """One evaluation, equal on every rank."""
+
+    split: str  # "valid" or "test"
+    evaluation: int  # 1, 2, ... within the split
+    iteration: int  # the training iteration it followed
+    loss: float  # lm loss: loss sum over loss tokens
+    tokens: int
+    events: list[dict] = field(default_factory=list)  # failures during the evaluation
+
+    @property
+    def ppl(self) -> float:
+        """Megatron-LM's perplexity: exp of the loss, capped at exp(20)."""
+        return math.exp(min(20.0, self.loss))
+
+    def line(self, at_end: bool) -> str:
+        """Megatron-LM's validation line, between dashes."""
+        where = f"iteration {self.iteration}"
+        if at_end:
+            where += " on validation set" if self.split == "valid" else " on test set"
+        text = (f" validation loss at {where} | lm loss value: {self.loss:.6E} |"
+                f" lm loss PPL: {self.ppl:.6E} | ")
+        rule = "-" * (len(text) + 1)
+        return f"{rule}\n{text}\n{rule}"
+
+
+def result_of(values: torch.Tensor, split: str, evaluation: int, iteration: int,
+              events=()) -> EvalResult:
+    """The evaluation's value from the summed slot vector, summed in id order."""
+    sums = values.view(-1, 2)
+    loss_sum, tokens = 0.0, 0.0
+    for loss, count in sums.tolist():
+        loss_sum += loss
+        tokens += count
+    return EvalResult(split, evaluation, iteration, loss=loss_sum / max(tokens, 1.0),
+                      tokens=int(tokens), events=list(events))
+
+
+def _eval_loss(loss_mask, index, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    tokens = mask.sum()
+    reported = {"index": index, "loss sum": loss_sum.item(), "tokens": tokens.item()}
+    return loss_sum / tokens.clamp(min=1), reported
+
+
+class EvalPass:
+    """Forward-only passes over evaluation microbatches through megatron's schedule."""
+
+    def __init__(self, ddp_model, source, seq_length: int, micro_batch_size: int, faults,
+                 forward_backward):
+        self.model = ddp_model
+        self.source = source
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.faults = faults
+        self.forward_backward = forward_backward
+
+    @property
+    def count(self) -> int:
+        """Microbatches in one evaluation (E)."""
+        return self.source.eval_microbatches
+
+    def splits(self) -> list[str]:
+        """The splits --split gives documents, of "valid" and "test"."""
+        return [name for name in ("valid", "test") if name in self.source.eval_datasets]
+
+    def values(self, split: str, evaluation: int, iteration: int, ids: list[int],
+               reports_loss: bool) -> torch.Tensor:
+        """The slot vector of `ids` (see the module docstring); zeros where `reports_loss` is
+        False (pipeline stages before the last, and TP ranks other than the one that reports)."""
+        values = torch.zeros(2 * self.count, dtype=torch.float64)
+        self.faults.at("evaluation", iteration)
+        if not ids:
+            return values
+        batches = (self.source.eval_microbatch(split, evaluation, j) for j in ids)
+        hooks.set_loss_divisor(None)  # megatron's own divisor for the forward-only pass
+        self.model.eval()
+        try:
+            outputs = self.forward_backward(
+                forward_step_func=self._forward_step, data_iterator=batches, model=[self.model],
+                num_microbatches=len(ids), seq_length=self.seq_length,
+                micro_batch_size=self.micro_batch_size, forward_only=True)
+        finally:
+            self.model.train()
+        if reports_loss:
+            for out in outputs:  # only the last pipeline stage has them
+                values[2 * out["index"]] = out["loss sum"]
+                values[2 * out["index"] + 1] = out["tokens"]
+        return values
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"])
+        return output, partial(_eval_loss, batch["loss_mask"], batch["index"])
