@@ -1,0 +1,70 @@
+"""configs/: the scaled Megatron-LM example job scripts parse, start-up checks included.
+
+Each script prints its command with DRY_RUN=1; the arguments after pretrain_gpt_recover.py go
+through the same parse and start-up checks a launch runs (`arguments.parse_args`,
+`run.check_start`: the failure schedule against the job), with the script's rank count. The
+README's run of configs/gpt3_recover.sh shows what a launch prints.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_recover.megatron import arguments, run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    subprocess.run([sys.executable, str(ROOT / "scripts/make_demo_corpus.py"), "--output-dir",
+                    str(out)], check=True, timeout=300, capture_output=True)
+    return out
+
+
+def command(script: str, *args: str) -> list[str]:
+    out = subprocess.run(["bash", str(ROOT / "configs" / script), *args], check=True,
+                         capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, DRY_RUN="1")).stdout.splitlines()
+    assert out[1:3] == ["--with-ft", "ulfm"], out[:4]
+    return out
+
+
+def parsed(lines: list[str]):
+    np = int(lines[lines.index("-np") + 1])
+    argv = lines[lines.index(str(ROOT / "pretrain_gpt_recover.py")) + 1:]
+    cfg = arguments.parse_args(argv, world_size=np, cuda_available=False)
+    run.check_start(cfg)
+    return cfg
+
+
+def test_gpt3_script_parses_with_its_failures(corpus, tmp_path):
+    cfg = parsed(command("gpt3_recover.sh", str(tmp_path / "ckpt"), str(tmp_path / "tb"),
+                         str(corpus / "vocab.json"), str(corpus / "merges.txt"),
+                         str(corpus / "corpus_text_document")))
+    assert cfg.recover.enabled and cfg.recover.failure_schedule.name == "gpt3_two_failures.yaml"
+    assert (cfg.parallel.pipeline_model_parallel_size, cfg.num_replicas) == (2, 4)
+    assert cfg.precision.fp16 and cfg.train_iters == 40
+    assert (cfg.evaluation.interval, cfg.evaluation.iters) == (10, 2)
+    assert cfg.logging.tensorboard_dir == tmp_path / "tb"
+    assert cfg.checkpoint.save == cfg.checkpoint.load == str(tmp_path / "ckpt")
+    assert not [line for line in cfg.notices if "no effect" in line]
+
+
+def test_llama3_script_parses_with_its_failures(tmp_path):
+    cfg = parsed(command("llama3_recover.sh", str(tmp_path / "ckpt"), str(tmp_path / "tb")))
+    m = cfg.model
+    assert (m.num_query_groups, m.swiglu, m.position_embedding_type) == (2, True, "rope")
+    assert m.calculate_per_token_loss and cfg.precision.bf16
+    assert cfg.parallel.use_distributed_optimizer and cfg.parallel.overlap_param_gather
+    assert cfg.exit.duration_mins == 235 and cfg.logging.log_throughput
+    assert cfg.train_iters == 30 and cfg.num_replicas == 4
+    # The flags that change nothing here are said at start-up, not dropped silently.
+    said = " ".join(cfg.notices)
+    for flag in ("--use-mcore-models", "--manual-gc", "--tiktoken-pattern",
+                 "--distributed-timeout-minutes", "--num-workers"):
+        assert flag in said, flag
