@@ -92,25 +92,11 @@ if [[ "$FAILURE_SCHEDULE" != none ]]; then
     RECOVER_ARGS+=(--recover-failure-schedule "$FAILURE_SCHEDULE")
 fi
 
-MPI_ARGS=(--with-ft ulfm -np "$NP" -x OMP_NUM_THREADS=1 -x PYTHONUNBUFFERED=1)
-if (( NP > $(nproc) )); then
-    MPI_ARGS+=(--oversubscribe --mca mpi_yield_when_idle 1)
-fi
-if [[ $(id -u) == 0 ]]; then
-    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-fi
-
-COMMAND=("$MPIRUN" "${MPI_ARGS[@]}" "$PYTHON" "$ROOT/pretrain_gpt_recover.py"
-    "${GPT_MODEL_ARGS[@]}"
-    "${TRAINING_ARGS[@]}"
-    "${MODEL_PARALLEL_ARGS[@]}"
-    "${DATA_ARGS[@]}"
-    "${EVAL_AND_LOGGING_ARGS[@]}"
-    "${RECOVER_ARGS[@]}")
-
-if [[ -n "${DRY_RUN:-}" ]]; then
-    printf '%s\n' "${COMMAND[@]}"
-    exit 0
-fi
-mkdir -p "$(dirname "$CHECKPOINT_PATH")" "$TENSORBOARD_LOGS_PATH"
-exec "${COMMAND[@]}"
+source "$ROOT/configs/launch.sh"
+recover_launch \
+    "${GPT_MODEL_ARGS[@]}" \
+    "${TRAINING_ARGS[@]}" \
+    "${MODEL_PARALLEL_ARGS[@]}" \
+    "${DATA_ARGS[@]}" \
+    "${EVAL_AND_LOGGING_ARGS[@]}" \
+    "${RECOVER_ARGS[@]}"
