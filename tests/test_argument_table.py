@@ -115,7 +115,7 @@ def llama3_data_and_logging(tmp: Path) -> list[str]:
         "--data-cache-path", str(tmp / "cache"), "--tiktoken-pattern", "v2",
         "--split", "'99,1,0'",  # the script's quotes reach argv: Megatron reads the digits
         "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
-        "--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100",
+        "--log-interval", "1", "--eval-iters", "2", "--eval-interval", "100",  # 32: scaled
         "--save-interval", "1000", "--log-throughput", "--profile-step-start", "4",
         "--profile-step-end", "6", "--ckpt-format", "torch", "--distributed-timeout-minutes", "60",
         "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"),

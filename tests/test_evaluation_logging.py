@@ -30,6 +30,7 @@ from tests.mpirun_harness import ENTRY
 from tests.training_harness import EXACT_RTOL, STABLE_LR, run_training
 
 pytestmark = pytest.mark.mpi
+ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 REPLICAS = 4
 ITERATIONS = 7
@@ -107,6 +108,10 @@ def test_evaluation_and_tensorboard_survive_replica_and_writer_failures(tmp_path
     # TensorBoard: Megatron's tags and ours, one value per logged iteration, also after the
     # writer died; the rank that took over wrote its own event file.
     assert len(list(tb_dir.glob("events.out.tfevents.*"))) == 2
+    listed = subprocess.run([sys.executable, str(ROOT / "scripts/tensorboard_tags.py"),
+                             str(tb_dir)], check=True, capture_output=True, text=True,
+                            timeout=120).stdout  # the README's way to look at them
+    assert "2 event file(s)" in listed and re.search(r"lm loss validation +4 values", listed)
     iterations = list(range(1, ITERATIONS + 1))
     samples = [8 * i for i in iterations]
     for tag in TRAINING_TAGS:
@@ -206,9 +211,12 @@ def test_exit_flags_stop_every_survivor_at_the_same_iteration_and_save(tmp_path)
     assert len(result.statuses) == REPLICAS and len(digests(result)) == 1
     assert all(s["state"] == "completed" for s in result.statuses.values())
 
-    # --exit-duration-in-mins in a stock run: every rank is past 0 minutes after iteration 1.
-    result, _, saved = exit_run(tmp_path, "duration", ["--train-iters", "6",
-                                                       "--exit-duration-in-mins", "0"],
-                                num_ranks=2, recover=False)
-    assert saved == 1 and "exiting program at iteration 1: after" in result.output
-    assert len(digests(result)) == 1
+    # --exit-duration-in-mins: every rank is past 0 minutes after iteration 1; under --recover
+    # the request rides in the commit lane, in a stock run in an all-reduce.
+    for recover in (True, False):
+        name = "duration" if recover else "duration-stock"
+        result, records, saved = exit_run(tmp_path, name, ["--train-iters", "6",
+                                                           "--exit-duration-in-mins", "0"],
+                                          num_ranks=REPLICAS if recover else 2, recover=recover)
+        assert saved == 1 and "exiting program at iteration 1: after" in result.output, name
+        assert len(digests(result)) == 1 and records == records[:1]

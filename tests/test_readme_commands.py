@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 VENV = Path(sys.executable).parent
 TIMEOUT_S = 300
 STARTS = ("make ", ".venv/bin/", "megatron-recover ", "mpirun ", "scripts/", "git ", "for ",
-          "pip ")
+          "pip ", "configs/")
 
 # The README's pretrain command, scaled down: 2 ranks, a batch of 4, 2 iterations, the demo
 # corpus built in the test's directory, the optional flags at their first choice, and the failure
@@ -82,6 +82,11 @@ COMMANDS = {
     'for p in /path/to/megatron-recover/patches/*.patch; do patch -p1 --forward < "$p" || '
     "break; done": ("skip", "applies to that checkout; make setup applies the same patches"),
     "pip install --no-deps --no-build-isolation .": ("skip", "installs that checkout"),
+    "configs/gpt3_recover.sh": ("skip", "8 ranks for about 2 minutes; tests/test_configs.py runs "
+                                        "its command line through the start-up checks, and "
+                                        "tests/test_evaluation_logging.py the same failures"),
+    ".venv/bin/python scripts/tensorboard_tags.py runs/gpt3/tensorboard":
+        ("skip", "reads the run above; tests/test_evaluation_logging.py runs it on its own run"),
 }
 
 

@@ -100,9 +100,11 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
     for event in events:
         if event["event"] != "failure":
             continue
+        # The ranks this position's group saw fail; another position of the replica may have
+        # seen the failure first (the replica verdict then names only the replicas).
+        ranks = f" (ranks {event['ranks']})" if event["ranks"] else ""
         line = (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
-                f" replica(s) {event['replicas']} lost (ranks {event['ranks']}),"
-                f" epoch {event['epoch']}, ")
+                f" replica(s) {event['replicas']} lost{ranks}, epoch {event['epoch']}, ")
         if event.get("during") == "evaluation":
             line += "during the evaluation after it: evaluated again by the survivors"
         else:
