@@ -120,9 +120,7 @@ class Progress:
                                   grad_norm=grad_norm, flops=flops, ranks=self.live_ranks(),
                                   recover=recover), flush=True)
         elif iteration % log.log_interval == 0:
-            self.stats.line(iteration=iteration, train_iters=cfg.train_iters,
-                            consumed_samples=consumed, lr=lr, global_batch_size=global_batch_size,
-                            loss_scale=loss_scale, grad_norm=grad_norm)  # starts the interval
+            self.stats.restart()  # the interval restarts on every rank: a new writer goes on
         if self.writers.enabled and iteration % log.tensorboard_log_interval == 0:
             seconds = iteration_ms / 1e3
             throughput = None if flops is None else flops / (seconds * 1e12 * self.live_ranks())

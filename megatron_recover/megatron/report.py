@@ -40,9 +40,10 @@ class IntervalStats:
 
     def __init__(self):
         self.failures = 0  # replicas lost so far (the whole run)
-        self._reset()
+        self.restart()
 
-    def _reset(self) -> None:
+    def restart(self) -> None:
+        """Start a new interval (after each iteration line)."""
         self.iterations = 0
         self.elapsed_ms = 0.0
         self.loss_sum = 0.0
@@ -90,7 +91,7 @@ class IntervalStats:
             line += (f" live replicas: {recover['live replicas']} |"
                      f" contributions: {recover['contributions']}/{recover['B']} |"
                      f" failures: {self.failures} |")
-        self._reset()
+        self.restart()
         return line
 
 
