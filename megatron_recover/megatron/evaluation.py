@@ -22,15 +22,12 @@ own (the pass's microbatch count), and the values are copies taken before the di
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from megatron_recover.megatron import hooks
-
-SPLIT_TITLES = {"valid": "", "test": " on test set"}  # Megatron-LM's end-of-training prefixes
-
 
 @dataclass
 class EvalResult:
@@ -41,7 +38,6 @@ class EvalResult:
     iteration: int  # the training iteration it followed
     loss: float  # lm loss: loss sum over loss tokens
     tokens: int
-    events: list[dict] = field(default_factory=list)  # failures during the evaluation
 
     @property
     def ppl(self) -> float:
@@ -59,8 +55,7 @@ class EvalResult:
         return f"{rule}\n{text}\n{rule}"
 
 
-def result_of(values: torch.Tensor, split: str, evaluation: int, iteration: int,
-              events=()) -> EvalResult:
+def result_of(values: torch.Tensor, split: str, evaluation: int, iteration: int) -> EvalResult:
     """The evaluation's value from the summed slot vector, summed in id order."""
     sums = values.view(-1, 2)
     loss_sum, tokens = 0.0, 0.0
@@ -68,7 +63,7 @@ def result_of(values: torch.Tensor, split: str, evaluation: int, iteration: int,
         loss_sum += loss
         tokens += count
     return EvalResult(split, evaluation, iteration, loss=loss_sum / max(tokens, 1.0),
-                      tokens=int(tokens), events=list(events))
+                      tokens=int(tokens))
 
 
 def _eval_loss(loss_mask, index, output_tensor):

@@ -161,7 +161,7 @@ class Progress:
         finally:
             if ddp.use_forward_hook:
                 ddp.enable_forward_pre_hook()
-        result = result_of(values, split, evaluation, iteration, events)
+        result = result_of(values, split, evaluation, iteration)
         self.stats.failures += sum(len(e["replicas"]) for e in events)
         writer = self.is_writer()
         if writer:
