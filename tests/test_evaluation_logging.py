@@ -66,6 +66,30 @@ def validation_losses(output: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(3)) for m in VALIDATION_LINE.finditer(output)}
 
 
+def plain_loss(tmp_path, params) -> float:
+    """The end-of-training validation loss of `params`, from tests/_eval_reference.py (none of
+    megatron_recover's evaluation code)."""
+    (tmp_path / "args.json").write_text(json.dumps([*MODEL, *EVALUATED]))
+    out = tmp_path / f"plain-{params.parent.parent.name}.json"
+    subprocess.run([sys.executable, str(ROOT / "tests/_eval_reference.py"), str(params),
+                    str(tmp_path / "args.json"), str(ITERATIONS // 2 + 1), str(out)],
+                   check=True, timeout=TIMEOUT_S)
+    plain = json.loads(out.read_text())
+    assert plain["tokens"] == 2 * 8 * 32  # eval_iters x GBS samples of seq-length tokens
+    return plain["loss"]
+
+
+def test_stock_evaluation_equals_a_plain_forward(tmp_path):
+    """Without --recover the data-parallel ranks split the microbatches (gloo all-reduce)."""
+    result = launch(LaunchConfig(2, [*ENTRY, *MODEL, *EVALUATED], tmp_path / "stock" / "status",
+                                 TIMEOUT_S))
+    assert not result.timed_out and result.succeeded, result.output[-4000:]
+    losses = validation_losses(result.output)
+    assert sorted(losses) == EVALUATION_STEPS
+    params = tmp_path / "stock" / "status" / "rank-0.params.pt"
+    assert losses[ITERATIONS] == pytest.approx(plain_loss(tmp_path, params), rel=2e-6), losses
+
+
 def evaluated_run(tmp_path, name, schedule=None):
     tb = tmp_path / name / "tb"
     run = run_training(tmp_path / name, REPLICAS,
@@ -95,15 +119,9 @@ def test_evaluation_and_tensorboard_survive_replica_and_writer_failures(tmp_path
     assert tb["lm loss validation"][0] == reference_tb["lm loss validation"][0]
     assert "on test set" in output  # Megatron's end-of-training evaluation of the test split
     # The end-of-training value against a plain forward over Megatron's validation samples with
-    # a survivor's final parameters (tests/_eval_reference.py).
-    (tmp_path / "args.json").write_text(json.dumps([*MODEL, *EVALUATED]))
-    subprocess.run([sys.executable, str(Path(__file__).parent / "_eval_reference.py"),
-                    str(run.status_dir / "rank-1.params.pt"), str(tmp_path / "args.json"),
-                    str(ITERATIONS // 2 + 1), str(tmp_path / "plain.json")],
-                   check=True, timeout=TIMEOUT_S)
-    plain = json.loads((tmp_path / "plain.json").read_text())
-    assert plain["tokens"] == 2 * 8 * 32  # eval_iters x GBS samples of seq-length tokens
-    assert ours[ITERATIONS] == pytest.approx(plain["loss"], rel=2e-6), (ours, plain)
+    # a survivor's final parameters.
+    plain = plain_loss(tmp_path, run.status_dir / "rank-1.params.pt")
+    assert ours[ITERATIONS] == pytest.approx(plain, rel=2e-6), (ours, plain)
 
     # TensorBoard: Megatron's tags and ours, one value per logged iteration, also after the
     # writer died; the rank that took over wrote its own event file.
