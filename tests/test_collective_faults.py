@@ -100,3 +100,21 @@ def test_fault_without_per_op_agreement(tmp_path):
     assert not run.timed_out, run.output[-3000:]
     assert [m["rank"] for m in run.markers] == [2]
     check_survivors(run, [0, 1, 2, 3], {2}, hit_is_consensus=False, uniform=False)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_torch_distributed_call_fails_stop(tmp_path):
+    """A stock caller (dist.all_reduce on the group) that sees a death raises, as on gloo; the
+    group is repaired all the same, and the record API goes on over the survivors."""
+    specs = ["2:reduce", "1:delay-reduce@0.3"]
+    run = run_worker(tmp_path, "collective_worker.py", 4, ["torch-allreduce", *specs], TIMEOUT_S)
+    assert not run.timed_out, run.output[-3000:]
+    assert [m["rank"] for m in run.markers] == [2], run.markers
+    assert sorted(run.results) == [0, 1, 3], run.output[-3000:]
+    for rank, res in run.results.items():
+        warmup, hit = res["ops"]
+        assert not warmup["failed"], rank
+        assert "ALLREDUCE failed: a peer died (world ranks [2];" in hit["raised"], hit
+        assert (hit["epoch"], hit["size"]) == (1, 3), (rank, hit)
+        assert res["consensus"]["failed_ranks"] == [2] and res["epoch"] == 1, res["consensus"]
+        assert res["verify"]["exact"] and res["verify"]["expected"] == 1 + 2 + 4, res["verify"]

@@ -136,10 +136,11 @@ bool fault_tolerance_enabled() {
 // ------------------------------------------------------------------------------------ WorkULFM
 
 WorkULFM::WorkULFM(c10d::OpType type, std::vector<at::Tensor> outputs,
-                   std::chrono::milliseconds timeout)
+                   std::chrono::milliseconds timeout, bool fail_stop)
     : c10d::Work(-1, type),
       outputs_(std::move(outputs)),
       default_timeout_(timeout),
+      fail_stop_(fail_stop),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
 
@@ -185,6 +186,24 @@ FailureRecord WorkULFM::record() const {
   return record_;
 }
 
+// What a torch.distributed caller gets instead of a record: the error gloo would raise, saying
+// who failed and where the recovery API is.
+static std::exception_ptr fail_stop_error(c10d::OpType type, const FailureRecord& record) {
+  std::string ranks;
+  for (auto r : record.failed_ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  try {
+    C10_THROW_ERROR(DistBackendError,
+                    "ulfm: " + c10d::opTypeToString(type) + " failed: a peer died (world ranks [" +
+                        ranks + "]; the group was shrunk to " + std::to_string(record.size) +
+                        " members, epoch " + std::to_string(record.epoch) +
+                        "). A torch.distributed call on a ulfm group stops on failure like one "
+                        "on gloo; megatron_recover.collective.ULFMGroup returns the failure "
+                        "record instead");
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
 void WorkULFM::complete(const FailureRecord* record, std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -192,6 +211,7 @@ void WorkULFM::complete(const FailureRecord* record, std::exception_ptr error) {
       record_ = *record;
       failed_ = record->repaired || !record->failed_ranks.empty();
     }
+    if (failed_ && fail_stop_ && !error) error = fail_stop_error(opType_, record_);
     exception_ = error;
     completed_ = true;
   }
@@ -297,8 +317,10 @@ void ProcessGroupULFM::fill_membership(FailureRecord* record) {
 // ------------------------------------------------------------------------------------- worker
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue(
-    c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void(FailureRecord*)> run) {
-  auto work = c10::make_intrusive<WorkULFM>(type, std::move(outputs), options_.timeout);
+    c10d::OpType type, std::vector<at::Tensor> outputs, bool fail_stop,
+    std::function<void(FailureRecord*)> run) {
+  auto work = c10::make_intrusive<WorkULFM>(type, std::move(outputs), options_.timeout,
+                                            fail_stop);
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     TORCH_CHECK(!stopping_, "ulfm: group ", options_.name, " is shut down");
@@ -429,11 +451,11 @@ void ProcessGroupULFM::run_consensus(std::vector<int64_t>& census, FailureRecord
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allreduce_sum(at::Tensor tensor) {
   std::vector<at::Tensor> tensors{tensor};
-  return enqueue_allreduce(c10d::OpType::ALLREDUCE, tensors);
+  return enqueue_allreduce(c10d::OpType::ALLREDUCE, tensors, false);
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allreduce(
-    c10d::OpType type, const std::vector<at::Tensor>& tensors) {
+    c10d::OpType type, const std::vector<at::Tensor>& tensors, bool fail_stop) {
   // One operation for all tensors: one failure record, one repair, however many tensors.
   std::vector<SumSpec> specs;
   auto staged = std::make_shared<std::vector<Staged>>();
@@ -441,7 +463,7 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allreduce(
     specs.push_back(sum_spec(tensor.scalar_type()));
     staged->push_back(Staged::of(tensor));
   }
-  return enqueue(type, tensors, [this, staged, specs](FailureRecord* record) {
+  return enqueue(type, tensors, fail_stop, [this, staged, specs](FailureRecord* record) {
     run_data_op("reduce", [&](MPI_Comm comm) {
       const bool inject = kill_pending_at("reduce");
       for (size_t i = 0; i < staged->size(); ++i) {
@@ -479,8 +501,14 @@ int ProcessGroupULFM::reduce_in_place(at::Tensor& host, const SumSpec& spec, MPI
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::broadcast_from(at::Tensor tensor,
                                                              int64_t root_world_rank) {
+  return enqueue_broadcast(std::move(tensor), root_world_rank, false);
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_broadcast(at::Tensor tensor,
+                                                                int64_t root_world_rank,
+                                                                bool fail_stop) {
   auto staged = std::make_shared<Staged>(Staged::of(tensor));
-  return enqueue(c10d::OpType::BROADCAST, {tensor},
+  return enqueue(c10d::OpType::BROADCAST, {tensor}, fail_stop,
                  [this, staged, root_world_rank](FailureRecord* record) {
     const auto current = members();
     auto it = std::find(current.begin(), current.end(), root_world_rank);
@@ -498,12 +526,13 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::broadcast_from(at::Tensor tensor,
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allgather_into(at::Tensor output,
                                                              at::Tensor input) {
-  return enqueue_allgather(std::move(output), std::move(input), {});
+  return enqueue_allgather(std::move(output), std::move(input), {}, false);
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor output,
                                                                 at::Tensor input,
-                                                                std::vector<at::Tensor> rows) {
+                                                                std::vector<at::Tensor> rows,
+                                                                bool fail_stop) {
   TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(),
                     "ulfm: all-gather output and input dtypes differ");
   TORCH_CHECK_VALUE(output.numel() == input.numel() * current_size(),
@@ -511,7 +540,8 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor outp
                     current_size(), ")");
   auto in = std::make_shared<Staged>(Staged::of(input));
   auto out = std::make_shared<Staged>(Staged::of(output));
-  return enqueue(c10d::OpType::ALLGATHER, {output}, [this, in, out, rows](FailureRecord* record) {
+  return enqueue(c10d::OpType::ALLGATHER, {output}, fail_stop,
+                 [this, in, out, rows](FailureRecord* record) {
     const int64_t nbytes = in->host.nbytes();
     TORCH_CHECK_VALUE(nbytes * current_size() <= kMaxChunk, "ulfm: all-gather is too large");
     run_data_op("allgather", [&](MPI_Comm comm) {
@@ -530,19 +560,23 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor outp
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::barrier_ft() {
-  return enqueue(c10d::OpType::BARRIER, {}, [this](FailureRecord* record) {
+  return enqueue_barrier(false);
+}
+
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_barrier(bool fail_stop) {
+  return enqueue(c10d::OpType::BARRIER, {}, fail_stop, [this](FailureRecord* record) {
     run_data_op("barrier", [](MPI_Comm comm) { return MPI_Barrier(comm); }, record);
   });
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::consensus(std::vector<int64_t> census) {
   auto shared = std::make_shared<std::vector<int64_t>>(std::move(census));
-  return enqueue(c10d::OpType::UNKNOWN, {}, [this, shared](FailureRecord* record) {
+  return enqueue(c10d::OpType::UNKNOWN, {}, false, [this, shared](FailureRecord* record) {
     run_consensus(*shared, record);
   });
 }
 
-// The torch.distributed entry points map onto the typed ones.
+// The torch.distributed entry points: the typed operations, failing stop (see the header).
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
@@ -550,7 +584,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce(std::vector<at::Tenso
   TORCH_CHECK_VALUE(opts.reduceOp == c10d::ReduceOp::SUM,
                     "ulfm: all-reduce supports only ReduceOp.SUM (got ",
                     int(opts.reduceOp.op_), ")");
-  return allreduce_sum(tensors[0]);
+  return enqueue_allreduce(c10d::OpType::ALLREDUCE, tensors, true);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce_coalesced(
@@ -559,14 +593,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce_coalesced(
   TORCH_CHECK_VALUE(opts.reduceOp == c10d::ReduceOp::SUM,
                     "ulfm: all-reduce supports only ReduceOp.SUM (got ",
                     int(opts.reduceOp.op_), ")");
-  return enqueue_allreduce(c10d::OpType::ALLREDUCE_COALESCED, tensors);
+  return enqueue_allreduce(c10d::OpType::ALLREDUCE_COALESCED, tensors, true);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "ulfm: broadcast takes exactly one tensor");
   // torch passes the root as a rank of the group as created; members keep their world ranks.
-  return broadcast_from(tensors[0], options_.world_ranks.at(opts.rootRank));
+  return enqueue_broadcast(tensors[0], options_.world_ranks.at(opts.rootRank), true);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allgather(
@@ -579,11 +613,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allgather(
                     current_size(), ")");
   at::Tensor flat = at::empty({current_size() * inputs[0].numel()},
                               inputs[0].options().device(at::kCPU));
-  return enqueue_allgather(flat, inputs[0], outputs[0]);
+  return enqueue_allgather(flat, inputs[0], outputs[0], true);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::barrier(const c10d::BarrierOptions&) {
-  return barrier_ft();
+  return enqueue_barrier(true);
 }
 
 // ------------------------------------------------------------------------------ fault injection

@@ -13,6 +13,11 @@
 //    same size and epoch, and the element-wise sum of the callers' census vectors.
 //  * Operations run in submission order on one worker thread per group, so Python can overlap
 //    them with compute; Work.wait(timeout) raises instead of blocking past the timeout.
+//  * Fail-stop for stock callers: an operation entered through torch.distributed (the c10d
+//    overrides: dist.all_reduce, dist.broadcast, ... on the group) that sees a failure still
+//    repairs the group, then completes with an error, so wait() raises as it would on gloo and a
+//    stock job over ulfm stops like a stock gloo job. The typed entry points below (the
+//    recovery layer's) complete with the record instead.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -64,7 +69,8 @@ struct FaultArm {
 
 class WorkULFM : public c10d::Work {
  public:
-  WorkULFM(c10d::OpType type, std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout);
+  WorkULFM(c10d::OpType type, std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
+           bool fail_stop);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -80,6 +86,7 @@ class WorkULFM : public c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   std::chrono::milliseconds default_timeout_;
+  bool fail_stop_;  // a failure completes the Work with an error (torch.distributed callers)
   bool failed_ = false;
   FailureRecord record_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
@@ -136,13 +143,18 @@ class ProcessGroupULFM : public c10d::Backend {
     std::function<void(FailureRecord*)> run;
   };
 
+  // `fail_stop`: the caller came through torch.distributed (see the contract above).
   c10::intrusive_ptr<WorkULFM> enqueue_allreduce(c10d::OpType type,
-                                                 const std::vector<at::Tensor>& tensors);
+                                                 const std::vector<at::Tensor>& tensors,
+                                                 bool fail_stop);
+  c10::intrusive_ptr<WorkULFM> enqueue_broadcast(at::Tensor tensor, int64_t root_world_rank,
+                                                 bool fail_stop);
+  c10::intrusive_ptr<WorkULFM> enqueue_barrier(bool fail_stop);
   int reduce_in_place(at::Tensor& host, const SumSpec& spec, MPI_Comm comm, bool inject);
   c10::intrusive_ptr<WorkULFM> enqueue_allgather(at::Tensor output, at::Tensor input,
-                                                 std::vector<at::Tensor> rows);
+                                                 std::vector<at::Tensor> rows, bool fail_stop);
   c10::intrusive_ptr<WorkULFM> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                       std::function<void(FailureRecord*)> run);
+                                       bool fail_stop, std::function<void(FailureRecord*)> run);
   void worker_loop();
 
   // Runs `body` on the communicator; on any error repairs and fills `record`.

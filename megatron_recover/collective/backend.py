@@ -3,8 +3,9 @@
 `register()` makes "ulfm" a torch.distributed backend name; `new_group(ranks)` creates a group on
 it and returns a `ULFMGroup`, the handle the recovery layer uses. Collectives go through the
 handle (`allreduce`, `broadcast`, `allgather`, `barrier`, `consensus`), each returning a Work whose
-`wait()` yields a `FailureRecord` — or through plain `torch.distributed` calls on `group.process_group`,
-which behave the same but leave the record on the Work (`work.record()`).
+`wait()` yields a `FailureRecord`. Plain `torch.distributed` calls on `group.process_group` (a stock
+Megatron job over ulfm) fail stop instead: the group is repaired, then `wait()` raises
+`DistBackendError` naming the dead ranks, as a gloo group would raise.
 """
 
 import datetime

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_recover import collective, runtime
 from megatron_recover.faults import Fault, FaultInjector
@@ -40,6 +41,7 @@ def scenario_ops(scenario: str) -> tuple[str, int]:
         "consensus": ("consensus", 0),
         "allreduce64m": ("allreduce", 64 * MIB // 4),
         "disjoint": ("allreduce", 256),
+        "torch-allreduce": ("torch", 256),
     }[scenario]
 
 
@@ -71,6 +73,15 @@ def main() -> None:
     if kind == "allreduce":
         hit = torch.full((numel,), float(rank + 1))
         ops.append(record_dict("hit", group.allreduce(hit).wait()))
+    elif kind == "torch":
+        # A stock caller: torch.distributed on the group fails stop, the group is repaired.
+        hit = torch.full((numel,), float(rank + 1))
+        try:
+            dist.all_reduce(hit, group=group.process_group)
+            raised = ""
+        except dist.DistBackendError as error:
+            raised = str(error)
+        ops.append({"op": "hit", "raised": raised, "epoch": group.epoch, "size": group.size})
     else:
         ops.append(record_dict("hit", group.consensus([1, rank]).wait()))
     agreed = group.consensus([1, rank]).wait()
