@@ -1,5 +1,5 @@
-"""`megatron-recover` command line: `plan` (policy simulator), `launch` (mpirun composer) and
-`schedule` (seeded failure schedules).
+"""`megatron-recover` command line: `plan` (policy simulator), `launch` (mpirun composer),
+`schedule` (seeded failure schedules) and `goodput` (ETTR at scale, simulated).
 
 Each subcommand lives beside the layer it exposes; this module only dispatches, so importing it
 pulls in neither torch nor MPI.
@@ -23,8 +23,13 @@ def main(argv=None) -> int:
     from megatron_recover.faults import schedule_cli
     schedule_cli.add_arguments(sub.add_parser("schedule", help="write a seeded failure schedule"))
 
+    from megatron_recover.goodput import cli as goodput_cli
+    goodput_cli.add_arguments(sub.add_parser("goodput", help="simulate ETTR of fault-tolerance "
+                                             "systems from 1k to 100k GPUs"))
+
     args = parser.parse_args(argv)
-    commands = {"plan": plan_cli.run, "launch": launch.run, "schedule": schedule_cli.run}
+    commands = {"plan": plan_cli.run, "launch": launch.run, "schedule": schedule_cli.run,
+                "goodput": goodput_cli.run}
     return commands[args.subcommand](args)
 
 
