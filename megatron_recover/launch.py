@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -64,6 +64,7 @@ class RunResult:
     output: str
     elapsed_s: float
     statuses: dict[int, dict]
+    lines: list[tuple[float, str]] = field(default_factory=list)  # (time.time() on arrival, line)
 
     @property
     def timed_out(self) -> bool:
@@ -99,6 +100,63 @@ def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 POLL_S = 0.5
 
 
+class Started:
+    """`cmd` running in its own process group, its output read line by line.
+
+    Each line is kept with the time.time() of its arrival (`lines`); `on_line(time, line)`, if
+    given, runs in the reader thread for each, and `echo` copies them to stdout.
+    """
+
+    def __init__(self, cmd: list[str], env: dict[str, str], on_line=None, echo: bool = False):
+        self.started = time.time()
+        self._start = time.monotonic()
+        self.lines: list[tuple[float, str]] = []
+        self._on_line, self._echo = on_line, echo
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            now = time.time()
+            self.lines.append((now, line))
+            if self._echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            if self._on_line is not None:
+                self._on_line(now, line)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._start
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def wait(self, timeout_s: float, poll=None) -> bool:
+        """Wait up to `timeout_s` for the command to exit (True if it did); `poll()`, if
+        given, runs every POLL_S seconds meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self.proc.poll() is not None
+            try:
+                self.proc.wait(timeout=min(POLL_S, left))
+                return True
+            except subprocess.TimeoutExpired:
+                if poll is not None:
+                    poll()
+
+    def stop(self) -> None:
+        """Stop it (and its process group) if it still runs; collect the last output."""
+        _stop(self.proc)  # also the group's members that outlived mpirun
+        self.proc.wait()
+        self._reader.join(timeout=5.0)
+
+
 def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float,
                 stream: bool = False, poll=None) -> tuple[int | None, str, float]:
     """Run `cmd` in its own process group; on timeout (or if we are interrupted) stop it.
@@ -106,36 +164,25 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float,
 
     Returns (returncode, or None on timeout; combined output; elapsed seconds).
     """
-    start = time.monotonic()
-    deadline = start + timeout_s
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    chunks = []
-    reader = threading.Thread(target=_drain, args=(proc.stdout, chunks, stream), daemon=True)
-    reader.start()
-    timed_out = True
+    started = Started(cmd, env, echo=stream)
+    exited = False
     try:
-        while time.monotonic() < deadline:
-            try:
-                proc.wait(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
-                timed_out = False
-                break
-            except subprocess.TimeoutExpired:
-                if poll is not None:
-                    poll()
+        exited = started.wait(timeout_s, poll)
     finally:
-        if proc.poll() is None:
-            _stop(proc)
-    reader.join(timeout=max(1.0, deadline - time.monotonic()))
-    return (None if timed_out else proc.returncode), "".join(chunks), time.monotonic() - start
+        started.stop()
+    return (started.proc.returncode if exited else None), started.output, started.elapsed_s
 
 
-def _drain(pipe, chunks: list[str], echo: bool) -> None:
-    for line in pipe:
-        chunks.append(line)
-        if echo:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+def kill_process_group(pid: int) -> None:
+    """SIGKILL the process group led by `pid` (mpirun starts each rank in its own, with the
+    rank's helper processes), or only `pid` if it leads none: never a group we did not start."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _stopped(pid: int) -> bool:
@@ -181,19 +228,56 @@ def kill_ranks(statuses: dict[int, dict]) -> None:
                 pass
 
 
-def launch(cfg: LaunchConfig, stream: bool = False) -> RunResult:
-    """Run the job to completion or its timeout; never leaves a process of it behind."""
-    cfg.status_dir.mkdir(parents=True, exist_ok=True)
-    for stale in cfg.status_dir.glob("rank-*.json"):
-        stale.unlink()
-    rc = None
+class RunningJob(Started):
+    """mpirun of `cfg`, started now (`fault_tolerant`: with ULFM on), for a caller that acts
+    on it while it runs: kill a chosen rank (`kill_rank`), read the ranks' PIDs."""
+
+    def __init__(self, cfg: LaunchConfig, fault_tolerant: bool = True, on_line=None,
+                 echo: bool = False):
+        self.cfg = cfg
+        cfg.status_dir.mkdir(parents=True, exist_ok=True)
+        for stale in cfg.status_dir.glob("rank-*.json"):
+            stale.unlink()
+        super().__init__(mpirun_command(cfg, fault_tolerant), launch_env(cfg), on_line, echo)
+
+    def rank_pids(self) -> dict[int, int]:
+        return {rank: s["pid"] for rank, s in read_statuses(self.cfg.status_dir).items()
+                if "pid" in s}
+
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL world rank `rank` with its helpers (a node going down); returns its PID."""
+        pid = self.rank_pids()[rank]
+        kill_process_group(pid)
+        return pid
+
+    def kill_everything(self) -> None:
+        """mpirun's process group and every rank's, whatever state they are in."""
+        pids = self.rank_pids()
+        self.stop()
+        for pid in pids.values():
+            kill_process_group(pid)
+
+
+def launch(cfg: LaunchConfig, stream: bool = False, on_line=None, poll=None,
+           fault_tolerant: bool = True) -> RunResult:
+    """Run the job to completion or its timeout; never leaves a process of it behind.
+    `on_line(time, line)` sees each output line as it arrives, `poll()` runs every POLL_S."""
+
+    def every_poll():
+        reap_frozen_ranks(cfg.status_dir)
+        if poll is not None:
+            poll()
+
+    job = RunningJob(cfg, fault_tolerant, on_line, stream)
+    exited = False
     try:
-        rc, output, elapsed = run_bounded(mpirun_command(cfg), launch_env(cfg), cfg.timeout_s,
-                                          stream, poll=lambda: reap_frozen_ranks(cfg.status_dir))
+        exited = job.wait(cfg.timeout_s, every_poll)
     finally:
-        if rc is None:  # timed out or interrupted: mpirun may have left ranks behind
+        job.stop()
+        if not exited:  # timed out or interrupted: mpirun may have left ranks behind
             kill_ranks(read_statuses(cfg.status_dir))
-    return RunResult(rc, output, elapsed, read_statuses(cfg.status_dir))
+    return RunResult(job.proc.returncode if exited else None, job.output, job.elapsed_s,
+                     read_statuses(cfg.status_dir), list(job.lines))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

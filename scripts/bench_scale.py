@@ -34,7 +34,6 @@ import random
 import shutil
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -207,13 +206,12 @@ def job_arguments(replicas: int, g_init: int, iterations: int) -> list[str]:
 
 
 class RunWatcher:
-    """While a run goes: print each new log record and note when the first one appears (one
-    thread, a cheap stat every LOG_PERIOD_S), and sample the ranks' memory by the PIDs in their
-    status files (another thread: PSS, so shared library pages count once; reading it walks each
-    rank's page tables, so it is sampled seldom and never delays the log thread).
+    """While a run goes (the launcher calls `poll` every launch.POLL_S): print each new log
+    record and note when the first one appears (a cheap stat per call), and every
+    MEMORY_PERIOD_S sample the ranks' memory by the PIDs in their status files (PSS, so shared
+    library pages count once; reading it walks each rank's page tables, so it is sampled seldom).
     """
 
-    LOG_PERIOD_S = 0.25
     MEMORY_PERIOD_S = 3.0
 
     def __init__(self, log: Path, status_dir: Path, say):
@@ -223,22 +221,16 @@ class RunWatcher:
         self.peak_pss_kib = 0
         self._seen = 0
         self._size = 0
-        self._done = threading.Event()
-        self._threads = [threading.Thread(target=self._every, args=(period, poll), daemon=True)
-                         for period, poll in ((self.LOG_PERIOD_S, self._follow_log),
-                                              (self.MEMORY_PERIOD_S, self._sample_memory))]
-        for thread in self._threads:
-            thread.start()
+        self._sampled = 0.0
+
+    def poll(self) -> None:
+        self._follow_log()
+        if time.monotonic() - self._sampled >= self.MEMORY_PERIOD_S:
+            self._sampled = time.monotonic()
+            self._sample_memory()
 
     def stop(self) -> None:
-        self._done.set()
-        for thread in self._threads:
-            thread.join()
         self._follow_log()
-
-    def _every(self, period_s: float, poll) -> None:
-        while not self._done.wait(period_s):
-            poll()
 
     def _follow_log(self) -> None:
         try:
@@ -293,7 +285,8 @@ def run_job(name: str, out: Path, replicas: int, args: list[str], timeout_s: flo
                "--recover-log", str(log)]
     say(f"=== {name}: {replicas} ranks, timeout {timeout_s:.0f} s")
     watcher = RunWatcher(log, run_dir / "status", say)
-    result = launch(LaunchConfig(replicas, command, run_dir / "status", timeout_s))
+    result = launch(LaunchConfig(replicas, command, run_dir / "status", timeout_s),
+                    poll=watcher.poll)
     watcher.stop()
     (run_dir / "output.txt").write_text(result.output)
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

@@ -54,8 +54,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from megatron_recover.faults import read_markers  # noqa: E402
 from megatron_recover.faults.schedule import ScheduleEntry, write_schedule  # noqa: E402
-from megatron_recover.launch import LaunchConfig, read_statuses  # noqa: E402
-from run_restart_baseline import ENTRY, BaselineConfig, Job, run_baseline  # noqa: E402
+from megatron_recover.launch import LaunchConfig, launch  # noqa: E402
+from run_restart_baseline import ENTRY, BaselineConfig, StampedOutput, run_baseline  # noqa: E402
 
 RANKS = 8
 FAILURES = 4
@@ -119,22 +119,19 @@ def run_recover(run_dir: Path, job: list[str], iterations: int, extra: list[str]
         write_schedule([ScheduleEntry(f, RANKS - 1 - k, 0, "during-reduce")
                         for k, f in enumerate(failures)], schedule)
         command += ["--recover-failure-schedule", str(schedule)]
-    cfg = LaunchConfig(RANKS, command, run_dir / "status", RUN_TIMEOUT_S)
-    mpi_job = Job(cfg, fault_tolerant=True)
-    exited = mpi_job.wait(mpi_job.started + RUN_TIMEOUT_S)
-    mpi_job.kill_everything(mpi_job.rank_pids())
+    launched = time.time()
+    result = launch(LaunchConfig(RANKS, command, run_dir / "status", RUN_TIMEOUT_S))
     ended = time.time()
-    (run_dir / "output.txt").write_text(mpi_job.output.text())
-    states = [s.get("state") for s in read_statuses(cfg.status_dir).values()]
-    if not exited or "completed" not in states or "error" in states:
+    output = StampedOutput(result.lines)
+    (run_dir / "output.txt").write_text(output.text())
+    if not result.succeeded:
         raise SystemExit(f"{run_dir}: the run failed (see output.txt)")
     records = [json.loads(line) for line in log.read_text().splitlines()]
     markers = read_markers(log.with_suffix(".markers.jsonl")) if failures else []
     if failures and sorted(m["iteration"] for m in markers) != failures:
         raise SystemExit(f"{run_dir}: failures {failures} scheduled, markers say {markers}")
-    run = {"launched": mpi_job.started, "ended": ended,
-           "iterations": [{"time": t, "iteration": i}
-                          for t, i, _ in mpi_job.output.iterations()],
+    run = {"launched": launched, "ended": ended,
+           "iterations": [{"time": t, "iteration": i} for t, i, _ in output.iterations()],
            "records": records, "markers": sorted(markers, key=lambda m: m["time"])}
     (run_dir / "timeline.json").write_text(json.dumps(run, indent=1) + "\n")
     return run

@@ -6,16 +6,20 @@ Usage: .venv/bin/python scripts/run_restart_baseline.py --ranks 8 --save-interva
 What Megatron users do today when a process dies, played end to end on stock Megatron
 (pretrain_gpt_recover.py without --recover, megatron-core distributed checkpoints):
 
-- Launch: plain `mpirun` (no `--with-ft ulfm`: one death ends the whole job, as under torchrun)
-  with `--save OUT/checkpoints --save-interval N --load OUT/checkpoints`, so every launch resumes
-  from the newest complete checkpoint (the first starts from scratch).
+- Launch: `--save OUT/checkpoints --save-interval N --load OUT/checkpoints`, so every launch
+  resumes from the newest complete checkpoint (the first starts from scratch). Over gloo (the
+  default) under plain `mpirun`: one death ends the whole job, as under torchrun. With
+  `--cross-replica-backend ulfm`, data parallelism runs on the backend --recover uses, under
+  `mpirun --with-ft ulfm`; its torch.distributed calls fail stop, so the survivors raise at the
+  death and the job ends as over gloo (only the way it goes down differs).
 - Failure at iteration f: as soon as iteration f begins (rank 0 printed iteration f - 1 and, if
   one was due, its checkpoint), the driver SIGKILLs one rank's process group (the rank and its
   checkpoint-writer helpers: a node going down). The kill lands at the start of iteration f,
   before its gradient synchronization: the driver sees the job only through its output, and the
   lost part of iteration f is at most one iteration either way.
-- Job down: mpirun notices the death and takes the other ranks down. Bounded: after
-  --handling-timeout seconds the driver kills the job's processes itself (counted as handling).
+- Job down: mpirun notices the death and takes the other ranks down (over ulfm, the survivors
+  raise at the death and exit). Bounded: after --handling-timeout seconds the driver kills the
+  job's processes itself (counted as handling).
 - Relaunch at once with the same command; the job redoes the iterations after its checkpoint.
 
 Timestamps per failure, as the ReCoVer paper's appendix A.1 defines them (rank 0's wall clock for
@@ -33,8 +37,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -44,12 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_recover.launch import (  # noqa: E402
-    LaunchConfig,
-    launch_env,
-    mpirun_command,
-    read_statuses,
-)
+from megatron_recover.launch import LaunchConfig, RunningJob, read_statuses  # noqa: E402
 
 ENTRY = [sys.executable, str(ROOT / "pretrain_gpt_recover.py")]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
@@ -81,69 +78,6 @@ class StampedOutput:
         return "".join(line for _, line in self.lines)
 
 
-class Job:
-    """One mpirun of the job in its own process group; output read and stamped line by line.
-
-    `on_line(time, line)` runs in the reader thread for each line as it arrives.
-    """
-
-    def __init__(self, cfg: LaunchConfig, fault_tolerant: bool, on_line=None, echo=False):
-        self.cfg = cfg
-        self.output = StampedOutput()
-        self.on_line = on_line
-        self.echo = echo
-        cfg.status_dir.mkdir(parents=True, exist_ok=True)
-        for stale in cfg.status_dir.glob("rank-*.json"):
-            stale.unlink()
-        self.started = time.time()
-        self.proc = subprocess.Popen(mpirun_command(cfg, fault_tolerant), env=launch_env(cfg),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            now = time.time()
-            self.output.lines.append((now, line))
-            if self.echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            if self.on_line is not None:
-                self.on_line(now, line)
-
-    def rank_pids(self) -> dict[int, int]:
-        return {rank: s["pid"] for rank, s in read_statuses(self.cfg.status_dir).items()
-                if "pid" in s}
-
-    def wait(self, deadline: float) -> bool:
-        """Wait for mpirun until `deadline` (time.time()); True if it exited."""
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                return True
-            time.sleep(POLL_S)
-        return False
-
-    def kill_everything(self, pids: dict[int, int]) -> None:
-        """SIGKILL mpirun's process group and every rank's (a rank and its helpers)."""
-        for pid in [self.proc.pid, *pids.values()]:
-            kill_group(pid)
-        self.proc.wait()
-        self.reader.join(timeout=5.0)
-
-
-def kill_group(pid: int) -> None:
-    """SIGKILL the process group led by `pid` (mpirun starts each rank in its own), or only
-    `pid` if it leads none: never a group this driver did not start."""
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -168,6 +102,9 @@ class BaselineConfig:
     """The rank killed at each failure (default: the last rank, then the one before, ...)."""
     attempt_timeout_s: float = 900.0
     handling_timeout_s: float = 60.0
+    cross_replica_backend: str = "gloo"
+    """The data-parallel group's backend; "ulfm" as under --recover (its torch.distributed
+    calls fail stop, so the job stops at a death as over gloo)."""
 
     def check(self) -> None:
         if any(f < 2 or f > self.train_iters for f in self.failures):
@@ -179,9 +116,13 @@ class BaselineConfig:
             raise ValueError("give one victim rank per failure")
         if any(not 0 <= v < self.ranks for v in self.victim_ranks()):
             raise ValueError(f"victim ranks must lie in 0..{self.ranks - 1}")
-        if {"--save", "--load", "--save-interval", "--recover"} & set(self.job):
-            raise ValueError("the driver adds --save/--load/--save-interval itself, and the "
-                             "baseline is stock Megatron: drop them and --recover from the job")
+        if self.cross_replica_backend not in ("gloo", "ulfm"):
+            raise ValueError("cross_replica_backend: gloo or ulfm")
+        if {"--save", "--load", "--save-interval", "--recover",
+                "--cross-replica-backend"} & set(self.job):
+            raise ValueError("the driver adds --save/--load/--save-interval and "
+                             "--cross-replica-backend itself, and the baseline is stock "
+                             "Megatron: drop them and --recover from the job")
 
     def victim_ranks(self) -> list[int]:
         if self.victims is not None:
@@ -196,7 +137,7 @@ class _Watcher:
         self.cfg = cfg
         self.pending = pending  # shared with the driver: failures not yet injected
         self.victims = victims
-        self.job_ref = job_ref  # [Job], set right after the launch
+        self.job_ref = job_ref  # [RunningJob], set right after the launch
         self.completed = None  # last iteration whose line (and due save) is done
         self.saves: dict[int, tuple[float, float, float]] = {}  # start, end, line arrived
         self.load: tuple[int, float, float] | None = None
@@ -228,8 +169,7 @@ class _Watcher:
             return
         failure = self.pending.pop(0)
         victim = self.victims[len(self.cfg.failures) - len(self.pending) - 1]
-        pid = self.job_ref[0].rank_pids()[victim]
-        kill_group(pid)
+        pid = self.job_ref[0].kill_rank(victim)
         self.kill = {"iteration": failure, "rank": victim, "pid": pid, "time": time.time(),
                      "iteration_began": now}
 
@@ -239,18 +179,23 @@ def _attempt(cfg: BaselineConfig, index: int, pending: list[int], progress) -> d
     ckpt = cfg.out / "checkpoints"
     command = [*ENTRY, *cfg.job, "--train-iters", str(cfg.train_iters), "--save", str(ckpt),
                "--save-interval", str(cfg.save_interval), "--load", str(ckpt)]
+    if cfg.cross_replica_backend == "ulfm":
+        command += ["--cross-replica-backend", "ulfm"]
     launch_cfg = LaunchConfig(cfg.ranks, command, cfg.out / f"status-{index}",
                               timeout_s=cfg.attempt_timeout_s)
     job_ref = []
     watcher = _Watcher(cfg, pending, cfg.victim_ranks(), job_ref)
-    job = Job(launch_cfg, fault_tolerant=False, on_line=watcher)
+    # Over ulfm, ULFM must be on (the backend refuses otherwise); the job still stops at a
+    # death, its survivors failing stop. Over gloo, plain mpirun takes the job down.
+    job = RunningJob(launch_cfg, fault_tolerant=cfg.cross_replica_backend == "ulfm",
+                     on_line=watcher)
     job_ref.append(job)
     down = _wait_down(job, watcher, cfg)
-    pids = job.rank_pids()
     # Whatever is left (a forced teardown, ranks' checkpoint-writer helpers) goes before the
     # relaunch; the job counted as down already.
-    job.kill_everything(pids)
-    (cfg.out / f"attempt-{index}.txt").write_text(job.output.text())
+    job.kill_everything()
+    output = StampedOutput(list(job.lines))
+    (cfg.out / f"attempt-{index}.txt").write_text(output.text())
     if down is None:
         raise SystemExit(f"attempt {index} timed out after {cfg.attempt_timeout_s:.0f}s; "
                          f"output in {cfg.out}/attempt-{index}.txt")
@@ -259,7 +204,7 @@ def _attempt(cfg: BaselineConfig, index: int, pending: list[int], progress) -> d
     statuses = read_statuses(launch_cfg.status_dir)
     record.update(
         iterations=[{"time": t, "iteration": i, "loss": loss}
-                    for t, i, loss in job.output.iterations()],
+                    for t, i, loss in output.iterations()],
         saves={str(i): {"start": s, "end": e, "line_arrived": a}
                for i, (s, e, a) in sorted(watcher.saves.items())},
         load=(None if watcher.load is None else
@@ -275,7 +220,8 @@ def _attempt(cfg: BaselineConfig, index: int, pending: list[int], progress) -> d
     return record
 
 
-def _wait_down(job: Job, watcher: _Watcher, cfg: BaselineConfig) -> tuple[float, bool] | None:
+def _wait_down(job: RunningJob, watcher: _Watcher,
+               cfg: BaselineConfig) -> tuple[float, bool] | None:
     """Wait until mpirun and every rank process are gone: (that time, whether the driver had to
     force it after --handling-timeout), or None if the attempt outlived its timeout."""
     deadline = job.started + cfg.attempt_timeout_s
@@ -370,6 +316,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--attempt-timeout", type=float, default=900.0)
     parser.add_argument("--handling-timeout", type=float, default=60.0)
+    parser.add_argument("--cross-replica-backend", choices=["gloo", "ulfm"], default="gloo",
+                        help="the data-parallel group's backend")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("job", nargs=argparse.REMAINDER,
                         help="-- then pretrain_gpt_recover.py arguments (no --train-iters)")
@@ -380,7 +328,8 @@ def main() -> int:
         failures=[int(f) for f in args.failures.split(",") if f],
         victims=[int(v) for v in args.victims.split(",")] if args.victims else None,
         out=args.out.resolve(), attempt_timeout_s=args.attempt_timeout,
-        handling_timeout_s=args.handling_timeout)
+        handling_timeout_s=args.handling_timeout,
+        cross_replica_backend=args.cross_replica_backend)
     try:
         result = run_baseline(cfg, progress=(lambda s: print(s, file=sys.stderr, flush=True))
                               if args.json else print)
