@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test bench bench-restart bench-scale demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build test bench bench-restart bench-scale goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -43,12 +43,20 @@ test: build
 bench: build
 	$(PY) scripts/bench_collective.py
 
-# The paper's measurements at CPU scale (about 15 and 6 minutes here); not part of CI.
+# The paper's measurements at CPU scale (about 30 and 6 minutes here); not part of CI.
 bench-restart: build
 	$(PY) scripts/bench_vs_restart.py
 
 bench-scale: build
 	$(PY) scripts/bench_scale.py
+
+# The goodput simulator: its validation anchors, then ETTR from 1k to 100k GPUs (pure Python;
+# the cpu-benchmark anchor reads runs/bench/summary.json from `make bench-restart`).
+goodput: setup
+	mkdir -p runs/goodput
+	-$(VENV)/bin/megatron-recover goodput --validate
+	$(VENV)/bin/megatron-recover goodput --plot runs/goodput/ettr.png --json > runs/goodput/ettr.json
+	$(VENV)/bin/megatron-recover goodput --gpus 1000,16000,100000
 
 # Seeded failure schedules against failure-free references (30 cases: about 10 minutes here).
 N ?= 30

@@ -97,3 +97,62 @@ def test_recover_loses_a_process_per_failure():
         3 * TOKENS / (2.5 * (bench.RANKS - 2)))
     # Process-seconds: 8 x 2.5 + 7 x 3 + 6 x 2.5 at t = 8.
     assert bench.process_seconds(timeline, 8.0) == pytest.approx(20.0 + 21.0 + 15.0)
+
+
+# The fair protocol ---------------------------------------------------------------------------
+
+def test_fair_failures_are_seeded_and_spaced_by_the_mtbf():
+    failures = bench.spaced_failures(16, 4, seed=2026)
+    assert failures == bench.spaced_failures(16, 4, seed=2026)
+    assert failures[0] >= 2 and all(b > a for a, b in zip(failures, failures[1:]))
+    assert bench.spaced_train_iters(failures, 16) == failures[-1] + 16
+    many = bench.spaced_failures(16, 4000, seed=1)
+    assert (many[-1] - 1) / len(many) == pytest.approx(16, rel=0.05)
+
+
+def test_window_figures_count_each_iteration_once_against_8_processes():
+    timeline = bench.restart_timeline({"attempts": restart_attempts()})
+    figures = bench.window_figures(timeline, 8)
+    # From iteration 1's line (t=2) to iteration 8's (t=25): iterations 2..8 committed.
+    assert figures["window_s"] == pytest.approx(23.0)
+    assert figures["committed_tokens"] == 7 * TOKENS
+    assert figures["tokens_per_s_per_machine"] == pytest.approx(7 * TOKENS / 23.0)
+    assert figures["goodput_per_allocated_process"] == pytest.approx(
+        7 * TOKENS / (23.0 * bench.RANKS))
+
+
+def test_restart_costs_tile_the_window():
+    result = {"attempts": restart_attempts(), "train_iters": 8}
+    timeline = bench.restart_timeline(result)
+    figures = bench.window_figures(timeline, 8)
+    phases = bench.restart_costs(result, figures)
+    assert phases["save_s"] == pytest.approx(0.4 + 0.4 + 0.2)
+    assert phases["writer_startup_s"] == 0.0  # no first save slower than a later one
+    assert phases["lost_work_s"] == pytest.approx(10.0 - 5.5)  # save of 4 ends, kill
+    assert phases["detection_s"] == pytest.approx(1.0)
+    assert phases["restart_initialization_s"] == pytest.approx(9.0)
+    assert phases["checkpoint_load_s"] == pytest.approx(1.0)
+    assert phases["redo_s"] == pytest.approx(1.0)
+    assert sum(phases.values()) == pytest.approx(figures["window_s"])
+    assert phases["training_s"] == pytest.approx(23.0 - 17.5)
+
+
+def test_cpu_model_replays_the_restart_accounting():
+    from megatron_recover.goodput.cpu_model import restart_window_s
+
+    # Iterations of 1 s, a save every 2 (0.5 s, the launch's first 2 s more), a kill as
+    # iteration 4 begins costing 10 s: 2 | save | 3 | kill | 3 4 | save | 5 6.
+    assert restart_window_s(iteration_s=1.0, interval=2, train_iters=6, failures=[4],
+                            save_s=0.5, writer_startup_s=2.0,
+                            failure_cost_s=10.0) == pytest.approx(21.0)
+    # Without failures: only the saves between iteration 1 and the end.
+    assert restart_window_s(iteration_s=1.0, interval=2, train_iters=6, failures=[],
+                            save_s=0.5, writer_startup_s=2.0,
+                            failure_cost_s=10.0) == pytest.approx(5 + 2.5 + 0.5)
+
+
+def test_young_daly_interval_in_iterations():
+    n, interval_s = bench.young_daly_n(save_s=0.5, iteration_s=0.4, mtbf_iters=16)
+    # Daly's correction shortens Young's sqrt(2 C M) by about C when C << M.
+    assert interval_s == pytest.approx((2 * 0.5 * 6.4) ** 0.5 - 0.5, rel=0.1)
+    assert n == round(interval_s / 0.4)

@@ -12,9 +12,9 @@ taken from that figure's own source and one parameter set (`Costs()`) for all of
   fault-tolerant HSDP on 100,000 GPUs, arXiv:2602.00277). Simulated: a job whose every failure
   costs exactly that stall (checkpoints free and every iteration, no other cost), as the figure
   accounts.
-- `cpu-benchmark`: the per-machine ratio recover / best checkpoint-restart of
-  `scripts/bench_vs_restart.py`, predicted at the sweep's largest N from the event costs it
-  measured at the other N (its summary's `simulator_inputs`).
+- `cpu-benchmark`: the per-machine ratio recover / checkpoint-restart of
+  `scripts/bench_vs_restart.py` at the sweep's largest N, predicted from the event costs it
+  measured at the other N (its summary's `simulator_inputs`; `cpu_model` replays them).
 """
 
 import json
@@ -82,7 +82,7 @@ def cpu_benchmark(summary_path: Path) -> dict:
                        note=f"{summary_path} has no simulator_inputs (an older benchmark)")
     from megatron_recover.goodput.cpu_model import predict_ratio
 
-    target = summary["ratio_per_machine_vs_best_restart"]
+    target = inputs["measured_ratio_held_out"]
     predicted = predict_ratio(inputs)
     entry = _anchor(name, target, predicted, 0.20, kind="relative",
                     source=f"{summary_path}: measured at N = {inputs['held_out_N']} against "

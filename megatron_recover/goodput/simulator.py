@@ -275,7 +275,7 @@ def simulate_replicas(job: Job, trace: tuple[Failure, ...], horizon_s: float, co
             i += 1
             struck += 1
             live_now -= 1
-            live.append((failure.time_s, live_now))
+            live.append((max(failure.time_s, t), live_now))  # one during a join: after it
             if standbys:
                 returning.append(failure.time_s + costs.replace_s)
             if live_now == 0:
@@ -318,29 +318,20 @@ def simulate(job: Job, model: FailureModel, costs: Costs, horizon_s: float, seed
                           + costs.restart_init_s + load_s)
 
     k = default_standbys(job, mtbf_s, costs) if standbys is None else standbys
+    restarts = {"checkpoint-restart": (costs.checkpoint_save_s, costs.checkpoint_load_s),
+                "in-memory-restart": (costs.memory_save_s, costs.memory_load_s)}
+    replicas = {"drop-and-go": (False, 0), "recover": (True, 0), "recover+standbys": (True, k)}
     out = {}
     for system in systems:
-        if system == "checkpoint-restart":
-            n = interval or checkpoint_interval(job, costs.checkpoint_save_s, mtbf_s)
-            out[system] = simulate_restart(job, trace, horizon_s, interval=n,
-                                           save_s=costs.checkpoint_save_s,
-                                           failure_cost_s=stock_cost(costs.checkpoint_load_s),
-                                           name=system)
-        elif system == "in-memory-restart":
-            n = interval or checkpoint_interval(job, costs.memory_save_s, mtbf_s)
-            out[system] = simulate_restart(job, trace, horizon_s, interval=n,
-                                           save_s=costs.memory_save_s,
-                                           failure_cost_s=stock_cost(costs.memory_load_s),
-                                           name=system)
-        elif system == "drop-and-go":
-            out[system] = simulate_replicas(job, trace, horizon_s, costs, keep_batch=False,
-                                            standbys=0, name=system)
-        elif system == "recover":
-            out[system] = simulate_replicas(job, trace, horizon_s, costs, keep_batch=True,
-                                            standbys=0, name=system)
-        elif system == "recover+standbys":
-            out[system] = simulate_replicas(job, trace, horizon_s, costs, keep_batch=True,
-                                            standbys=k, name=system)
+        if system in restarts:
+            save_s, load_s = restarts[system]
+            n = interval or checkpoint_interval(job, save_s, mtbf_s)
+            out[system] = simulate_restart(job, trace, horizon_s, interval=n, save_s=save_s,
+                                           failure_cost_s=stock_cost(load_s), name=system)
+        elif system in replicas:
+            keep_batch, pool = replicas[system]
+            out[system] = simulate_replicas(job, trace, horizon_s, costs, keep_batch=keep_batch,
+                                            standbys=pool, name=system)
         else:
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     return out

@@ -199,9 +199,12 @@ _REFUSED_GROUPS = (
      "--position-embedding-type rope, --ckpt-format)", "--batch-size --checkpoint-activations "
      "--warmup --model-parallel-size --use-rotary-position-embeddings --dist-ckpt-format "
      "--use-dist-ckpt"),
+    ("saves here are synchronous: the training loop does not drive megatron-core's "
+     "asynchronous save queue (and on a CPU run that save's host copy, tensor.to('cpu'), would "
+     "return the live tensor itself, racing the next optimizer step); drop it", "--async-save"),
     ("this checkpoint option is not supported: --save/--load/--save-interval save and resume the "
      "complete state (model, optimizer, RNG, scheduler, data position); drop it",
-     "--async-save --auto-detect-ckpt-format --ckpt-assume-constant-structure "
+     "--auto-detect-ckpt-format --ckpt-assume-constant-structure "
      "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format "
      "--ckpt-step --disable-ckpt-fully-parallel-save --no-ckpt-fully-parallel-save "
      "--dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 --dist-ckpt-strictness "
