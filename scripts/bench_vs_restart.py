@@ -18,8 +18,8 @@ The systems:
    runs first at N = 4; its later saves give the checkpoint cost C, and Young/Daly's interval
    for C and the failure spacing gives N_YD; restart is then swept over N_YD / 2, N_YD and
    2 N_YD as well, and twice the largest N while the largest is the best (at most twice), so
-   that the baseline is reported at its best interval. Figures over the window from the end of iteration 1 to the first completion
-   of the last iteration:
+   that the baseline is reported at its best interval. Figures over the window from the end of
+   iteration 1 to the first completion of the last iteration:
    - per machine: committed tokens per second (an iteration counts once; drop-and-go counts
      the microbatches it committed). Against allocated capacity (`goodput.ettr`): every system
      holds 8 processes throughout (a dead process stays allocated: nothing replaces it; a
