@@ -20,9 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TP x PP x CP GPUs a failure takes down (default: Llama 3 405B's)")
     parser.add_argument("--iteration-s", type=float, default=sim.Job.iteration_s,
                         help="failure-free iteration time, seconds")
-    parser.add_argument("--microbatches", type=int, default=sim.Job.microbatches,
-                        help="B, microbatches per iteration")
-    parser.add_argument("--tokens-per-iteration", type=int, default=sim.Job.tokens_per_iteration)
+    parser.add_argument("--microbatches-per-replica", type=int,
+                        default=sim.Job.microbatches_per_replica,
+                        help="G, each replica's microbatches per iteration (B = G x replicas)")
+    parser.add_argument("--tokens-per-microbatch", type=int,
+                        default=sim.Job.tokens_per_microbatch)
+    parser.add_argument("--regrow-hours", type=float, default=None,
+                        help="recover+restarts' period of planned restarts at full size "
+                             "(default: the one balancing their cost and the capacity lost)")
     parser.add_argument("--gpu-mtbf-hours", type=float, default=None,
                         help="constant per-GPU failure rate (one GPU's MTBF); default: the "
                              "published job MTBF against scale")
@@ -70,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--runs must be >= 1 and --days > 0")
         if not 0.0 <= args.hang_share <= 1.0:
             raise ValueError("--hang-share must be in [0, 1]")
-        jobs = [sim.Job(n, args.gpus_per_replica, args.iteration_s, args.microbatches,
-                        args.tokens_per_iteration) for n in gpus]
+        jobs = [sim.Job(n, args.gpus_per_replica, args.iteration_s,
+                        args.microbatches_per_replica, args.tokens_per_microbatch) for n in gpus]
     except (ValueError, OSError) as error:
         print(f"megatron-recover goodput: {error}", file=sys.stderr)
         return 2
@@ -79,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
     horizon = args.days * sim.DAY_S
     points, kept = [], {}
     for job in jobs:
+        regrow = None if args.regrow_hours is None else args.regrow_hours * sim.HOUR_S
         runs = [sim.simulate(job, model, costs, horizon, args.seed + k, standbys=args.standbys,
-                             interval=args.checkpoint_interval) for k in range(args.runs)]
+                             interval=args.checkpoint_interval, regrow_s=regrow)
+                for k in range(args.runs)]
         kept[job.gpus] = runs[0]
         points.append({"gpus": job.gpus, "replicas": job.replicas,
                        "job_mtbf_min": round(model.job_mtbf_s(job.training_gpus) / 60, 2),
@@ -90,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
                               "runs": args.runs, "seed": args.seed,
                               "job": {"gpus_per_replica": args.gpus_per_replica,
                                       "iteration_s": args.iteration_s,
-                                      "microbatches": args.microbatches,
-                                      "tokens_per_iteration": args.tokens_per_iteration},
+                                      "microbatches_per_replica": args.microbatches_per_replica,
+                                      "tokens_per_microbatch": args.tokens_per_microbatch},
+                              "regrow_hours": args.regrow_hours,
                               "costs": {f.name: getattr(costs, f.name) for f in fields(costs)}},
               "results": points}
     if measured is not None:

@@ -3,8 +3,8 @@
 The model behind every figure of `megatron-recover goodput`:
 
 - **The job.** `gpus` GPUs in replicas of `gpus_per_replica` (TP x PP x CP: a failure takes its
-  whole replica down), a failure-free iteration of `iteration_s` over B = `microbatches`
-  microbatches and `tokens_per_iteration` tokens.
+  whole replica down), each replica running G microbatches of `tokens_per_microbatch` tokens in
+  a failure-free iteration of `iteration_s`; B = G x replicas.
 - **Failures.** A Poisson process in wall-clock time over the training GPUs, at the job's mean
   time between failures for its size (`FailureModel`). A failure is a hang with probability
   `hang_share`: it is noticed after the system's hang timeout instead of at once. Every system
@@ -26,11 +26,19 @@ The model behind every figure of `megatron-recover goodput`:
   `recover+standbys`: as recover, with K standby replicas allocated. After an iteration that
   lost replicas, standbys join (`join_s`, the layout grows back). A lost replica's hardware comes
   back as a standby `replace_s` after its failure.
+  `recover+restarts`: as recover, restarted at full size on a fixed schedule when it was below
+  full size at the scheduled time (checkpoint, restart initialization, load: the scheduler
+  replaces the lost nodes), every `regrow_interval_s` (the period balancing that cost against
+  the capacity lost meanwhile) unless given: what an operator without standbys does rather than
+  shrink for the whole run. A planned restart is a reset, so one more failure can help it (it
+  can move which later failures fall before a scheduled restart): adding a failure may raise
+  its ETTR. For recover+standbys it may by up to one iteration's tokens (a join lands at the
+  next iteration boundary, which the extra failure can move); for the others, never.
 - **Allocation** (what ETTR divides by, `ettr.Allocation`). Restart holds R x g GPUs. Recover and
   drop-and-go hold the same for ever: a dead replica counts, since nothing replaces it.
   Recover+standbys holds (R + K) x g.
-- **Not modelled.** Failures of idle standbys; a recover job's own occasional checkpoints, its
-  fallback when every replica is lost (the run's progress ends there); stragglers; the
+- **Not modelled.** Failures of idle standbys; a shrinking job's fallback when every replica is
+  lost between two planned restarts (the run's progress ends there); stragglers; the
   cross-replica reduction's cost as the replica count changes.
 """
 
@@ -111,24 +119,34 @@ class Costs:
 
 @dataclass(frozen=True)
 class Job:
+    """Weak scaling, as pre-training grows: each replica keeps its G microbatches per iteration,
+    so B = G x replicas and the iteration time stays `iteration_s` at every size."""
+
     gpus: int
-    gpus_per_replica: int = 128      # Llama 3 405B: TP 8 x PP 16
+    gpus_per_replica: int = 128          # Llama 3 405B: TP 8 x PP 16
     iteration_s: float = 6.0
-    microbatches: int = 2048         # Llama 3 405B: 2,048 sequences of 8,192 tokens
-    tokens_per_iteration: int = 2048 * 8192
+    microbatches_per_replica: int = 16   # Llama 3 405B at 16k GPUs: 2,048 sequences over DP 128
+    tokens_per_microbatch: int = 8192
 
     def __post_init__(self):
         if self.gpus < self.gpus_per_replica:
             raise ValueError(f"{self.gpus} GPUs hold no replica of {self.gpus_per_replica}")
-        if self.microbatches < self.replicas:
-            raise ValueError(f"B = {self.microbatches} microbatches for {self.replicas} "
-                             "replicas: every replica needs one")
+        if self.microbatches_per_replica < 1:
+            raise ValueError("every replica needs at least one microbatch")
         if self.iteration_s <= 0:
             raise ValueError("iteration_s must be positive")
 
     @property
     def replicas(self) -> int:
         return self.gpus // self.gpus_per_replica
+
+    @property
+    def microbatches(self) -> int:
+        return self.microbatches_per_replica * self.replicas
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.microbatches * self.tokens_per_microbatch
 
     @property
     def training_gpus(self) -> int:
@@ -168,10 +186,11 @@ def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
 
 
 SYSTEMS = ("checkpoint-restart", "in-memory-restart", "drop-and-go", "recover",
-           "recover+standbys")
+           "recover+restarts", "recover+standbys")
 KEEPS = {  # (keeps B, keeps the failure-free trajectory)
     "checkpoint-restart": (True, True), "in-memory-restart": (True, True),
-    "drop-and-go": (False, False), "recover": (True, True), "recover+standbys": (True, True),
+    "drop-and-go": (False, False), "recover": (True, True), "recover+restarts": (True, True),
+    "recover+standbys": (True, True),
 }
 
 
@@ -236,19 +255,44 @@ def simulate_restart(job: Job, trace: tuple[Failure, ...], horizon_s: float, *,
     return RunResult(name, tokens, allocation, struck, live, interval)
 
 
+def planned_restart_s(costs: Costs) -> float:
+    """A planned restart at full size: checkpoint, restart initialization, load."""
+    return costs.checkpoint_save_s + costs.restart_init_s + costs.checkpoint_load_s
+
+
+def regrow_interval_s(job: Job, mtbf_s: float, costs: Costs) -> float:
+    """When to restart a shrinking job at full size: each failure costs 1/R of the throughput
+    until then, a restart costs C, so the period P minimizing C / P + P / (2 R MTBF) is
+    sqrt(2 C R MTBF) (Young's form)."""
+    return math.sqrt(2 * planned_restart_s(costs) * job.replicas * mtbf_s)
+
+
 def simulate_replicas(job: Job, trace: tuple[Failure, ...], horizon_s: float, costs: Costs, *,
-                      keep_batch: bool, standbys: int, name: str) -> RunResult:
+                      keep_batch: bool, standbys: int, name: str,
+                      regrow_s: float = 0.0) -> RunResult:
     """Failed replicas leave. keep_batch: recover (survivors redo the lost microbatches and take
-    over the share); otherwise drop-and-go. `standbys` replicas join after failures."""
+    over the share); otherwise drop-and-go. `standbys` replicas join after failures. Every
+    `regrow_s` of wall-clock time (0: never), a job below full size restarts at full size
+    (`planned_restart_s`: the scheduler replaces the lost nodes)."""
     r0, b = job.replicas, job.microbatches
-    microbatch_s = job.iteration_s * r0 / b  # one microbatch on one replica
+    microbatch_s = job.iteration_s / job.microbatches_per_replica  # one on one replica
     live_now, pool, returning = r0, standbys, deque()
     t, tokens, i, struck = 0.0, 0.0, 0, 0
+    next_regrow = regrow_s or math.inf
     live = [(0.0, r0)]
     while t < horizon_s and live_now > 0:
         while returning and returning[0] <= t:
             returning.popleft()
-            pool += 1
+            pool = min(standbys, pool + 1)
+        if t >= next_regrow:  # the planned restarts keep a fixed wall-clock schedule
+            due = next_regrow
+            next_regrow += regrow_s * math.floor((t - next_regrow) / regrow_s + 1)
+            # Decided by the size at the scheduled time, carried out at this boundary.
+            if next(n for when, n in reversed(live) if when <= due) < r0:
+                t += planned_restart_s(costs)
+                live_now = r0
+                live.append((t, live_now))
+                continue
         if pool and live_now < r0:  # standbys join at this iteration boundary
             joined = min(pool, r0 - live_now)
             pool -= joined
@@ -260,8 +304,9 @@ def simulate_replicas(job: Job, trace: tuple[Failure, ...], horizon_s: float, co
         iteration_s = share * microbatch_s
         next_failure = trace[i].time_s if i < len(trace) else math.inf
         k = math.floor((min(next_failure, horizon_s) - t) / iteration_s)
-        if returning and live_now < r0:  # stop at the first boundary after a standby returns
-            k = min(k, max(1, math.ceil((returning[0] - t) / iteration_s)))
+        for wake in ((returning[0] if returning else math.inf), next_regrow):
+            if live_now < r0 and wake < math.inf:  # stop at the first boundary after it
+                k = min(k, max(1, math.ceil((wake - t) / iteration_s)))
         if k > 0:
             t += k * iteration_s
             iteration_tokens = job.tokens_per_iteration * (1 if keep_batch else
@@ -307,8 +352,10 @@ def default_standbys(job: Job, mtbf_s: float, costs: Costs) -> int:
 
 def simulate(job: Job, model: FailureModel, costs: Costs, horizon_s: float, seed: int,
              systems=SYSTEMS, standbys: int | None = None, interval: int | None = None,
-             trace: tuple[Failure, ...] | None = None) -> dict[str, RunResult]:
-    """Every system against one failure trace (drawn from `seed` unless given)."""
+             trace: tuple[Failure, ...] | None = None,
+             regrow_s: float | None = None) -> dict[str, RunResult]:
+    """Every system against one failure trace (drawn from `seed` unless given). `regrow_s`:
+    recover+restarts' period (None: `regrow_interval_s`)."""
     mtbf_s = model.job_mtbf_s(job.training_gpus)
     if trace is None:
         trace = failure_trace(mtbf_s, model.hang_share, horizon_s, seed)
@@ -318,9 +365,12 @@ def simulate(job: Job, model: FailureModel, costs: Costs, horizon_s: float, seed
                           + costs.restart_init_s + load_s)
 
     k = default_standbys(job, mtbf_s, costs) if standbys is None else standbys
+    regrow = regrow_interval_s(job, mtbf_s, costs) if regrow_s is None else regrow_s
     restarts = {"checkpoint-restart": (costs.checkpoint_save_s, costs.checkpoint_load_s),
                 "in-memory-restart": (costs.memory_save_s, costs.memory_load_s)}
-    replicas = {"drop-and-go": (False, 0), "recover": (True, 0), "recover+standbys": (True, k)}
+    # (keeps B, standbys, planned restarts)
+    replicas = {"drop-and-go": (False, 0, 0.0), "recover": (True, 0, 0.0),
+                "recover+restarts": (True, 0, regrow), "recover+standbys": (True, k, 0.0)}
     out = {}
     for system in systems:
         if system in restarts:
@@ -329,9 +379,9 @@ def simulate(job: Job, model: FailureModel, costs: Costs, horizon_s: float, seed
             out[system] = simulate_restart(job, trace, horizon_s, interval=n, save_s=save_s,
                                            failure_cost_s=stock_cost(load_s), name=system)
         elif system in replicas:
-            keep_batch, pool = replicas[system]
+            keep_batch, pool, every = replicas[system]
             out[system] = simulate_replicas(job, trace, horizon_s, costs, keep_batch=keep_batch,
-                                            standbys=pool, name=system)
+                                            standbys=pool, name=system, regrow_s=every)
         else:
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     return out
