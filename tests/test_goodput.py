@@ -179,3 +179,22 @@ def test_goodput_json_and_bad_input():
     assert 0 < systems["checkpoint-restart"]["ettr"] <= 1
     bad = cli("--gpus", "64", "--gpus-per-replica", "128")
     assert bad.returncode == 2 and "hold no replica" in bad.stderr
+
+
+def test_cpu_benchmark_anchor_predicts_from_the_summary(tmp_path):
+    inputs = {"fit_N": [2, 4], "held_out_N": 8, "iteration_s": 0.5, "train_iters": 40,
+              "failures": [10, 25], "save_s": 0.8, "writer_startup_s": 12.0,
+              "failure_cost_s": 20.0, "kill_offset_s": 0.0, "committed_tokens": 39 * 2048,
+              "recover_tokens_per_s": 3000.0}
+    from megatron_recover.goodput.cpu_model import predict_ratio, restart_window_s
+
+    window = restart_window_s(iteration_s=0.5, interval=8, train_iters=40, failures=[10, 25],
+                              save_s=0.8, writer_startup_s=12.0, failure_cost_s=20.0)
+    predicted = 3000.0 / (39 * 2048 / window)
+    assert predict_ratio(inputs) == pytest.approx(predicted)
+    for measured, ok in ((predicted * 1.1, True), (predicted * 1.5, False)):
+        path = tmp_path / f"summary-{ok}.json"
+        path.write_text(json.dumps({"simulator_inputs": {**inputs,
+                                                         "measured_ratio_held_out": measured}}))
+        line = anchors.cpu_benchmark(path)
+        assert line["ok"] is ok and line["target"] == measured, line
