@@ -35,7 +35,6 @@ Iteration completions are stamped when rank 0's line reaches the driver.
 
 import argparse
 import json
-import os
 import re
 import sys
 import threading
