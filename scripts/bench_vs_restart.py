@@ -2,7 +2,10 @@
 checkpoint-restart, on a tiny GPT on the CPU (8 replicas of one rank each, 2 cores).
 
 Usage: .venv/bin/python scripts/bench_vs_restart.py [--json] [--out runs/bench]
-       [--mtbf-iters 16] [--seed 2026] [--paper-intervals 2,4,8,16]
+       [--mtbf-iters 16] [--seed 2026] [--paper-intervals 2,4,8,16] [--reuse]
+
+--reuse recomputes the summary and figures from the runs recorded under --out (each run's
+timeline.json, checked to be the run asked for) without running anything.
 
 The systems:
   recover   --recover (static policy, exact mode); the victim dies inside a bucket's all-reduce
@@ -127,9 +130,30 @@ def train_iters(n: int) -> int:
 # Running
 # ---------------------------------------------------------------------------------------------
 
+REUSE = {"on": False}  # --reuse: read the runs recorded under OUT instead of running them
+
+
+def recorded(run_dir: Path, matches) -> dict | None:
+    """With --reuse, the run recorded in run_dir (its timeline.json), which must be the run
+    asked for (`matches(timeline)`); otherwise None."""
+    path = run_dir / "timeline.json"
+    if not REUSE["on"]:
+        return None
+    if not path.exists():
+        raise SystemExit(f"--reuse: {path} is missing (run the benchmark without --reuse)")
+    timeline = json.loads(path.read_text())
+    if not matches(timeline):
+        raise SystemExit(f"--reuse: {path} records another run than this one asks for")
+    return timeline
+
+
 def run_recover(run_dir: Path, job: list[str], iterations: int, extra: list[str],
                 failures: list[int] | None) -> dict:
     """One --recover run; its iteration lines (stamped), records and victims' markers."""
+    kept = recorded(run_dir, lambda t: t["records"][-1]["iteration"] == iterations and sorted(
+        m["iteration"] for m in t["markers"]) == sorted(failures or []))
+    if kept is not None:
+        return kept
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     log = run_dir / "log.jsonl"
@@ -163,9 +187,13 @@ def run_restart(run_dir: Path, job: list[str], n: int, progress,
                 failures: list[int] | None = None, iterations: int | None = None) -> dict:
     """Stock Megatron, its data parallelism over ulfm like --recover's (a death stops it: the
     backend fails stop), checkpointing every n iterations; the paper's failures unless given."""
-    shutil.rmtree(run_dir, ignore_errors=True)
     failures = failure_iterations(n) if failures is None else failures
     iterations = train_iters(n) if iterations is None else iterations
+    kept = recorded(run_dir, lambda t: (t["failures"], t["train_iters"], t["save_interval"])
+                    == (failures, iterations, n))
+    if kept is not None:
+        return kept
+    shutil.rmtree(run_dir, ignore_errors=True)
     result = run_baseline(BaselineConfig(ranks=RANKS, job=job, train_iters=iterations,
                                          save_interval=n, failures=failures, out=run_dir,
                                          attempt_timeout_s=RUN_TIMEOUT_S,
@@ -363,12 +391,11 @@ def save_spans(result: dict) -> list[list[float]]:
             for a in result["attempts"]]
 
 
-def restart_costs(result: dict, figures: dict) -> dict:
+def restart_costs(result: dict, figures: dict, typical_save_s: float) -> dict:
     """The restart's window split into phases (seconds, summed over the run). A launch's
-    first save is split into its share of a typical save and the writer start-up."""
+    first save is split into a typical save (`typical_save_s`) and the writer start-up."""
     spans = save_spans(result)
-    later = [x for launch in spans for x in launch[1:]]
-    typical = statistics.median(later) if later else None
+    typical = typical_save_s
     firsts = [launch[0] for launch in spans if launch]
     writer = sum(max(0.0, x - typical) for x in firsts) if typical is not None else 0.0
     phases = {"save_s": sum(map(sum, spans)) - writer, "writer_startup_s": writer}
@@ -378,7 +405,9 @@ def restart_costs(result: dict, figures: dict) -> dict:
         resumed = after["load"]["iteration"]
         saved = [a["saves"][str(resumed)]["end"] for a in attempts[:i + 1]
                  if str(resumed) in a["saves"]]
-        began = saved[-1] if saved else max(figures["window"][0], before["load"]["end"])
+        # Lost: this launch's training after the checkpoint it will resume from (a checkpoint
+        # of an earlier launch: all of this launch's training).
+        began = max(figures["window"][0], before["load"]["end"], *saved[-1:])
         lost += before["kill"]["time"] - began
     failures = breakdown(attempts)
     phases.update(lost_work_s=lost,
@@ -521,7 +550,7 @@ def fair_protocol(out: Path, job: list[str], mtbf_iters: float, seed: int, progr
                  **{f"restart_N{n}": ettr_of(restart_figures[n])
                     for n in sorted(restart_figures)}},
         "phases_s": {**{s: costs[s] for s in costs},
-                     **{f"restart_N{n}": restart_costs(restarts[n], restart_figures[n])
+                     **{f"restart_N{n}": restart_costs(restarts[n], restart_figures[n], save_s)
                         for n in sorted(restarts)}},
         "window_s": {**{s: figures[s]["window_s"] for s in figures},
                      **{f"restart_N{n}": restart_figures[n]["window_s"]
@@ -702,7 +731,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=2026, help="the failure spacing's seed")
     parser.add_argument("--paper-intervals", default="2,4,8,16",
                         help="checkpoint intervals N of the paper's protocol (comma-separated)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the runs recorded under --out instead of running them (to "
+                             "recompute the summary and figures)")
     args = parser.parse_args()
+    REUSE["on"] = args.reuse
     ns = sorted(int(x) for x in args.paper_intervals.split(","))
     if ns[0] < 2:
         parser.error("--paper-intervals: N >= 2 (failure 1 lands at 1.5N, after the first "

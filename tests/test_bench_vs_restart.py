@@ -125,7 +125,7 @@ def test_restart_costs_tile_the_window():
     result = {"attempts": restart_attempts(), "train_iters": 8}
     timeline = bench.restart_timeline(result)
     figures = bench.window_figures(timeline, 8)
-    phases = bench.restart_costs(result, figures)
+    phases = bench.restart_costs(result, figures, typical_save_s=0.4)
     assert phases["save_s"] == pytest.approx(0.4 + 0.4 + 0.2)
     assert phases["writer_startup_s"] == 0.0  # no first save slower than a later one
     assert phases["lost_work_s"] == pytest.approx(10.0 - 5.5)  # save of 4 ends, kill
@@ -135,6 +135,26 @@ def test_restart_costs_tile_the_window():
     assert phases["redo_s"] == pytest.approx(1.0)
     assert sum(phases.values()) == pytest.approx(figures["window_s"])
     assert phases["training_s"] == pytest.approx(23.0 - 17.5)
+
+
+def test_lost_work_of_a_launch_that_never_saved_is_its_own_training():
+    """A second failure before the relaunch's first save: the relaunch loses what it trained
+    after its own load, not what lies between the older checkpoint and its kill."""
+    first, second = restart_attempts()
+    second = {**second, "down": 30.0, "saves": {},
+              "iterations": [{"time": 22.0, "iteration": 5, "loss": 0.2}],
+              "kill": {"iteration": 6, "rank": 6, "pid": 2, "time": 23.0,
+                       "iteration_began": 22.9}}
+    third = {"launched": 30.0, "down": 60.0, "saves": {}, "kill": None,
+             "iterations": [{"time": 45.0 + i, "iteration": i, "loss": 1.0 / i}
+                            for i in range(5, 9)],
+             "load": {"iteration": 4, "start": 40.0, "end": 41.0}}
+    result = {"attempts": [first, second, third], "train_iters": 8}
+    figures = bench.window_figures(bench.restart_timeline(result), 8)
+    phases = bench.restart_costs(result, figures, typical_save_s=0.4)
+    assert phases["lost_work_s"] == pytest.approx((10.0 - 5.5) + (23.0 - 21.0))
+    assert sum(phases.values()) == pytest.approx(figures["window_s"])
+    assert phases["training_s"] > 0
 
 
 def test_cpu_model_replays_the_restart_accounting():
