@@ -387,6 +387,17 @@ def simulate(job: Job, model: FailureModel, costs: Costs, horizon_s: float, seed
     return out
 
 
+def sampled_live(result: RunResult, points: int = 15) -> list[tuple[float, int]]:
+    """(hours, live replicas) at `points` evenly spaced times of the run (the first seed)."""
+    end = result.allocation.end_s
+    out = []
+    for k in range(points):
+        when = end * k / (points - 1)
+        live = next(n for t, n in reversed(result.live_replicas) if t <= when)
+        out.append((round(when / HOUR_S, 2), live))
+    return out
+
+
 def summarize(job: Job, results: list[dict[str, RunResult]]) -> dict[str, dict]:
     """Mean over seeds, per system: ETTR, committed tokens/s, live replicas at the end."""
     out = {}
@@ -399,6 +410,7 @@ def summarize(job: Job, results: list[dict[str, RunResult]]) -> dict[str, dict]:
             "failures": round(sum(r.failures for r in runs) / len(runs), 1),
             "live_replicas_final": round(sum(r.live_replicas[-1][1] for r in runs)
                                          / len(runs), 1),
+            "live_replicas_over_time": sampled_live(runs[0]),
             "replicas": job.replicas,
             "keeps_global_batch": keeps_batch, "keeps_trajectory": keeps_trajectory}
         if runs[0].interval is not None:
