@@ -5,7 +5,7 @@ Usage: .venv/bin/python scripts/bench_vs_restart.py [--json] [--out runs/bench]
        [--mtbf-iters 16] [--seed 2026] [--paper-intervals 2,4,8,16] [--reuse]
 
 --reuse recomputes the summary and figures from the runs recorded under --out (each run's
-timeline.json, checked to be the run asked for) without running anything.
+timeline.json, checked to be the run asked for) and runs only the ones not recorded.
 
 The systems:
   recover   --recover (static policy, exact mode); the victim dies inside a bucket's all-reduce
@@ -135,12 +135,10 @@ REUSE = {"on": False}  # --reuse: read the runs recorded under OUT instead of ru
 
 def recorded(run_dir: Path, matches) -> dict | None:
     """With --reuse, the run recorded in run_dir (its timeline.json), which must be the run
-    asked for (`matches(timeline)`); otherwise None."""
+    asked for (`matches(timeline)`); None when it is to be run (no --reuse, or not recorded)."""
     path = run_dir / "timeline.json"
-    if not REUSE["on"]:
+    if not REUSE["on"] or not path.exists():
         return None
-    if not path.exists():
-        raise SystemExit(f"--reuse: {path} is missing (run the benchmark without --reuse)")
     timeline = json.loads(path.read_text())
     if not matches(timeline):
         raise SystemExit(f"--reuse: {path} records another run than this one asks for")
@@ -732,8 +730,8 @@ def main() -> int:
     parser.add_argument("--paper-intervals", default="2,4,8,16",
                         help="checkpoint intervals N of the paper's protocol (comma-separated)")
     parser.add_argument("--reuse", action="store_true",
-                        help="read the runs recorded under --out instead of running them (to "
-                             "recompute the summary and figures)")
+                        help="read the runs recorded under --out instead of running them again "
+                             "(to recompute the summary and figures); run only missing ones")
     args = parser.parse_args()
     REUSE["on"] = args.reuse
     ns = sorted(int(x) for x in args.paper_intervals.split(","))
