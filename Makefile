@@ -43,7 +43,7 @@ test: build
 bench: build
 	$(PY) scripts/bench_collective.py
 
-# The paper's measurements at CPU scale (about 30 and 6 minutes here); not part of CI.
+# The CPU benchmarks (about 55 and 6 minutes here); not part of CI.
 bench-restart: build
 	$(PY) scripts/bench_vs_restart.py
 
