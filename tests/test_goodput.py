@@ -153,9 +153,9 @@ def test_costs_from_a_recovery_log(tmp_path):
     assert measured["iteration_s"] == 0.4 and measured["microbatches"] == 32
 
 
-def cli(*args):
+def cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "megatron_recover.cli", "goodput", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def test_validate_prints_one_line_per_anchor(tmp_path):
@@ -198,3 +198,12 @@ def test_cpu_benchmark_anchor_predicts_from_the_summary(tmp_path):
                                                          "measured_ratio_held_out": measured}}))
         line = anchors.cpu_benchmark(path)
         assert line["ok"] is ok and line["target"] == measured, line
+
+
+def test_every_anchor_holds_on_the_recorded_benchmark(tmp_path):
+    """Without a fresh runs/bench/summary.json the cpu-benchmark anchor reads the recorded run
+    (docs/results), so `--validate` holds on a clean checkout."""
+    done = cli("--validate", "--json", cwd=tmp_path)
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and all(line["ok"] for line in lines), lines
+    assert "docs/results/bench_vs_restart.json" in lines[3]["source"]

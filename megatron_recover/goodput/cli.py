@@ -49,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take recover's event costs from a recovery log (runs/.../log.jsonl)")
     parser.add_argument("--validate", action="store_true",
                         help="check the simulator against the published anchors")
-    parser.add_argument("--bench-summary", type=Path, default=Path("runs/bench/summary.json"),
-                        help="the CPU benchmark summary the cpu-benchmark anchor reads")
+    parser.add_argument("--bench-summary", type=Path, default=None,
+                        help="the CPU benchmark summary the cpu-benchmark anchor reads (default: "
+                             "runs/bench/summary.json if `make bench-restart` wrote one, else the "
+                             "run recorded in docs/results/bench_vs_restart.json)")
     parser.add_argument("--plot", type=Path, default=None, help="write ETTR against GPU count")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -114,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _validate(args, costs: sim.Costs) -> int:
-    lines = anchors.validate(args.bench_summary, costs)
+    summary = args.bench_summary or anchors.default_bench_summary()
+    lines = anchors.validate(summary, costs)
     for line in lines:
         if args.json:
             print(json.dumps(line))
