@@ -53,7 +53,14 @@ COMMANDS = {
                                                "OUT={tmp}/campaign"),
     "make fault-campaign": ("skip", "the target of the command above"),
     "make bench": ("run", ".venv/bin/python scripts/bench_collective.py --reps-scale 0.05"),
-    "make bench-restart": ("skip", "15 minutes; tests/test_bench_vs_restart.py runs it scaled"),
+    "make bench-restart": ("skip", "about 55 minutes; tests/test_bench_vs_restart.py checks its "
+                                   "accounting, tests/test_stock_fail_stop.py its baseline"),
+    "make goodput": ("run", ".venv/bin/megatron-recover goodput --gpus 1000,4000 --runs 1 "
+                            "--days 2 --plot {tmp}/ettr.png --json"),
+    "megatron-recover goodput": ("skip", "the name of the commands below"),
+    "megatron-recover goodput --validate --json": ("run", ".venv/bin/megatron-recover goodput "
+                                                          "--validate --json"),
+    "megatron-recover goodput --validate": ("skip", "as --validate --json above"),
     "scripts/bench_vs_restart.py --json": ("skip", "as make bench-restart"),
     "make bench-scale": ("skip", "6 minutes and 14 GiB; tests/test_bench_scale.py runs it scaled"),
     "scripts/bench_scale.py --json": ("skip", "as make bench-scale"),
