@@ -163,11 +163,14 @@ def plot(path: Path, points: list[dict], kept: dict) -> Path:
     left.set_title("ETTR against GPU count")
     largest = max(kept)
     for s, result in kept[largest].items():
+        if result.interval is not None:  # the restart systems: all replicas but while down
+            continue
         xs, ys = zip(*result.live_replicas)
         right.step([x / sim.DAY_S for x in xs], ys, where="post", label=s)
     right.set_xlabel("days")
     right.set_ylabel("live replicas")
-    right.set_title(f"{largest} GPUs, first seed")
+    right.set_title(f"{largest} GPUs, first seed (restart systems: all replicas, "
+                    "none while down)", fontsize=9)
     right.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
