@@ -389,6 +389,14 @@ def save_spans(result: dict) -> list[list[float]]:
             for a in result["attempts"]]
 
 
+def typical_save_s(results: list[dict]) -> float:
+    """The median save of the runs' launches after each launch's first (a first save also
+    starts the writer's helpers); every save when no launch saved twice."""
+    spans = [launch for result in results for launch in save_spans(result)]
+    later = [x for launch in spans for x in launch[1:]]
+    return statistics.median(later or [x for launch in spans for x in launch])
+
+
 def restart_costs(result: dict, figures: dict, typical_save_s: float) -> dict:
     """The restart's window split into phases (seconds, summed over the run). A launch's
     first save is split into a typical save (`typical_save_s`) and the writer start-up."""
@@ -444,10 +452,8 @@ def simulator_inputs(restarts: dict, figures: dict, recover_figures: dict, itera
     ratio: what the goodput simulator's cpu-benchmark anchor predicts."""
     held_out = max(restarts)
     fit = sorted(n for n in restarts if n != held_out)
-    spans = [save_spans(restarts[n]) for n in fit]
-    later = [x for per_n in spans for launch in per_n for x in launch[1:]]
-    firsts = [launch[0] for per_n in spans for launch in per_n if launch]
-    save_s = statistics.median(later or firsts)  # no launch saved twice: no start-up split
+    save_s = typical_save_s([restarts[n] for n in fit])
+    firsts = [launch[0] for n in fit for launch in save_spans(restarts[n]) if launch]
     events = [f for n in fit for f in breakdown(restarts[n]["attempts"])]
     return {
         "fit_N": fit, "held_out_N": held_out, "iteration_s": iteration_s,
@@ -491,9 +497,7 @@ def fair_protocol(out: Path, job: list[str], mtbf_iters: float, seed: int, progr
                  f"machine (recover {figures['recover']['tokens_per_s_per_machine']:.1f})")
 
     restart_at(FIRST_N)
-    later = [x for launch in save_spans(restarts[FIRST_N]) for x in launch[1:]]
-    save_s = statistics.median(later) if later else statistics.median(
-        x for launch in save_spans(restarts[FIRST_N]) for x in launch)
+    save_s = typical_save_s([restarts[FIRST_N]])
     n_opt, interval_s = young_daly_n(save_s, iteration_s, mtbf_iters)
     sweep = sorted({FIRST_N, max(1, n_opt // 2), n_opt, 2 * n_opt})
     progress(f"  Young/Daly: save {save_s:.2f} s, iteration {iteration_s:.3f} s, MTBF "
