@@ -53,7 +53,7 @@ COMMANDS = {
                                                "OUT={tmp}/campaign"),
     "make fault-campaign": ("skip", "the target of the command above"),
     "make bench": ("run", ".venv/bin/python scripts/bench_collective.py --reps-scale 0.05"),
-    "make bench-restart": ("skip", "about 55 minutes; tests/test_bench_vs_restart.py checks its "
+    "make bench-restart": ("skip", "about 45 minutes; tests/test_bench_vs_restart.py checks its "
                                    "accounting, tests/test_stock_fail_stop.py its baseline"),
     "make goodput": ("run", ".venv/bin/megatron-recover goodput --gpus 1000,4000 --runs 1 "
                             "--days 2 --plot {tmp}/ettr.png --json"),
