@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allgather_into", &PG::allgather_into, py::arg("output"), py::arg("input"), nogil)
       .def("barrier_ft", &PG::barrier_ft, nogil)
       .def("consensus", &PG::consensus, py::arg("census"), nogil)
+      .def("adopt", &PG::adopt, py::arg("grown_handle"), nogil)
       .def("epoch", &PG::epoch)
       .def("current_size", &PG::current_size)
       .def("current_rank", &PG::current_rank)

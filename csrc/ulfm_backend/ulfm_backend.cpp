@@ -447,6 +447,29 @@ void ProcessGroupULFM::run_consensus(std::vector<int64_t>& census, FailureRecord
   members_at_consensus_ = members_;
 }
 
+void ProcessGroupULFM::run_adopt(MPI_Comm grown, FailureRecord* record) {
+  fault_enter("adopt");
+  MPI_Comm_set_errhandler(grown, MPI_ERRORS_RETURN);
+  int64_t max_epoch = epoch();
+  int flag = MPI_Allreduce(MPI_IN_PLACE, &max_epoch, 1, MPI_INT64_T, MPI_MAX, grown) ==
+             MPI_SUCCESS;
+  // Agreement makes the outcome uniform over the grown membership: either every live member
+  // installs `grown`, or none does and each keeps its own communicator.
+  const bool took = MPIX_Comm_agree(grown, &flag) == MPI_SUCCESS && flag == 1;
+  if (!took) {
+    MPIX_Comm_revoke(grown);
+    record->census = {0};
+    return;
+  }
+  // The previous communicator is abandoned, as after a shrink (see the destructor).
+  comm_ = grown;
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  refresh_members_locked();
+  epoch_ = max_epoch + 1;
+  members_at_consensus_ = members_;
+  record->census = {1};
+}
+
 // --------------------------------------------------------------------------------- operations
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::allreduce_sum(at::Tensor tensor) {
@@ -576,6 +599,14 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::consensus(std::vector<int64_t> ce
   });
 }
 
+c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::adopt(int64_t grown_handle) {
+  // Open MPI's MPI_Comm is a pointer; mpi4py hands out its value (MPI._handleof).
+  MPI_Comm grown = reinterpret_cast<MPI_Comm>(static_cast<intptr_t>(grown_handle));
+  TORCH_CHECK_VALUE(grown != MPI_COMM_NULL, "ulfm: adopt needs a communicator");
+  return enqueue(c10d::OpType::UNKNOWN, {}, false,
+                 [this, grown](FailureRecord* record) { run_adopt(grown, record); });
+}
+
 // The torch.distributed entry points: the typed operations, failing stop (see the header).
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allreduce(std::vector<at::Tensor>& tensors,
@@ -625,7 +656,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::barrier(const c10d::BarrierOpti
 void ProcessGroupULFM::arm_fault(FaultArm arm) {
   TORCH_CHECK_VALUE(arm.point == "reduce" || arm.point == "consensus" || arm.point == "shrink" ||
                         arm.point == "barrier" || arm.point == "broadcast" ||
-                        arm.point == "allgather",
+                        arm.point == "allgather" || arm.point == "adopt",
                     "ulfm: unknown fault point '", arm.point, "'");
   TORCH_CHECK_VALUE(arm.action == "kill" || arm.action == "stop" || arm.action == "delay",
                     "ulfm: unknown fault action '", arm.action, "'");

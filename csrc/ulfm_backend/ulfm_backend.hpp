@@ -122,6 +122,13 @@ class ProcessGroupULFM : public c10d::Backend {
   c10::intrusive_ptr<WorkULFM> allgather_into(at::Tensor output, at::Tensor input);
   c10::intrusive_ptr<WorkULFM> barrier_ft();
   c10::intrusive_ptr<WorkULFM> consensus(std::vector<int64_t> census);
+  // Grow back: replace this group's communicator by `grown` (an MPI_Comm handle built by the
+  // caller over the live members plus joiners, e.g. MPIX_Comm_shrink of a pool communicator
+  // then MPI_Comm_split). Collective over `grown`'s members, each from its own group (a joiner
+  // from the one-member group it waited in). The Work's record says whether it took: census
+  // [1] when every member of `grown` validated it (agreed, so uniform), the epoch then one past
+  // the largest member's; census [0] otherwise, with `grown` revoked and this group unchanged.
+  c10::intrusive_ptr<WorkULFM> adopt(int64_t grown_handle);
 
   int64_t epoch() const;
   int64_t current_size() const;
@@ -160,6 +167,7 @@ class ProcessGroupULFM : public c10d::Backend {
   // Runs `body` on the communicator; on any error repairs and fills `record`.
   void run_data_op(const char* point, const Body& body, FailureRecord* record);
   void run_consensus(std::vector<int64_t>& census, FailureRecord* record);
+  void run_adopt(MPI_Comm grown, FailureRecord* record);
   void repair(FailureRecord* record);
   bool validate(MPI_Comm comm);
   void refresh_members_locked();

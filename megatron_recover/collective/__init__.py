@@ -7,6 +7,7 @@ from megatron_recover.collective.backend import (
     new_group,
     register,
     require_fault_tolerance,
+    set_world_rank_offset,
 )
 from megatron_recover.collective.records import (
     BackendUnavailable,
@@ -18,4 +19,5 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "BackendUnavailable", "CollectiveTimeout", "FailureRecord",
     "ULFMGroup", "ULFMWork", "new_group", "register", "require_fault_tolerance",
+    "set_world_rank_offset",
 ]

@@ -26,6 +26,9 @@ DEFAULT_TIMEOUT_S = 600.0
 
 _native = None
 _backends = {}  # group name -> native ProcessGroupULFM, filled by the creator below
+# torch.distributed rank + this offset = MPI world rank. 0 unless torch.distributed spans only
+# part of the MPI world (a standby replica's own world: `set_world_rank_offset`).
+_world_rank_offset = 0
 
 
 def native_module():
@@ -51,10 +54,17 @@ def require_fault_tolerance() -> None:
         )
 
 
+def set_world_rank_offset(offset: int) -> None:
+    """torch.distributed's rank r is MPI world rank `offset` + r (call before creating groups)."""
+    global _world_rank_offset
+    _world_rank_offset = offset
+
+
 def _create_backend(dist_opts, backend_options):
     native = native_module()
     require_fault_tolerance()
     ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
+    ranks = [_world_rank_offset + r for r in ranks]
     timeout_s = dist_opts.timeout.total_seconds()
     backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)
     _backends[dist_opts.group_id] = backend
@@ -149,6 +159,17 @@ class ULFMGroup:
         the element-wise sum of the survivors' census vectors (all must pass the same length).
         """
         return ULFMWork(self._native.consensus([int(c) for c in census]))
+
+    def adopt(self, grown) -> ULFMWork:
+        """Grow back: make `grown` (an mpi4py communicator over the live members and the
+        joiners) this group's communicator. Collective over `grown`; a joiner calls it on the
+        one-member group it waited in. `wait()`'s record has census [1] when it took, on every
+        live member alike (epoch: one past the largest member's), [0] when it did not (`grown`
+        revoked, the group as before). The caller keeps `grown` referenced: the group uses it.
+        """
+        from mpi4py import MPI
+
+        return ULFMWork(self._native.adopt(MPI._handleof(grown)))
 
     def arm_fault(self, point: str, occurrence: int, action: str, delay_s: float,
                   marker_path: str, marker_fields: dict | None = None) -> None:
