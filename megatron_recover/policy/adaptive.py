@@ -91,6 +91,12 @@ def without(layout: AdaptiveLayout, failed: set[int]) -> AdaptiveLayout:
                           replicas=tuple(r for r in layout.replicas if r not in failed))
 
 
+def with_replicas(layout: AdaptiveLayout, joined: set[int]) -> AdaptiveLayout:
+    """Replicas that came back between iterations (standbys took their ids): each runs its own
+    slice again, so the committed batch grows back by their slices."""
+    return AdaptiveLayout(g_cur=layout.g_cur, replicas=tuple(sorted({*layout.replicas, *joined})))
+
+
 def commit_iteration(state: IterationState) -> IterationResult:
     """Commit what the survivors hold; the divisor is that committed count."""
     maps = commit_maps(state)

@@ -53,7 +53,8 @@ from megatron_recover.policy.records import (
     commit_maps,
 )
 
-__all__ = ["initial_layout", "begin_iteration", "apply_failure", "commit_iteration", "without"]
+__all__ = ["initial_layout", "begin_iteration", "apply_failure", "commit_iteration", "without",
+           "with_replicas"]
 
 
 def begin_iteration(
@@ -161,6 +162,12 @@ def without(layout: Layout, failed: set[int]) -> Layout:
     """The layout after replicas died between iterations: Algorithm 7 over the survivors, the
     layout a boundary iteration would have left (no work was in flight, so nothing to recover)."""
     return advance_layout([r for r in layout.replicas if r not in failed], layout.b)
+
+
+def with_replicas(layout: Layout, joined: set[int]) -> Layout:
+    """The layout after replicas `joined` came back between iterations (standbys took their
+    ids): Algorithm 7 over the grown set, B unchanged, so per-replica work goes down."""
+    return advance_layout([*layout.replicas, *joined], layout.b)
 
 
 def _promotable_spare(state: IterationState, work, dead_work: ReplicaWork) -> int | None:

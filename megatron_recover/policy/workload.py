@@ -103,6 +103,19 @@ class WorkloadPolicy:
                              f"{list(self.layout.replicas)}")
         self.layout = self._impl.without(self.layout, failed)
 
+    def grow(self, joined: Iterable[int]) -> None:
+        """Between iterations, replicas `joined` (ids of dead replicas, taken by standbys) come
+        back: the next iteration starts on the grown layout, B unchanged."""
+        if self._state is not None:
+            raise ValueError(f"iteration {self._state.iteration} is in progress: replicas join "
+                             "between iterations")
+        joined = set(joined)
+        back = joined & set(self.layout.replicas)
+        if back or not all(0 <= r < self.config.w_init for r in joined):
+            raise ValueError(f"cannot grow replicas {sorted(joined)} into the live "
+                             f"{list(self.layout.replicas)} (ids 0..{self.config.w_init - 1})")
+        self.layout = self._impl.with_replicas(self.layout, joined)
+
     def work(self, replica: int) -> RankWork:
         """What `replica` runs and contributes in the iteration in progress."""
         return rank_work(self.state, replica)

@@ -373,3 +373,54 @@ def test_policy_layer_is_pure_python():
         cwd=POLICY_DIR.parents[1],
     )
     assert out.stdout.strip() == "[]"
+
+
+def _ids(policy, iteration):
+    """The ids each live replica contributes in the first pass of `iteration` (then commits)."""
+    policy.begin(iteration)
+    contributed = {r: sorted(policy.work(r).contributed) for r in policy.layout.replicas}
+    policy.commit()
+    return contributed
+
+
+@pytest.mark.parametrize("mode", ["exact", "reserve"])
+def test_grow_back_to_w_init_restores_the_launch_layout(mode):
+    """Standbys take the dead replicas' ids: once all are back, every replica runs exactly what
+    it ran at launch (the ids of slice r are r*G .. r*G+G-1, computed here from B and W)."""
+    policy = WorkloadPolicy(PolicyConfig(4, 2, mode=mode))
+    policy.begin(1)
+    policy.on_failure([1])
+    policy.commit()
+    assert policy.layout.replicas == (0, 2, 3)
+    policy.grow([1])
+    assert _ids(policy, 2) == {r: [2 * r, 2 * r + 1] for r in range(4)}
+
+
+def test_partial_grow_keeps_b():
+    """Two lost, one back: three replicas share B = 8 by Algorithm 7 (3, 3, 2)."""
+    policy = WorkloadPolicy(PolicyConfig(4, 2))
+    policy.drop([1, 3])
+    policy.grow([3])
+    contributed = _ids(policy, 1)
+    assert sorted(k for ids in contributed.values() for k in ids) == list(range(8))
+    assert sorted(len(ids) for ids in contributed.values()) == [2, 3, 3]
+
+
+def test_adaptive_grows_its_batch_back():
+    policy = WorkloadPolicy(PolicyConfig(4, 2, policy="adaptive"))
+    policy.drop([2])
+    assert sum(len(ids) for ids in _ids(policy, 1).values()) == 6
+    policy.grow([2])
+    assert sorted(k for ids in _ids(policy, 2).values() for k in ids) == list(range(8))
+
+
+def test_grow_refuses_live_or_unknown_ids_and_mid_iteration():
+    policy = WorkloadPolicy(PolicyConfig(4, 2))
+    policy.drop([1])
+    with pytest.raises(ValueError, match="cannot grow"):
+        policy.grow([0])
+    with pytest.raises(ValueError, match="cannot grow"):
+        policy.grow([4])
+    policy.begin(1)
+    with pytest.raises(ValueError, match="between iterations"):
+        policy.grow([1])
