@@ -37,17 +37,22 @@ def main() -> None:
 
     import torch
 
+    # Standby replicas (--recover-standby-replicas) are the last ranks, outside the world size.
+    training_ranks = arguments.training_world_size(sys.argv[1:], ctx.world_size)
     try:
         cfg = arguments.parse_args(
-            sys.argv[1:], world_size=ctx.world_size, cuda_available=torch.cuda.is_available(),
+            sys.argv[1:], world_size=training_ranks, cuda_available=torch.cuda.is_available(),
             te_available=_transformer_engine_imports())
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
     if ctx.rank == 0:
         import megatron.core
 
+        training = cfg.parallel.world_size
+        standbys = (f" and {ctx.world_size - training} standby"
+                    if ctx.world_size > training else "")
         print(f"megatron-recover: megatron-core {megatron.core.__version__} from "
-              f"{Path(megatron.core.__file__).parent}, {ctx.world_size} ranks; "
+              f"{Path(megatron.core.__file__).parent}, {training}{standbys} ranks; "
               f"{cfg.precision.describe()}", flush=True)
         for line in cfg.notices:
             print(line, flush=True)
@@ -69,14 +74,15 @@ def main() -> None:
         runtime.stop_at_startup(str(error))
     except collective.BackendUnavailable as error:
         runtime.stop_at_startup(str(error), finalize=True)  # MPI without fault tolerance
-    runtime.init_torch_distributed(ctx)
-    trained = run.train(cfg, ctx, source, vocab_size)
+    runtime.init_torch_distributed(ctx, world_id=run.torch_world_id(cfg, ctx))
+    trained = run.train(cfg, ctx, source, vocab_size)  # a standby never called leaves inside
     if status_dir:
         # Test and benchmark harnesses compare final parameters across runs.
         run.save_parameters(trained.model, Path(status_dir) / f"rank-{ctx.rank}.params.pt")
     runtime.finish(finalize=cfg.recover.cross_replica_backend != "ulfm",
                    param_digest=run.parameter_digest(trained.model),
-                   loss_scale=trained.loss_scale, skipped_iterations=trained.skipped_iterations)
+                   loss_scale=trained.loss_scale, skipped_iterations=trained.skipped_iterations,
+                   **({} if trained.joined is None else {"joined": trained.joined}))
 
 
 if __name__ == "__main__":

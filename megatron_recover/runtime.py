@@ -269,35 +269,42 @@ def init_mpi(status_dir: Path | None = None) -> DistributedContext:
 
 
 def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
-                           timeout_s: float = 1800.0) -> None:
-    """torch.distributed over the MPI world, and the `ulfm` backend registered.
+                           timeout_s: float = 1800.0, world_id: int = 0) -> None:
+    """torch.distributed over the MPI ranks that pass the same `world_id`, and the `ulfm`
+    backend registered. Collective over the whole MPI world.
 
-    The TCP store lives in world rank 0 only for start-up: it is created without waiting for
-    workers, its port travels over MPI, and after `init_process_group` nothing reads it again
-    (ulfm groups are built from MPI communicators), so rank 0 may die later like any other.
+    Every rank passes 0 except standby replicas (--recover-standby-replicas), each of which
+    gets a torch world of its own ranks (megatron's parallel state then lays out one replica);
+    the training ranks must come first in MPI rank order, so that their torch ranks are their
+    MPI ranks. The TCP store lives in the world's lowest rank only for start-up: it is created
+    without waiting for workers, its port travels over MPI, and after `init_process_group`
+    nothing reads it again (ulfm groups are built from MPI communicators), so that rank may die
+    later like any other.
     """
     import torch
     import torch.distributed as dist
 
-    world = _mpi().COMM_WORLD
+    world = _mpi().COMM_WORLD.Split(world_id, ctx.rank)
+    rank, size = world.Get_rank(), world.Get_size()
+    offset = ctx.rank - rank  # the world's ranks are consecutive MPI ranks (the caller's order)
     store = None
     port = 0
-    if ctx.rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, ctx.world_size, is_master=True,
-                              wait_for_workers=False)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
         port = store.port
     port = world.bcast(port, root=0)
-    if ctx.rank != 0:
-        store = dist.TCPStore("127.0.0.1", port, ctx.world_size, is_master=False)
+    if rank != 0:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
     torch.set_num_threads(1)
     # The timeout bounds every gloo collective: a rank stuck in one leaves (exit hook) instead of
     # waiting forever for a peer that hangs.
-    dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
     from megatron_recover import collective
 
     collective.register()
+    collective.set_world_rank_offset(offset)
 
 
 def init_distributed(status_dir: Path | None = None, backend: str = "gloo") -> DistributedContext:

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from megatron_recover.faults import read_markers  # noqa: E402
 from megatron_recover.faults.schedule import (  # noqa: E402
     EVALUATION_LOCATIONS,
+    JOIN_LOCATIONS,
     LOCATIONS,
     OPTIMIZER_LOCATIONS,
     ScheduleEntry,
@@ -76,7 +77,7 @@ FIRST_RECORD = ("pre-forward", "backward", "before-reduce", "after-post", "durin
 IN_RECOVERY = ("during-extension", "during-restore")
 AFTER_COMMIT = ("optimizer-step",)
 assert set(FIRST_RECORD + IN_RECOVERY + AFTER_COMMIT) == (set(LOCATIONS)
-        - set(OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS))
+        - set(OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS))
 
 # One episode per failure iteration, cycled until the plan has its failures: (kind, location).
 # A death in recovery follows a death of the same iteration. Every failure iteration is followed

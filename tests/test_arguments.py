@@ -772,3 +772,26 @@ def test_policy_config():
     assert (policy.w_init, policy.g_init) == (2, 4)
     assert policy.b == cfg.b == 8 and policy.policy == "static" and policy.mode == "exact"
     assert math.prod((cfg.num_replicas, cfg.num_microbatches_per_replica)) == cfg.b
+
+
+def test_standby_replicas_are_outside_the_world_size():
+    """-np 6 with 2 standbys: 4 training ranks decide DP and B, the standbys are counted apart."""
+    from megatron_recover.megatron.arguments import training_world_size
+
+    argv = _small_argv(["--recover", "--recover-standby-replicas", "2"])
+    assert training_world_size(argv, 6) == 4
+    assert training_world_size(_small_argv([]), 6) == 6
+    tp2 = _small_argv(["--recover", "--recover-standby-replicas", "1",
+                       "--tensor-model-parallel-size", "2"])
+    assert training_world_size(tp2, 6) == 4  # one standby replica of TP x PP = 2 ranks
+    cfg = parse_args(argv, world_size=training_world_size(argv, 6), cuda_available=False)
+    assert (cfg.parallel.world_size, cfg.num_replicas, cfg.recover.standby_replicas) == (4, 4, 2)
+    assert cfg.b == 8
+
+
+def test_standby_replicas_refusals():
+    assert "given without --recover" in refused("--recover-standby-replicas", "1")
+    assert "must be >= 0" in refused("--recover", "--recover-standby-replicas", "-1")
+    message = refused("--recover", "--recover-standby-replicas", "1",
+                      "--tensor-model-parallel-size", "2")
+    assert "replicas of one rank only" in message

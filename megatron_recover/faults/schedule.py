@@ -26,6 +26,15 @@ Locations, in the order an iteration reaches them:
   evaluation        in the evaluation that follows the iteration (every --eval-interval, and at
                     the end), before the victim's first forward-only pass; needs an evaluation
                     after that iteration
+  join-transfer     after the iteration, entering the broadcast of the training state to
+                    standbys that join (the lowest survivor is the donor; any survivor takes
+                    part); needs --recover-standby-replicas and a join after that iteration
+With standby replicas a replica id comes back (a standby takes it), so it may be named again at a
+later iteration: that entry is for the rank holding the id then.
+
+An optional top-level `standbys` list of {standby, location} kills standby replica `standby`
+(0-based, in rank order; its local rank 0): at `idle`, as soon as it starts waiting, or at
+`join-transfer`, entering the state broadcast of the first join that calls it.
 The victim writes a marker {location, iteration, rank, time} right before it SIGKILLs itself; an
 entry whose point the run never reaches is reported as not injected (`injection_report`). A
 victim inside a ulfm operation dies on the group's worker thread; its marker also says what the
@@ -52,12 +61,15 @@ from megatron_recover.faults.injection import read_markers, write_marker
 LOCATIONS = ("pre-forward", "backward", "before-reduce", "after-post", "during-reduce",
              "during-consensus",
              "during-restore", "during-extension", "optimizer-step", "grad-norm", "param-gather",
-             "evaluation")
+             "evaluation", "join-transfer")
 # Reached inside megatron's optimizer step, where the trainer does not call: the iteration is
 # the one the trainer armed last.
 OPTIMIZER_LOCATIONS = ("grad-norm", "param-gather")
 # Reached only by jobs that evaluate, between iterations.
 EVALUATION_LOCATIONS = ("evaluation",)
+# Reached only between iterations at which standbys join.
+JOIN_LOCATIONS = ("join-transfer",)
+STANDBY_LOCATIONS = ("idle", "join-transfer")
 
 
 ACTIONS = ("kill", "stop", "stall")
@@ -75,8 +87,9 @@ class ScheduleEntry:
 
 
 def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
-                  train_iters: int) -> list[ScheduleEntry]:
-    """Read and validate a schedule; ValueError names the entry and what to change."""
+                  train_iters: int, standbys: int = 0) -> list[ScheduleEntry]:
+    """Read and validate a schedule's entries; ValueError names the entry and what to change.
+    `standbys`: the run's standby replicas (replica ids can then die more than once)."""
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise ValueError(f"{path}: expected a top-level 'entries' list")
@@ -110,9 +123,41 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
             raise ValueError(f"{path}: entry {i}: iteration {entry.iteration} is outside "
                              f"1..{train_iters}")
         entries.append(entry)
-    victims = [(e.replica, e.local_rank) for e in entries if e.action != "stall"]
+    victims = [(e.replica, e.local_rank, e.iteration if standbys else 0) for e in entries
+               if e.action != "stall"]
     if len(set(victims)) != len(victims):
-        raise ValueError(f"{path}: a rank can die only once; entries repeat a replica/local_rank")
+        raise ValueError(f"{path}: a rank can die only once; entries repeat a replica/local_rank"
+                         + (" in one iteration" if standbys else ""))
+    return entries
+
+
+@dataclass(frozen=True)
+class StandbyEntry:
+    standby: int
+    location: str
+
+
+def load_standby_entries(path: Path, standbys: int) -> list[StandbyEntry]:
+    """The schedule's `standbys` list; ValueError names the entry and what to change."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    raws = data.get("standbys", []) if isinstance(data, dict) else []
+    if not isinstance(raws, list):
+        raise ValueError(f"{path}: 'standbys' must be a list of {{standby, location}}")
+    entries = []
+    for i, raw in enumerate(raws):
+        if not isinstance(raw, dict) or set(raw) != {"standby", "location"}:
+            raise ValueError(f"{path}: standby entry {i} must have exactly the keys standby, "
+                             "location")
+        entry = StandbyEntry(int(raw["standby"]), str(raw["location"]))
+        if not 0 <= entry.standby < standbys:
+            raise ValueError(f"{path}: standby entry {i}: standby {entry.standby} does not exist "
+                             f"(--recover-standby-replicas {standbys})")
+        if entry.location not in STANDBY_LOCATIONS:
+            raise ValueError(f"{path}: standby entry {i}: location '{entry.location}' is not one "
+                             f"of {', '.join(STANDBY_LOCATIONS)}")
+        entries.append(entry)
+    if len({e.standby for e in entries}) != len(entries):
+        raise ValueError(f"{path}: a standby can die only once; entries repeat a standby")
     return entries
 
 
@@ -155,10 +200,10 @@ def generate_schedule(num_replicas: int, ranks_per_replica: int, count: int, see
                       locations: tuple[str, ...] | None = None) -> list[ScheduleEntry]:
     """A seeded random schedule: `count` distinct replicas die, at least one replica survives.
     By default at the locations every job reaches (not the optimizer-step collectives, which
-    need --clip-grad or a distributed optimizer, nor evaluation)."""
+    need --clip-grad or a distributed optimizer, nor evaluation, nor a standby's join)."""
     if locations is None:
-        locations = tuple(loc for loc in LOCATIONS
-                          if loc not in OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS)
+        locations = tuple(loc for loc in LOCATIONS if loc not in
+                          OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS)
     if count >= num_replicas:
         raise ValueError(f"--count {count} would kill every one of {num_replicas} replicas")
     unknown = set(locations) - set(LOCATIONS)
@@ -228,6 +273,13 @@ class ScheduledFaults:
         """`at(location, the iteration in progress)`, for points inside megatron's own calls."""
         self.at(location, self.iteration)
 
+    def arm_join(self, group, iteration: int) -> None:
+        """Arm `join-transfer` of the join after `iteration` (call before its transfer)."""
+        entry = self._due("join-transfer", iteration)
+        if entry is not None:
+            _arm_transfer(group, self.marker_path, {"iteration": iteration,
+                                                    "location": "join-transfer"})
+
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         """Arm the native points of `iteration` (reduce: its `bucket_index`-th bucket, from 1)."""
         self.iteration = iteration
@@ -241,6 +293,39 @@ class ScheduledFaults:
                             str(self.marker_path),
                             {"iteration": iteration, "location": location,
                              "action": entry.action})
+
+
+def _arm_transfer(group, marker_path: Path, fields: dict) -> None:
+    """Kill this rank entering the state broadcast of a join: the transfer's second broadcast
+    (the first carries the size)."""
+    group.arm_fault("broadcast", group.fault_hits("broadcast") + 2, "kill", 0.0,
+                    str(marker_path), {**fields, "action": "kill"})
+
+
+class StandbyFaults:
+    """A standby's own entries (the schedule's `standbys` list), before it joins."""
+
+    def __init__(self, entries: list[StandbyEntry], standby: int, world_rank: int,
+                 marker_path: Path):
+        self.mine = {e.location for e in entries if e.standby == standby}
+        self.standby = standby
+        self.world_rank = world_rank
+        self.marker_path = Path(marker_path)
+
+    def idle(self) -> None:
+        """The standby starts waiting: die here if scheduled."""
+        if "idle" in self.mine:
+            write_marker(self.marker_path, "idle", self.world_rank,
+                         {"location": "idle", "standby": self.standby, "action": "kill"})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm_join(self, group, iteration: int) -> None:
+        """Die entering the state broadcast of this standby's join (after `iteration`)."""
+        if "join-transfer" in self.mine:
+            self.mine.discard("join-transfer")
+            _arm_transfer(group, self.marker_path, {"iteration": iteration,
+                                                    "location": "join-transfer",
+                                                    "standby": self.standby})
 
 
 def injection_report(entries: list[ScheduleEntry], marker_path: Path,
@@ -271,4 +356,10 @@ class NoFaults:
         pass
 
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
+        pass
+
+    def arm_join(self, group, iteration: int) -> None:
+        pass
+
+    def idle(self) -> None:
         pass

@@ -226,6 +226,10 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="backend of the data-parallel group: gloo (default) or ulfm (stock "
                         "Megatron data parallelism over the fault-tolerant collective, no "
                         "recovery; launch with mpirun --with-ft ulfm); --recover always uses ulfm")
+    g.add_argument("--recover-standby-replicas", type=int, metavar="K",
+                   help="start K replicas more than the training ones (mpirun -np counts them, "
+                        "as the last ranks): they wait without a busy core and replace lost "
+                        "replicas after the iteration that lost them, B unchanged")
     g.add_argument("--recover-no-restore", action="store_true",
                    help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
                         "(shows what gradient restoration buys; breaks the trajectory)")
@@ -647,7 +651,8 @@ def _logging(ns, wandb_available: bool) -> list[str]:
 
 def _recover(ns) -> list[str]:
     given = [flag for flag in ("--recover-policy", "--recover-mode", "--recover-failure-schedule",
-                               "--recover-log", "--recover-hang-timeout")
+                               "--recover-log", "--recover-hang-timeout",
+                               "--recover-standby-replicas")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
     if ns.recover_no_restore:
         given.append("--recover-no-restore")
@@ -665,7 +670,39 @@ def _recover(ns) -> list[str]:
     if ns.recover_hang_timeout is not None and ns.recover_hang_timeout < 0:
         problems.append(f"--recover-hang-timeout must be seconds >= 0 (0: no hang detection), "
                         f"got {ns.recover_hang_timeout}")
+    return problems + _standbys(ns)
+
+
+def _standbys(ns) -> list[str]:
+    """What --recover-standby-replicas supports so far: replicas of one rank."""
+    k = ns.recover_standby_replicas
+    if not k:
+        return []
+    if k < 0:
+        return [f"--recover-standby-replicas must be >= 0, got {k}"]
+    problems = []
+    if (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size > 1
+            or (ns.use_distributed_optimizer and ns.num_distributed_optimizer_instances > 1)):
+        problems.append("--recover-standby-replicas: standbys replace replicas of one rank only "
+                        "so far (tensor, pipeline parallel size 1, no distributed-optimizer "
+                        "instances); drop --recover-standby-replicas for this layout")
     return problems
+
+
+def training_world_size(argv: list[str], world_size: int) -> int:
+    """The MPI ranks that train: all of them but --recover-standby-replicas x TP x PP (the last
+    ones). Read before the full parse, which validates the same values; a malformed value
+    leaves the world as it is for the full parse to report."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--recover-standby-replicas", type=int, default=0)
+    pre.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    pre.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    try:
+        ns, _ = pre.parse_known_args(argv)
+    except SystemExit:
+        return world_size
+    k = max(ns.recover_standby_replicas or 0, 0)
+    return world_size - k * ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
 
 
 def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
@@ -843,7 +880,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             hang_timeout_s=(DEFAULT_HANG_TIMEOUT_S if ns.recover_hang_timeout is None
                             else ns.recover_hang_timeout),
             restore=not ns.recover_no_restore,
-            cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo")),
+            cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo"),
+            standby_replicas=ns.recover_standby_replicas or 0),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
         rampup_batch_size=(None if ns.rampup_batch_size is None

@@ -144,6 +144,14 @@ class LedgerAudit:
                                 "samples of the committed ids")
         return problems
 
+    @property
+    def committed_reserve(self) -> frozenset[int]:
+        """Reserve ids committed so far in the run (a joiner continues from a live replica's)."""
+        return frozenset(self._committed_reserve)
+
+    def continue_from(self, committed_reserve) -> None:
+        self._committed_reserve = set(committed_reserve)
+
     def committed(self, totals: LaneTotals) -> None:
         """The iteration committed: its reserve ids may not come again."""
         self._committed_reserve.update(totals.reserve)

@@ -91,15 +91,28 @@ def _load_parameter_state(optimizer, saved: list[dict]) -> None:
                 opt._set_main_param_and_optimizer_states(param, state[opt._param_name(param)])
 
 
+def training_state(ddp_model, optimizer, scheduler) -> dict:
+    """This rank's model, optimizer (loss scaler and, with the distributed optimizer, this
+    shard's main parameters and Adam moments) and scheduler state, as torch.save writes it."""
+    return {"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
+            "parameter_state": _parameter_state(optimizer), "scheduler": scheduler.state_dict()}
+
+
+def load_training_state(saved: dict, ddp_model, optimizer, scheduler) -> None:
+    """Install what `training_state` returned (on another rank of the same position)."""
+    ddp_model.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    _load_parameter_state(optimizer, saved.get("parameter_state", []))
+    scheduler.load_state_dict(saved["scheduler"])
+
+
 def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
          position: tuple[int, ...], replica_group, local_rank: int) -> None:
     """Write this rank's position; call on every rank of the writing replica only."""
     path = _position_file(directory, state.iteration, position)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "parameter_state": _parameter_state(optimizer),
-                "scheduler": scheduler.state_dict(), "recovery": state}, tmp)
+    torch.save({**training_state(ddp_model, optimizer, scheduler), "recovery": state}, tmp)
     os.replace(tmp, path)
     if replica_group is not None:
         dist.barrier(group=replica_group)  # every position of this replica is on disk
@@ -132,8 +145,5 @@ def load(directory: Path, ddp_model, optimizer, scheduler,
                          "tensor and pipeline parallel sizes and distributed-optimizer shards?")
     # Our own files: they hold the policy layout, a plain dataclass, besides tensors.
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    ddp_model.module.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    _load_parameter_state(optimizer, saved.get("parameter_state", []))
-    scheduler.load_state_dict(saved["scheduler"])
+    load_training_state(saved, ddp_model, optimizer, scheduler)
     return saved["recovery"]

@@ -322,6 +322,10 @@ class RecoverConfig:
     """False with --recover-no-restore (a diagnostic negative control)."""
     cross_replica_backend: str = "gloo"
     """--cross-replica-backend: the data-parallel group's backend ("ulfm" with --recover)."""
+    standby_replicas: int = 0
+    """--recover-standby-replicas: replicas started beside the training ones (the last MPI
+    ranks; not in the world size) that wait, then replace lost replicas at an iteration
+    boundary."""
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,11 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
     """One line per failure of an iteration, as it is repaired."""
     lines = []
     for event in events:
+        if event["event"] == "join":
+            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+                         f" replica(s) {event['replicas']} rejoined on standby ranks "
+                         f"{event['ranks']}, epoch {event['epoch']}, state received "
+                         f"{event['state_received'] - event['called']:.2f} s after the call")
         if event["event"] != "failure":
             continue
         # The ranks this position's group saw fail; another position of the replica may have
@@ -108,6 +113,8 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
                 f" replica(s) {event['replicas']} lost{ranks}, epoch {event['epoch']}, ")
         if event.get("during") == "evaluation":
             line += "during the evaluation after it: evaluated again by the survivors"
+        elif event.get("during") == "join":
+            line += "while standbys joined after it: left out of the layout"
         else:
             line += f"{event['restore']} restore"
             if event["g_ext"]:

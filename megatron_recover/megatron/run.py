@@ -22,8 +22,10 @@ from megatron_recover import collective, runtime
 from megatron_recover.faults.schedule import (
     NoFaults,
     ScheduledFaults,
+    StandbyFaults,
     load_overflows,
     load_schedule,
+    load_standby_entries,
 )
 from megatron_recover.megatron import mcore_config
 from megatron_recover.megatron.audit import LedgerAudit
@@ -36,7 +38,7 @@ from megatron_recover.megatron.gpt import (
 from megatron_recover.megatron.progress import Progress
 from megatron_recover.megatron.report import RecoverLog
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
-from megatron_recover.megatron import checkpoint, dist_checkpoint
+from megatron_recover.megatron import checkpoint, dist_checkpoint, standby
 from megatron_recover.policy import (
     ADAPTIVE,
     EXACT,
@@ -62,8 +64,14 @@ def check_start(cfg) -> None:
         return
     if cfg.recover.failure_schedule:
         entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
-                                cfg.parallel.ranks_per_replica, cfg.train_iters)
+                                cfg.parallel.ranks_per_replica, cfg.train_iters,
+                                cfg.recover.standby_replicas)
         _check_optimizer_locations(cfg, entries)
+        load_standby_entries(cfg.recover.failure_schedule, cfg.recover.standby_replicas)
+        if not cfg.recover.standby_replicas and any(e.location == "join-transfer"
+                                                    for e in entries):
+            raise ValueError(f"{cfg.recover.failure_schedule}: location join-transfer is a "
+                             "standby's join; add --recover-standby-replicas")
         overflows = load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters)
         if overflows and not cfg.precision.fp16:
             raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
@@ -275,8 +283,22 @@ class RankSetup:
         return (*self.position, dist.get_rank(self.shard_group))
 
 
+def torch_world_id(cfg, ctx: runtime.DistributedContext) -> int:
+    """Which torch.distributed world this rank joins (`runtime.init_torch_distributed`): 0 for
+    the training ranks, 1 + s for the ranks of standby replica s."""
+    if ctx.rank < cfg.parallel.world_size:
+        return 0
+    return 1 + (ctx.rank - cfg.parallel.world_size) // cfg.parallel.ranks_per_replica
+
+
+def is_standby(cfg, ctx: runtime.DistributedContext) -> bool:
+    return ctx.rank >= cfg.parallel.world_size
+
+
 def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> RankSetup:
-    """Megatron's parallel state, GPT model, DDP (on ulfm when asked), optimizer and scheduler."""
+    """Megatron's parallel state, GPT model, DDP (on ulfm when asked), optimizer and scheduler.
+    A standby builds the same over its own replica (its cross-replica group holds only itself
+    until it joins)."""
     from megatron.core import parallel_state, tensor_parallel
 
     hang_s = cfg.recover.hang_timeout_s if cfg.recover.enabled else 0
@@ -368,10 +390,13 @@ def _optimizer_fault_points(faults, optimizer, ddp_model) -> None:
 
 
 def _faults(cfg, ctx, setup: RankSetup):
-    if not (cfg.recover.enabled and cfg.recover.failure_schedule):
+    """The failure schedule's points of this rank's replica (a standby's: once it joined)."""
+    if not (cfg.recover.enabled and cfg.recover.failure_schedule) or (
+            is_standby(cfg, ctx) and setup.group.size == 1):
         return NoFaults()
     entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
-                            cfg.parallel.ranks_per_replica, cfg.train_iters)
+                            cfg.parallel.ranks_per_replica, cfg.train_iters,
+                            cfg.recover.standby_replicas)
     # Victims write their markers beside the log: its directory may not exist yet.
     marker_path(cfg).parent.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0 and cfg.recover.log:
@@ -383,11 +408,19 @@ def _faults(cfg, ctx, setup: RankSetup):
                            load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters))
 
 
+def _standby_faults(cfg, ctx):
+    """A standby's own entries of the failure schedule (before it joins)."""
+    if not (cfg.recover.enabled and cfg.recover.failure_schedule):
+        return NoFaults()
+    marker_path(cfg).parent.mkdir(parents=True, exist_ok=True)
+    return StandbyFaults(load_standby_entries(cfg.recover.failure_schedule,
+                                              cfg.recover.standby_replicas),
+                         torch_world_id(cfg, ctx) - 1, ctx.rank, marker_path(cfg))
+
+
 def _trainer(cfg, ctx, setup: RankSetup, dataset,
              wants_exit=lambda: False) -> tuple[ResilientTrainer, int]:
     """The resilient trainer of this rank and the first iteration to run (after a --load)."""
-    from megatron.core import parallel_state
-
     policy = WorkloadPolicy(mcore_config.to_policy_config(cfg))
     replica_ids = list(range(cfg.num_replicas))
     start = 1
@@ -407,6 +440,15 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset,
                   f"{list(state.live_replicas)}", flush=True)
     # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
     replica_of_rank = {rank: replica_ids[dp] for rank, dp in setup.replica_of_rank.items()}
+    trainer = _resilient_trainer(cfg, setup, dataset, policy, replica_ids[setup.replica_index],
+                                 replica_of_rank, wants_exit)
+    return trainer, start
+
+
+def _resilient_trainer(cfg, setup: RankSetup, dataset, policy, replica: int,
+                       replica_of_rank: dict[int, int], wants_exit) -> ResilientTrainer:
+    from megatron.core import parallel_state
+
     trainer = ResilientTrainer(TrainerParts(
         model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
         group=setup.group, policy=policy,
@@ -415,7 +457,7 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
         computes_loss=parallel_state.is_pipeline_last_stage(),
-        replica=replica_ids[setup.replica_index], replica_of_rank=replica_of_rank,
+        replica=replica, replica_of_rank=replica_of_rank,
         run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,
         audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
                           micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
@@ -424,7 +466,7 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset,
         restore=cfg.recover.restore, wants_exit=wants_exit),
         micro_batch_size=cfg.micro_batch_size)
     _install_calculator(cfg, trainer)
-    return trainer, start
+    return trainer
 
 
 def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
@@ -445,22 +487,27 @@ class Trained:
     model: object  # megatron's GPTModel, unwrapped
     loss_scale: float  # the optimizer's final loss scale (1.0 without fp16 scaling)
     skipped_iterations: list[int]  # iterations whose step the fp16 loss scaler skipped
+    joined: dict | None = None  # a standby that joined: its join, as it saw it
 
 
 def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trained:
     """Train for cfg.train_iters iterations on `source` (a MicrobatchSource), or until an
     --exit-* flag stops every rank after the same iteration; the lowest live rank prints and
     logs."""
+    # Every rank, standbys too, takes part in opening the pool (an MPI world collective).
+    pool = standby.Pool.open(cfg.parallel.world_size) if cfg.recover.standby_replicas else None
     setup = build(cfg, ctx, source.microbatch, vocab_size)
     progress = Progress(cfg, ctx, setup, source, vocab_size)
+    joined = None
     try:
         if cfg.recover.enabled:
-            skipped = _train_resilient(cfg, ctx, setup, source.dataset, progress)
+            skipped, joined = _train_resilient(cfg, ctx, setup, source.dataset, progress, pool)
         else:
             skipped = _train_stock(cfg, ctx, setup, progress)
     finally:
         progress.writers.close()
-    return Trained(unwrap(setup.ddp_model), float(setup.optimizer.get_loss_scale()), skipped)
+    return Trained(unwrap(setup.ddp_model), float(setup.optimizer.get_loss_scale()), skipped,
+                   joined)
 
 
 def _train_stock(cfg, ctx, setup: RankSetup, progress: Progress) -> list[int]:
@@ -523,9 +570,19 @@ def unwrap(ddp_model):
     return model.module if isinstance(model, Float16Module) else model
 
 
-def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress) -> list[int]:
-    """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped."""
-    trainer, start = _trainer(cfg, ctx, setup, dataset, wants_exit=progress.exits.requested)
+def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
+                     pool: standby.Pool | None) -> tuple[list[int], dict | None]:
+    """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped and,
+    on a standby that joined, its join. A standby waits here until it is called; one that is
+    dismissed leaves the run from here."""
+    joined = None
+    if is_standby(cfg, ctx):
+        called = _join_when_called(cfg, ctx, setup, dataset, progress, pool)
+        if called is None:
+            runtime.finish(standby="idle")  # never returns
+        trainer, start, joined = called
+    else:
+        trainer, start = _trainer(cfg, ctx, setup, dataset, wants_exit=progress.exits.requested)
     progress.trainer = trainer
     skipped = []
     log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None, last_written=start - 1)
@@ -542,6 +599,8 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress) ->
     for iteration in range(start, cfg.train_iters + 1):
         lr = setup.optimizer.param_groups[0]["lr"]
         report = trainer.train_step(iteration)
+        if joined is not None:  # what this joiner's buckets sent to each commit
+            joined["contributions"][iteration] = report.own_contributions
         if report.skipped:
             skipped.append(iteration)
         pending.append((report, dict(lr=lr, tokens=report.contributions * cfg.micro_batch_size
@@ -566,7 +625,145 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress) ->
             save()
         if progress.stopping(iteration, report.exit_requested, saved, save):
             break
+        if pool is not None and iteration < cfg.train_iters:
+            _grow_back(trainer, setup, pool, iteration)
     else:
         progress.end_of_training(iteration)
+    if pool is not None:
+        pool.dismiss()
     trainer.gather_parameters()  # the final parameters, on every shard
-    return skipped
+    return skipped, joined
+
+
+def state_digests(setup: RankSetup) -> dict:
+    """What a joiner must hold exactly as its donor: parameters, optimizer state, loss scale."""
+    return {"params": parameter_digest(unwrap(setup.ddp_model)),
+            "optimizer": optimizer_digest(setup.optimizer),
+            "loss_scale": float(setup.optimizer.get_loss_scale())}
+
+
+def optimizer_digest(optimizer) -> str:
+    """sha256 over megatron's optimizer state_dict (Adam moments, main parameters, scaler)."""
+    digest = hashlib.sha256()
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                digest.update(str(key).encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        else:
+            digest.update(repr(value).encode())
+
+    walk(optimizer.state_dict())
+    return digest.hexdigest()
+
+
+def _join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> dict:
+    """Everything a joiner needs to continue after `iteration` as a live replica does."""
+    from megatron.core import tensor_parallel
+
+    trainer.gather_parameters()
+    policy = trainer.p.policy
+    return {"iteration": iteration,
+            **checkpoint.training_state(setup.ddp_model, setup.optimizer, setup.scheduler),
+            "layout": policy.layout, "last_committed": policy.last_committed,
+            "reserve_next": policy.reserve_next, "dead_replicas": sorted(trainer.dead_replicas),
+            "replica_of_rank": dict(trainer.p.replica_of_rank),
+            "committed_reserve": sorted(trainer.p.audit.committed_reserve),
+            "rng": {"cpu": torch.get_rng_state(),
+                    "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
+            "digests": state_digests(setup)}
+
+
+def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
+               iteration: int) -> None:
+    """(training ranks, after `iteration`) Call idle standbys into the vacant replica ids
+    (standby.py, steps 1-4); the outcome is reported with the next iteration."""
+    policy = trainer.p.policy
+    vacant = sorted(set(range(policy.config.w_init)) - set(policy.layout.replicas))
+    if not vacant or not pool.idle:
+        return
+    event = {"event": "join", "replicas": [], "ranks": [], "called": time.time(),
+             "after_iteration": iteration}
+    pool.joins += 1
+    message = {"join": pool.joins, "iteration": iteration, "idle": list(pool.idle),
+               "vacant": vacant}
+    pool.send(message)
+    assignment, grown, ok, candidates = pool.assemble(message, member=True)
+    if ok and assignment:
+        ok = setup.group.adopt(grown).wait().census[0] == 1
+    if not (ok and assignment):
+        pool.idle = candidates
+        trainer.pending_events.append({**event, "event": "join-abandoned",
+                                       "abandoned": time.time()})
+        return
+    blob = standby.state_blob(_join_state(trainer, setup, iteration))
+    trainer.p.faults.arm_join(setup.group, iteration)
+    _, alive, lost = standby.transfer(setup.group, sorted(assignment), blob)
+    joined = {rank: assignment[rank] for rank in alive}
+    pool.idle = [r for r in candidates if r not in joined]
+    failure = trainer.grow(joined, lost)
+    if failure is not None:
+        trainer.pending_events.append(failure)
+    if not joined:
+        trainer.pending_events.append({**event, "event": "join-abandoned", "lost": lost,
+                                       "abandoned": time.time()})
+        return
+    trainer.pending_events.append({**event, "replicas": sorted(joined.values()),
+                                   "ranks": sorted(joined), "epoch": setup.group.epoch,
+                                   "state_received": time.time()})
+
+
+def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
+                      pool: standby.Pool) -> tuple[ResilientTrainer, int, dict] | None:
+    """(standby) Wait for a call, join, take the state: (trainer, first iteration to run, the
+    join as this rank saw it); None when dismissed or when nobody is left to call."""
+    from megatron.core import tensor_parallel
+
+    standby_faults = _standby_faults(cfg, ctx)
+    standby_faults.idle()
+    while True:
+        message = pool.wait_for_call()
+        if message is None:
+            return None
+        called = time.time()
+        assignment, grown, ok, candidates = pool.assemble(message, member=False)
+        pool.idle = [r for r in candidates if r not in assignment]
+        if not ok or pool.rank not in assignment:
+            continue
+        if setup.group.adopt(grown).wait().census[0] != 1:
+            continue
+        standby_faults.arm_join(setup.group, message["iteration"])
+        blob, alive, lost = standby.transfer(setup.group, sorted(assignment), None)
+        break
+    state = standby.from_blob(blob)
+    received = time.time()
+    setup.replica_index = assignment[pool.rank]
+    checkpoint.load_training_state(state, setup.ddp_model, setup.optimizer, setup.scheduler)
+    torch.set_rng_state(state["rng"]["cpu"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
+    faults = _faults(cfg, ctx, setup)  # the schedule's points of the replica id it took
+    setup.micro_pass.faults = progress.eval_pass.faults = faults
+    policy = WorkloadPolicy.resume(mcore_config.to_policy_config(cfg), state["layout"],
+                                   state["last_committed"], state["reserve_next"])
+    trainer = _resilient_trainer(cfg, setup, dataset, policy, setup.replica_index,
+                                 dict(state["replica_of_rank"]), progress.exits.requested)
+    trainer.dead_replicas = set(state["dead_replicas"])
+    trainer.p.audit.continue_from(state["committed_reserve"])
+    joined = {rank: assignment[rank] for rank in alive}
+    failure = trainer.grow(joined, lost)
+    if failure is not None:
+        trainer.pending_events.append(failure)
+    event = {"event": "join", "replicas": sorted(joined.values()), "ranks": sorted(joined),
+             "epoch": setup.group.epoch, "called": called, "state_received": received,
+             "after_iteration": state["iteration"]}
+    trainer.pending_events.append(dict(event))
+    return trainer, state["iteration"] + 1, {**event, "replica": setup.replica_index,
+                                             "donor_digests": state["digests"],
+                                             "digests": state_digests(setup),
+                                             "contributions": {}}

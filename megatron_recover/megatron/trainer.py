@@ -83,6 +83,7 @@ class StepReport:
     buckets: int
     events: list[dict] = field(default_factory=list)
     loss_tokens: int | None = None  # --calculate-per-token-loss: the committed loss tokens
+    own_contributions: int = 0  # microbatch gradients this rank's buckets sent to the commit
     exit_requested: bool = False  # some rank asked to stop after this iteration (--exit-*)
     # The first round's cross-replica reductions, from the ulfm worker's timestamps: how long
     # some reduction was running, how much of that before megatron's schedule returned (hidden
@@ -129,6 +130,8 @@ class ResilientTrainer:
         self.p = parts
         self.micro_batch_size = micro_batch_size
         self.dead_replicas: set[int] = set()
+        # Events between iterations (a join), reported with the next committed iteration.
+        self.pending_events: list[dict] = []
         # When this rank last saw every member complete a round (a commit): a victim's last
         # observed progress. A crash is detected soon after; a frozen rank about the hang timeout.
         self._last_progress = time.time()
@@ -188,7 +191,7 @@ class ResilientTrainer:
         p = self.p
         self._iteration = iteration
         start = time.perf_counter()
-        events = []
+        events, self.pending_events = self.pending_events, []
         # Overlapped, the first bucket posted is in flight while backward still runs.
         p.faults.arm_iteration(p.group, iteration, bucket_index=1 if p.overlap_grad_reduce else 2)
         state = p.policy.begin(iteration)
@@ -255,6 +258,23 @@ class ResilientTrainer:
         report = self._commit(iteration, totals, problems, verdict, agreed, start, events)
         report.reduction = reduction
         return report
+
+    def grow(self, joined: dict[int, int], lost_ranks: list[int]) -> dict | None:
+        """Between iterations: the ranks `joined` (world rank -> replica id, on this rank's
+        group already) took dead replicas' ids, and the group lost `lost_ranks` (agreed) while
+        they joined; the policy lays out the grown set without the replicas lost. Returns the
+        failure event of those, if any."""
+        self.p.policy.grow(joined.values())
+        self.p.replica_of_rank.update(joined)
+        self.dead_replicas -= set(joined.values())
+        ranks = [r for r in lost_ranks if r not in joined and r in self.p.replica_of_rank]
+        dead = sorted({self.p.replica_of_rank[r] for r in ranks} - self.dead_replicas)
+        if not dead:
+            return None
+        self.dead_replicas.update(dead)
+        self.p.policy.drop(dead)
+        return {"event": "failure", "replicas": dead, "ranks": ranks,
+                "epoch": self.p.group.epoch, "detected": time.time(), "during": "join"}
 
     def evaluate(self, run_ids: Callable[[list[int]], torch.Tensor],
                  count: int) -> tuple[torch.Tensor, list[dict]]:
@@ -329,6 +349,7 @@ class ResilientTrainer:
         and the token count is that of the microbatches the committed gradient holds.
         """
         sent, consistent = self.recovery.sent_ledger()
+        self._own_contributions = 0 if sent is None else sum(sent.entries.values())
         loss_sum, token_sum = 0.0, 0
         if sent is not None and self.p.computes_loss:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
@@ -458,6 +479,7 @@ class ResilientTrainer:
             extension_rounds=len(result.extension_rounds),
             buckets=len(self.recovery.grads), events=events,
             loss_tokens=verdict.tokens if p.per_token_loss else None,
+            own_contributions=self._own_contributions,
             exit_requested=verdict.exit_requested)
 
 

@@ -1,0 +1,206 @@
+"""Standby replicas: wait without a busy core, then grow the job back (--recover-standby-replicas).
+
+A job with K standbys runs K replicas more than the training ones, as the last MPI ranks. A
+standby builds its model and optimizer like any replica (in a torch.distributed world of its
+own, so megatron's parallel state of the training ranks is the one without standbys), then waits
+on the pool communicator (a duplicate of MPI_COMM_WORLD made by every rank at start-up) with a
+non-blocking receive polled every POLL_S: it joins no collective and uses no core while waiting.
+
+Growing back, after an iteration boundary at which the policy's layout has fewer replicas than
+W_init (`grow_back`, on every training rank alike: the decision is a function of the policy):
+
+  1. Call-up. Every survivor sends the same message to every idle standby: the join's sequence
+     number, the idle standbys and the vacant replica ids. A standby takes the first message of
+     a join and drops the copies.
+  2. Assembly. Survivors and every idle standby shrink the pool communicator (a fault-tolerant
+     collective: whoever died is left out, whenever it died), so all hold the same set of live
+     processes, and assign the live idle standbys to the vacant ids in order. They split it
+     into the grown group (survivors and the assigned standbys; the others go back to waiting)
+     and agree on the pool that every split succeeded; then each member hands the grown
+     communicator to its ulfm group (`ULFMGroup.adopt`, a second agreement, over the grown
+     group). `MPI_Comm_create_from_group` would need no shrink, but a member that is dead when
+     it is called crashes the live ones inside Open MPI 5.0.11 (SIGSEGV in
+     ompi_comm_revoke_local), so it is not used.
+  3. State transfer. The lowest surviving member broadcasts the complete training state on the
+     grown group; a failure during it is repaired like any other (a dead donor is replaced by
+     the next survivor, a dead joiner drops out) and the transfer is repeated until a consensus
+     shows that every live member holds it.
+  4. Every member grows the policy by the joined ids; the next iteration runs on the grown
+     layout with B unchanged.
+
+A failed assembly leaves every group as it was (both agreements are uniform), and the survivors
+try again at the next boundary. An idle standby leaves when the survivors dismiss it at the end
+of training, or when every process that could call it is dead (checked every LIVENESS_S).
+"""
+
+import io
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+CALL_TAG = 7101
+POLL_S = 0.005
+LIVENESS_S = 0.25
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+@dataclass
+class Pool:
+    """Every rank's view of the standbys: the same on all training ranks (a function of agreed
+    outcomes); a standby refreshes its own from each call-up."""
+
+    comm: object  # the pool communicator (a duplicate of MPI_COMM_WORLD, errors returned)
+    training_ranks: int  # MPI ranks 0..training_ranks-1 train at launch
+    idle: list[int]  # MPI ranks of the standbys not (yet) called, as far as this rank knows
+    joins: int = 0  # call-ups so far (a call-up's sequence number)
+    _keep: list = field(default_factory=list)  # communicators the ulfm groups hold
+    _sends: list = field(default_factory=list)
+
+    @classmethod
+    def open(cls, training_ranks: int) -> "Pool":
+        """Collective over MPI_COMM_WORLD (at start-up, on every rank)."""
+        MPI = _mpi()
+        comm = MPI.COMM_WORLD.Dup()
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        return cls(comm, training_ranks, list(range(training_ranks, comm.Get_size())))
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def send(self, message: dict) -> None:
+        """To every idle standby; never waits (a dead standby's copy is simply lost)."""
+        data = pickle.dumps(message)
+        for standby in self.idle:
+            try:
+                self._sends.append(self.comm.Isend(data, standby, CALL_TAG))
+            except _mpi().Exception:
+                pass
+
+    def wait_for_call(self) -> dict | None:
+        """(standby) The next call-up, or None once dismissed or when every process that could
+        call is dead. Polls: under 1% of a core (ULFM-NOTES.md's standby probe)."""
+        MPI = _mpi()
+        buffer = bytearray(1 << 16)
+        request = self.comm.Irecv(buffer, MPI.ANY_SOURCE, CALL_TAG)
+        checked = time.monotonic()
+        while True:
+            try:
+                done = request.Test()
+            except MPI.Exception:  # a process died: acknowledge it and keep receiving
+                self.comm.Ack_failed()
+                done = False
+            if done:
+                message = pickle.loads(bytes(buffer))
+                if message.get("end") or message["join"] > self.joins:
+                    return None if message.get("end") else message
+                request = self.comm.Irecv(buffer, MPI.ANY_SOURCE, CALL_TAG)  # a copy
+                continue
+            if time.monotonic() - checked > LIVENESS_S:
+                checked = time.monotonic()
+                if not self._callers_alive():
+                    request.Cancel()
+                    return None
+            time.sleep(POLL_S)
+
+    def _callers_alive(self) -> bool:
+        """Whether any process other than the idle standbys is still alive."""
+        MPI = _mpi()
+        failed_group = self.comm.Get_failed()
+        failed = set(MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())),
+                                               self.comm.Get_group()))
+        failed_group.Free()
+        callers = set(range(self.comm.Get_size())) - set(self.idle) - {self.rank}
+        return bool(callers - failed)
+
+    def assemble(self, message: dict, member: bool):
+        """Step 2 of the module docstring, on survivors (`member`) and idle standbys alike.
+        Returns (assignment: standby MPI rank -> replica id, the grown communicator or None
+        when this rank is not in it, ok: whether every split succeeded, the idle standbys that
+        were alive). The caller settles `idle` once it knows who joined."""
+        MPI = _mpi()
+        self.joins = message["join"]
+        shrunk = self.comm.Shrink()
+        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        alive = set(MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())),
+                                              self.comm.Get_group()))
+        candidates = [r for r in message["idle"] if r in alive]
+        assignment = dict(zip(candidates, message["vacant"]))
+        member = member or self.rank in assignment
+        grown, ok = None, 1
+        try:
+            grown = shrunk.Split(0 if member else MPI.UNDEFINED, self.rank)
+        except MPI.Exception:
+            ok = 0
+        try:
+            ok = shrunk.Agree(ok)
+        except MPI.Exception:  # someone died during the split: uniform, so nobody goes on
+            ok = 0
+        if grown is not None and grown != MPI.COMM_NULL:
+            if not ok:
+                grown.Revoke()
+            self._keep.append(grown)
+        else:
+            grown = None
+        self._keep.append(shrunk)
+        return assignment, grown, bool(ok), candidates
+
+    def dismiss(self, timeout_s: float = 10.0) -> None:
+        """(survivors, at the end of training) Let the idle standbys leave: the messages are
+        out before this rank exits (or `timeout_s` passed: a standby that is gone meanwhile
+        never takes its copy, and the others' copies suffice)."""
+        self.send({"end": True})
+        end = time.monotonic() + timeout_s
+        pending = list(self._sends)
+        while pending and time.monotonic() < end:
+            try:
+                pending = [r for r in pending if not r.Test()]
+            except _mpi().Exception:
+                pending = []  # a receiver died: its copy does not matter any more
+            time.sleep(POLL_S)
+
+
+def state_blob(state: dict) -> torch.Tensor:
+    """`state` (tensors and plain objects) as a uint8 tensor for a broadcast."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def from_blob(blob: torch.Tensor) -> dict:
+    # Our own bytes, from a rank of the same job: they hold the policy layout besides tensors.
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def transfer(group, joiners: list[int], blob: torch.Tensor | None) -> tuple[
+        torch.Tensor | None, list[int], list[int]]:
+    """Step 3: broadcast `blob` (given on every survivor; None on joiners) from the lowest
+    surviving member until every live member holds it. Returns (the blob, the joiners still
+    alive, every member lost meanwhile), the same lists on every member. Every member of the
+    grown group calls it."""
+    lost = []
+    while True:
+        donor = min(m for m in group.members if m not in joiners)
+        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
+        record = group.broadcast(size, donor).wait()
+        received = None
+        if not record.has_failure:
+            received = blob if blob is not None else torch.empty(int(size[0]), dtype=torch.uint8)
+            # Survivors receive their own copy back: one broadcast, whoever the donor is.
+            scratch = received.clone() if blob is not None else received
+            record = group.broadcast(scratch, donor).wait()
+        ok = int(not record.has_failure)
+        agreed = group.consensus([ok]).wait()
+        lost += agreed.failed_ranks
+        joiners = [j for j in joiners if j in group.members]
+        if not agreed.failed_ranks and agreed.census[0] == agreed.size:
+            return received, joiners, sorted(lost)
+        if not joiners:
+            return blob, joiners, sorted(lost)

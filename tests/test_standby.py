@@ -1,0 +1,155 @@
+"""Grow back: standby replicas (--recover-standby-replicas) replace lost replicas at an iteration
+boundary, and exact mode still gives the failure-free loss curve and parameters.
+
+Run: `make test`. CPU only (megatron-core under the CPU emulation): 4 training ranks + 2 standby
+ranks, oversubscribed, every run under a hard timeout. The reference is the same command with no
+failures, standbys included: they stay idle and are dismissed at the end.
+"""
+
+import pytest
+
+from tests.training_harness import (
+    STABLE_LR,
+    assert_ledger_held,
+    loss_rdiff,
+    param_rdiff,
+    run_training,
+    EXACT_LOSS_RTOL,
+    EXACT_PARAM_RTOL,
+)
+
+pytestmark = pytest.mark.mpi
+TIMEOUT_S = 300
+REPLICAS = 4
+STANDBYS = 2
+ITERATIONS = 8
+B = 8
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--eval-iters", "0",
+         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+         "--global-batch-size", str(B), "--train-iters", str(ITERATIONS), *STABLE_LR,
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+         "--overlap-grad-reduce", "--ddp-bucket-size", "2000", "--log-interval", "1",
+         "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+         "--recover-standby-replicas", str(STANDBYS)]
+STANDBY_RANKS = list(range(REPLICAS, REPLICAS + STANDBYS))
+
+
+def train(tmp_path, name, schedule=None):
+    return run_training(tmp_path / name, REPLICAS + STANDBYS, MODEL, schedule, TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = train(tmp_path_factory.mktemp("reference"), "reference")
+    assert [r["iteration"] for r in run.records] == list(range(1, ITERATIONS + 1))
+    return run
+
+
+def joins(run) -> list[tuple]:
+    """(replicas, standby ranks, the iteration after which they joined) of each join."""
+    return [(e["replicas"], e["ranks"], e["after_iteration"])
+            for r in run.records for e in r["events"] if e["event"] == "join"]
+
+
+def assert_exact_everywhere(run, reference, ranks: list[int]) -> None:
+    """Losses equal the reference's, and each of `ranks` holds the reference's final parameters
+    (every replica holds the same ones: compared with the reference's rank 0)."""
+    loss = loss_rdiff(run.records, reference.records)
+    params = max(param_rdiff(run.params(r), reference.params(0)) for r in ranks)
+    print(f"max relative loss diff {loss:.2e}, final parameters {params:.2e} (ranks {ranks})")
+    assert loss <= EXACT_LOSS_RTOL and params <= EXACT_PARAM_RTOL, (loss, params)
+    digests = {r: run.result.statuses[r]["param_digest"] for r in ranks}
+    assert len(set(digests.values())) == 1, digests
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_idle_standbys_leave_at_the_end(reference):
+    """No failure: nobody is called, both standbys are dismissed and record it."""
+    assert joins(reference) == []
+    assert [r["live_replicas"] for r in reference.records] == [REPLICAS] * ITERATIONS
+    for rank in STANDBY_RANKS:
+        status = reference.result.statuses[rank]
+        assert status["state"] == "completed" and status["standby"] == "idle", status
+    assert_ledger_held(reference.records, B)
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_two_standbys_replace_two_lost_replicas(tmp_path, reference):
+    # Iteration 2: replica 1 dies inside a bucket's all-reduce (a policy boundary); iteration 5:
+    # replica 3 during its backward. Each is replaced after its iteration commits.
+    schedule = """entries:
+  - {iteration: 2, replica: 1, local_rank: 0, location: during-reduce}
+  - {iteration: 5, replica: 3, local_rank: 0, location: backward}
+"""
+    run = train(tmp_path, "grow", schedule)
+    assert sorted((m["rank"], m["iteration"], m["location"]) for m in run.markers) == [
+        (1, 2, "during-reduce"), (3, 5, "backward")]
+    assert [r["iteration"] for r in run.records] == list(range(1, ITERATIONS + 1))
+    assert_ledger_held(run.records, B)
+    assert [r["live_replicas"] for r in run.records] == [4, 3, 4, 4, 3, 4, 4, 4]
+    assert joins(run) == [([1], [4], 2), ([3], [5], 5)]
+    for rank, replica, first in ((4, 1, 3), (5, 3, 6)):
+        joined = run.result.statuses[rank]["joined"]
+        assert joined["replica"] == replica
+        # The state it received is the donor's, bit for bit, before its first pass.
+        assert joined["digests"] == joined["donor_digests"], joined
+        # Its share of every later iteration: B over the 4 live replicas; in iteration 5, one
+        # more in the extension pass that recomputes the dead replica's 2 ids on the 3 left.
+        expected = {str(t): B // REPLICAS + (t == 5) for t in range(first, ITERATIONS + 1)}
+        assert joined["contributions"] == expected, joined
+    assert_exact_everywhere(run, reference, [0, 2, 4, 5])
+
+
+def events(run, kind: str) -> list[tuple]:
+    return [(r["iteration"], e.get("replicas"), e.get("ranks")) for r in run.records
+            for e in r["events"] if e["event"] == kind]
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_donor_dies_in_the_transfer_and_a_standby_dies_idle(tmp_path, reference):
+    """Replica 1 dies in iteration 2; in the join after it the donor (rank 0, the lowest
+    survivor) dies entering the state broadcast: the next survivor sends the state, standby
+    rank 4 joins as replica 1, and replica 0's death is dropped from the layout there. Standby
+    rank 5 died idle before the first call: the call's shrink leaves it out, and replica 0's id
+    stays vacant (the pool is empty)."""
+    schedule = """entries:
+  - {iteration: 2, replica: 1, local_rank: 0, location: during-reduce}
+  - {iteration: 2, replica: 0, local_rank: 0, location: join-transfer}
+standbys:
+  - {standby: 1, location: idle}
+"""
+    run = train(tmp_path, "donor", schedule)
+    fired = sorted((m["rank"], m["location"]) for m in run.markers)
+    assert fired == [(0, "join-transfer"), (1, "during-reduce"), (5, "idle")], fired
+    assert [r["iteration"] for r in run.records] == list(range(1, ITERATIONS + 1))
+    assert_ledger_held(run.records, B)
+    assert joins(run) == [([1], [4], 2)]
+    assert events(run, "failure") == [(2, [1], [1]), (3, [0], [0])]
+    assert events(run, "join-abandoned") == []
+    assert [r["live_replicas"] for r in run.records] == [4, 3] + [3] * (ITERATIONS - 2)
+    joined = run.result.statuses[4]["joined"]
+    assert joined["digests"] == joined["donor_digests"], joined
+    assert_exact_everywhere(run, reference, [2, 3, 4])
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_joiner_dies_in_the_transfer(tmp_path, reference):
+    """Standby rank 4, called for replica 1 after iteration 2, dies entering the state
+    broadcast: that join ends with nobody new and no state lost; standby rank 5 is called after
+    iteration 3 and joins."""
+    schedule = """entries:
+  - {iteration: 2, replica: 1, local_rank: 0, location: during-reduce}
+standbys:
+  - {standby: 0, location: join-transfer}
+"""
+    run = train(tmp_path, "joiner", schedule)
+    fired = sorted((m["rank"], m["location"]) for m in run.markers)
+    assert fired == [(1, "during-reduce"), (4, "join-transfer")], fired
+    assert_ledger_held(run.records, B)
+    assert [it for it, _, _ in events(run, "join-abandoned")] == [3]
+    assert joins(run) == [([1], [5], 3)]
+    assert [r["live_replicas"] for r in run.records] == [4, 3, 3] + [4] * (ITERATIONS - 3)
+    joined = run.result.statuses[5]["joined"]
+    assert joined["digests"] == joined["donor_digests"], joined
+    assert_exact_everywhere(run, reference, [0, 2, 3, 5])
