@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test bench bench-restart bench-scale goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build test bench bench-restart bench-scale bench-grow-back goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -49,6 +49,9 @@ bench-restart: build
 
 bench-scale: build
 	$(PY) scripts/bench_scale.py
+
+bench-grow-back: build
+	$(PY) scripts/bench_grow_back.py
 
 # The goodput simulator: its validation anchors, then ETTR from 1k to 100k GPUs (pure Python;
 # the cpu-benchmark anchor reads runs/bench/summary.json from `make bench-restart`).

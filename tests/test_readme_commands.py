@@ -64,6 +64,9 @@ COMMANDS = {
     "scripts/bench_vs_restart.py --json": ("skip", "as make bench-restart"),
     "make bench-scale": ("skip", "6 minutes and 14 GiB; tests/test_bench_scale.py runs it scaled"),
     "scripts/bench_scale.py --json": ("skip", "as make bench-scale"),
+    "make bench-grow-back": ("run", ".venv/bin/python scripts/bench_grow_back.py --replicas 3 "
+                                    "--failures 1 --iterations 5 --out {tmp}/grow-back"),
+    "scripts/bench_grow_back.py --json": ("skip", "as make bench-grow-back"),
     "scripts/bench_overhead.py --json": ("run", ".venv/bin/python scripts/bench_overhead.py "
                                                 "--json --ranks 2 --iterations 7 --rounds 1"),
     "megatron-recover plan --w-init 32 --g-init 8 --iterations 5 --fail 1:31 --json":

@@ -8,6 +8,9 @@ failures, standbys included: they stay idle and are dismissed at the end.
 
 import pytest
 
+from megatron_recover.faults import read_markers
+from megatron_recover.launch import LaunchConfig, launch
+from tests.mpirun_harness import ENTRY
 from tests.training_harness import (
     STABLE_LR,
     assert_ledger_held,
@@ -71,6 +74,9 @@ def test_idle_standbys_leave_at_the_end(reference):
     for rank in STANDBY_RANKS:
         status = reference.result.statuses[rank]
         assert status["state"] == "completed" and status["standby"] == "idle", status
+        assert status["reason"] == "dismissed at the end of training", status
+        # Waiting used a small share of a core (a blocking receive would use all of it).
+        assert status["wait_cpu_s"] < 0.2 * status["waited_s"], status
     assert_ledger_held(reference.records, B)
 
 
@@ -153,3 +159,26 @@ standbys:
     joined = run.result.statuses[5]["joined"]
     assert joined["digests"] == joined["donor_digests"], joined
     assert_exact_everywhere(run, reference, [0, 2, 3, 5])
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_standbys_leave_when_every_training_replica_dies(tmp_path):
+    """All four training replicas die in iteration 3: nobody is left to call the standbys, and
+    they leave on their own (the job ends instead of waiting for a call forever)."""
+    schedule = "entries:\n" + "".join(
+        f"  - {{iteration: 3, replica: {r}, local_rank: 0, location: pre-forward}}\n"
+        for r in range(REPLICAS))
+    run_dir = tmp_path / "all"
+    run_dir.mkdir()
+    (run_dir / "schedule.yaml").write_text(schedule)
+    result = launch(LaunchConfig(REPLICAS + STANDBYS, [
+        *ENTRY, *MODEL, "--recover", "--recover-log", str(run_dir / "log.jsonl"),
+        "--recover-failure-schedule", str(run_dir / "schedule.yaml")], run_dir / "status",
+        TIMEOUT_S))
+    assert not result.timed_out, result.output[-4000:]
+    markers = read_markers(run_dir / "log.markers.jsonl")
+    assert sorted(m["rank"] for m in markers) == list(range(REPLICAS))
+    for rank in STANDBY_RANKS:
+        status = result.statuses[rank]
+        assert status["state"] == "completed" and status["standby"] == "idle", status
+        assert status["reason"] == "every process that could call it is gone", status

@@ -578,8 +578,9 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
     joined = None
     if is_standby(cfg, ctx):
         called = _join_when_called(cfg, ctx, setup, dataset, progress, pool)
-        if called is None:
-            runtime.finish(standby="idle")  # never returns
+        if called is None:  # never returns
+            runtime.finish(standby="idle", reason=pool.end_reason, waited_s=pool.waited_s,
+                           wait_cpu_s=pool.wait_cpu_s)
         trainer, start, joined = called
     else:
         trainer, start = _trainer(cfg, ctx, setup, dataset, wants_exit=progress.exits.requested)
@@ -764,6 +765,8 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
              "after_iteration": state["iteration"]}
     trainer.pending_events.append(dict(event))
     return trainer, state["iteration"] + 1, {**event, "replica": setup.replica_index,
+                                             "waited_s": pool.waited_s,
+                                             "wait_cpu_s": pool.wait_cpu_s,
                                              "donor_digests": state["digests"],
                                              "digests": state_digests(setup),
                                              "contributions": {}}

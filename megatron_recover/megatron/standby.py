@@ -60,6 +60,10 @@ class Pool:
     training_ranks: int  # MPI ranks 0..training_ranks-1 train at launch
     idle: list[int]  # MPI ranks of the standbys not (yet) called, as far as this rank knows
     joins: int = 0  # call-ups so far (a call-up's sequence number)
+    # (standby) Seconds spent waiting for calls, and the process CPU seconds meanwhile.
+    waited_s: float = 0.0
+    wait_cpu_s: float = 0.0
+    end_reason: str = ""  # (standby) why wait_for_call returned None
     _keep: list = field(default_factory=list)  # communicators the ulfm groups hold
     _sends: list = field(default_factory=list)
 
@@ -87,6 +91,14 @@ class Pool:
     def wait_for_call(self) -> dict | None:
         """(standby) The next call-up, or None once dismissed or when every process that could
         call is dead. Polls: under 1% of a core (ULFM-NOTES.md's standby probe)."""
+        start, cpu = time.monotonic(), time.process_time()
+        try:
+            return self._wait()
+        finally:
+            self.waited_s += time.monotonic() - start
+            self.wait_cpu_s += time.process_time() - cpu
+
+    def _wait(self) -> dict | None:
         MPI = _mpi()
         buffer = bytearray(1 << 16)
         request = self.comm.Irecv(buffer, MPI.ANY_SOURCE, CALL_TAG)
@@ -99,14 +111,18 @@ class Pool:
                 done = False
             if done:
                 message = pickle.loads(bytes(buffer))
-                if message.get("end") or message["join"] > self.joins:
-                    return None if message.get("end") else message
+                if message.get("end"):
+                    self.end_reason = "dismissed at the end of training"
+                    return None
+                if message["join"] > self.joins:
+                    return message
                 request = self.comm.Irecv(buffer, MPI.ANY_SOURCE, CALL_TAG)  # a copy
                 continue
             if time.monotonic() - checked > LIVENESS_S:
                 checked = time.monotonic()
                 if not self._callers_alive():
                     request.Cancel()
+                    self.end_reason = "every process that could call it is gone"
                     return None
             time.sleep(POLL_S)
 

@@ -84,6 +84,7 @@ class StepReport:
     events: list[dict] = field(default_factory=list)
     loss_tokens: int | None = None  # --calculate-per-token-loss: the committed loss tokens
     own_contributions: int = 0  # microbatch gradients this rank's buckets sent to the commit
+    g_cur: int = 0  # the layout's microbatches per major replica when the iteration began
     exit_requested: bool = False  # some rank asked to stop after this iteration (--exit-*)
     # The first round's cross-replica reductions, from the ulfm worker's timestamps: how long
     # some reduction was running, how much of that before megatron's schedule returned (hidden
@@ -257,6 +258,7 @@ class ResilientTrainer:
         p.audit.committed(totals)
         report = self._commit(iteration, totals, problems, verdict, agreed, start, events)
         report.reduction = reduction
+        report.g_cur = state.layout.g_cur
         return report
 
     def grow(self, joined: dict[int, int], lost_ranks: list[int]) -> dict | None:
