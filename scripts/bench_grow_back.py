@@ -38,23 +38,14 @@ from megatron_recover.goodput.ettr import Allocation, goodput  # noqa: E402
 from megatron_recover.launch import LaunchConfig, launch  # noqa: E402
 from megatron_recover.testing.compare import loss_rdiff  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_scale import job_arguments  # noqa: E402  (the same tiny GPT)
+
 G_INIT = 2
-SEQ_LENGTH = 16
+SEQ_LENGTH = 16  # bench_scale.job_arguments' sequence length
 # Points every iteration reaches (an extension pass or a restore only follows a failure).
 LOCATIONS = ("during-reduce", "backward", "pre-forward", "after-post", "during-consensus",
              "before-reduce")
-
-
-def job_arguments(replicas: int, iterations: int) -> list[str]:
-    return ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-            "--eval-iters", "0", "--seq-length", str(SEQ_LENGTH),
-            "--max-position-embeddings", str(SEQ_LENGTH), "--micro-batch-size", "1",
-            "--global-batch-size", str(G_INIT * replicas), "--train-iters", str(iterations),
-            "--lr", "1e-2", "--clip-grad", "1.0", "--seed", "1234", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
-            "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-            "--overlap-grad-reduce", "--ddp-bucket-size", "1000", "--log-interval", "1",
-            "--recover"]
 
 
 def schedule(replicas: int, failures: int, iterations: int) -> str:
@@ -133,7 +124,7 @@ def main() -> int:
     def say(text):
         print(text, file=stream, flush=True)
 
-    job = job_arguments(args.replicas, args.iterations)
+    job = job_arguments(args.replicas, G_INIT, args.iterations)
     (out / "schedule.yaml").write_text(schedule(args.replicas, args.failures, args.iterations))
     failing = [*job, "--recover-failure-schedule", str(out / "schedule.yaml")]
     runs = {"reference": run("reference", out, args.replicas, job, args.timeout, say),
