@@ -11,6 +11,7 @@ import pytest
 
 from megatron_recover.faults.schedule import (
     EVALUATION_LOCATIONS,
+    JOIN_LOCATIONS,
     LOCATIONS,
     OPTIMIZER_LOCATIONS,
     load_schedule,
@@ -30,7 +31,7 @@ def test_the_plan_kills_half_through_every_case(tmp_path, seed):
     victims = [p.entry.replica for p in plan]
     assert len(victims) == len(set(victims)) == 16
     assert {p.entry.location for p in plan} == (set(LOCATIONS)
-        - set(OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS))
+        - set(OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS))
     assert any(p.effect == bench_scale.BOUNDARY for p in plan)
     assert any(p.effect == bench_scale.PROMOTION for p in plan)
     assert any(p.role in bench_scale.SPARE_ROLES for p in plan)
