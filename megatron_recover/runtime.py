@@ -74,6 +74,16 @@ def leaves_with_replica(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOSS_MESSAGES)
 
 
+def failed_ranks(comm) -> set[int]:
+    """The ranks of `comm` (an mpi4py communicator) this process knows to have failed."""
+    MPI = _mpi()
+    failed_group = comm.Get_failed()
+    failed = MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())),
+                                       comm.Get_group())
+    failed_group.Free()
+    return set(failed)
+
+
 def start_replica_gate(replica_ranks: list[int], period_s: float) -> threading.Thread:
     """Leave (SIGKILL, status `left`) once MPI knows any other rank of this replica failed.
 
@@ -81,20 +91,14 @@ def start_replica_gate(replica_ranks: list[int], period_s: float) -> threading.T
     crashed or froze even while the main thread is blocked in an intra-replica collective with
     it (a frozen peer never closes its sockets, so gloo alone would wait for its timeout).
     """
-    MPI = _mpi()
-    world = MPI.COMM_WORLD
+    world = _mpi().COMM_WORLD
     me = world.Get_rank()
     peers = [r for r in replica_ranks if r != me]
-    world_group = world.Get_group()
 
     def watch():
         while True:
             time.sleep(period_s)
-            failed_group = world.Get_failed()
-            failed = MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())),
-                                               world_group)
-            failed_group.Free()
-            lost = sorted(set(failed) & set(peers))
+            lost = sorted(failed_ranks(world) & set(peers))
             if lost:
                 write_status("left", error=f"replica gate: replica peer(s) {lost} failed")
                 sys.stdout.flush()

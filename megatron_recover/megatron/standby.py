@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_recover import runtime
+
 CALL_TAG = 7101
 POLL_S = 0.005
 LIVENESS_S = 0.25
@@ -57,7 +59,6 @@ class Pool:
     outcomes); a standby refreshes its own from each call-up."""
 
     comm: object  # the pool communicator (a duplicate of MPI_COMM_WORLD, errors returned)
-    training_ranks: int  # MPI ranks 0..training_ranks-1 train at launch
     idle: list[int]  # MPI ranks of the standbys not (yet) called, as far as this rank knows
     joins: int = 0  # call-ups so far (a call-up's sequence number)
     # (standby) Seconds spent waiting for calls, and the process CPU seconds meanwhile.
@@ -69,11 +70,12 @@ class Pool:
 
     @classmethod
     def open(cls, training_ranks: int) -> "Pool":
-        """Collective over MPI_COMM_WORLD (at start-up, on every rank)."""
+        """Collective over MPI_COMM_WORLD (at start-up, on every rank); MPI ranks from
+        `training_ranks` on are the standbys."""
         MPI = _mpi()
         comm = MPI.COMM_WORLD.Dup()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
-        return cls(comm, training_ranks, list(range(training_ranks, comm.Get_size())))
+        return cls(comm, list(range(training_ranks, comm.Get_size())))
 
     @property
     def rank(self) -> int:
@@ -128,13 +130,8 @@ class Pool:
 
     def _callers_alive(self) -> bool:
         """Whether any process other than the idle standbys is still alive."""
-        MPI = _mpi()
-        failed_group = self.comm.Get_failed()
-        failed = set(MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())),
-                                               self.comm.Get_group()))
-        failed_group.Free()
         callers = set(range(self.comm.Get_size())) - set(self.idle) - {self.rank}
-        return bool(callers - failed)
+        return bool(callers - runtime.failed_ranks(self.comm))
 
     def assemble(self, message: dict, member: bool):
         """Step 2 of the module docstring, on survivors (`member`) and idle standbys alike.
