@@ -795,3 +795,6 @@ def test_standby_replicas_refusals():
     message = refused("--recover", "--recover-standby-replicas", "1",
                       "--tensor-model-parallel-size", "2")
     assert "replicas of one rank only" in message
+    # -np 4 with 4 standbys: nothing left to train.
+    assert "no training ranks" in refused("--recover", "--recover-standby-replicas", "4",
+                                          world_size=0)

@@ -802,6 +802,10 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
     """
     argv, refused = argument_table.split_refused(argv)
     ns = build_parser().parse_args(argv)
+    if world_size < 1:
+        raise ValueError(f"no training ranks: every rank of the launch is one of the "
+                         f"--recover-standby-replicas {ns.recover_standby_replicas} standby "
+                         "replicas; start more ranks (mpirun -np) or fewer standbys")
     _validate(ns, world_size, cuda_available, te_available, refused,
               wandb_available=bool(ns.wandb_project) and _wandb_imports())
     tp = ns.tensor_model_parallel_size
