@@ -84,6 +84,16 @@ def failed_ranks(comm) -> set[int]:
     return set(failed)
 
 
+def leave(reason: str) -> None:
+    """Leave the run as a failed rank does (SIGKILL, status `left` with `reason`): for a rank
+    whose replica is gone, so that the survivors handle it as any other failure. Never
+    returns."""
+    write_status("left", error=reason)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def start_replica_gate(replica_ranks: list[int], period_s: float) -> threading.Thread:
     """Leave (SIGKILL, status `left`) once MPI knows any other rank of this replica failed.
 
@@ -100,10 +110,7 @@ def start_replica_gate(replica_ranks: list[int], period_s: float) -> threading.T
             time.sleep(period_s)
             lost = sorted(failed_ranks(world) & set(peers))
             if lost:
-                write_status("left", error=f"replica gate: replica peer(s) {lost} failed")
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
+                leave(f"replica gate: replica peer(s) {lost} failed")
 
     thread = threading.Thread(target=watch, name="replica-gate", daemon=True)
     thread.start()

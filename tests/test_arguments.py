@@ -787,14 +787,16 @@ def test_standby_replicas_are_outside_the_world_size():
     cfg = parse_args(argv, world_size=training_world_size(argv, 6), cuda_available=False)
     assert (cfg.parallel.world_size, cfg.num_replicas, cfg.recover.standby_replicas) == (4, 4, 2)
     assert cfg.b == 8
+    cfg = parse_args(tp2, world_size=training_world_size(tp2, 6), cuda_available=False)
+    assert (cfg.parallel.world_size, cfg.num_replicas, cfg.parallel.ranks_per_replica) == (4, 2, 2)
 
 
 def test_standby_replicas_refusals():
     assert "given without --recover" in refused("--recover-standby-replicas", "1")
     assert "must be >= 0" in refused("--recover", "--recover-standby-replicas", "-1")
     message = refused("--recover", "--recover-standby-replicas", "1",
-                      "--tensor-model-parallel-size", "2")
-    assert "replicas of one rank only" in message
+                      "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
+    assert "do not replace distributed-optimizer instances yet" in message
     # -np 4 with 4 standbys: nothing left to train.
     assert "no training ranks" in refused("--recover", "--recover-standby-replicas", "4",
                                           world_size=0)

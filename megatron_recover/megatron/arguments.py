@@ -674,18 +674,18 @@ def _recover(ns) -> list[str]:
 
 
 def _standbys(ns) -> list[str]:
-    """What --recover-standby-replicas supports so far: replicas of one rank."""
+    """What --recover-standby-replicas supports so far: any tensor and pipeline parallel
+    layout; not yet distributed-optimizer instances."""
     k = ns.recover_standby_replicas
     if not k:
         return []
     if k < 0:
         return [f"--recover-standby-replicas must be >= 0, got {k}"]
     problems = []
-    if (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size > 1
-            or (ns.use_distributed_optimizer and ns.num_distributed_optimizer_instances > 1)):
-        problems.append("--recover-standby-replicas: standbys replace replicas of one rank only "
-                        "so far (tensor, pipeline parallel size 1, no distributed-optimizer "
-                        "instances); drop --recover-standby-replicas for this layout")
+    if ns.use_distributed_optimizer and ns.num_distributed_optimizer_instances > 1:
+        problems.append("--recover-standby-replicas: standbys do not replace distributed-"
+                        "optimizer instances yet; drop --recover-standby-replicas, or "
+                        "--num-distributed-optimizer-instances for replicas of TP x PP ranks")
     return problems
 
 

@@ -346,7 +346,9 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
             dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
     if hang_s and par.ranks_per_replica > 1:
-        runtime.start_replica_gate(dist.get_process_group_ranks(replica_group), hang_s / 4)
+        offset = ctx.rank - dist.get_rank()  # a standby's torch world starts past the training's
+        runtime.start_replica_gate([offset + r for r in dist.get_process_group_ranks(
+            replica_group)], hang_s / 4)
     ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg),
                          group.process_group if group else None, across_instances=instances)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
@@ -495,7 +497,8 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
     --exit-* flag stops every rank after the same iteration; the lowest live rank prints and
     logs."""
     # Every rank, standbys too, takes part in opening the pool (an MPI world collective).
-    pool = standby.Pool.open(cfg.parallel.world_size) if cfg.recover.standby_replicas else None
+    pool = (standby.Pool.open(cfg.parallel.world_size, cfg.parallel.ranks_per_replica)
+            if cfg.recover.standby_replicas else None)
     setup = build(cfg, ctx, source.microbatch, vocab_size)
     progress = Progress(cfg, ctx, setup, source, vocab_size)
     joined = None
@@ -670,7 +673,7 @@ def _join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> 
 
     trainer.gather_parameters()
     policy = trainer.p.policy
-    return {"iteration": iteration,
+    return {"iteration": iteration, "position": setup.checkpoint_position,
             **checkpoint.training_state(setup.ddp_model, setup.optimizer, setup.scheduler),
             "layout": policy.layout, "last_committed": policy.last_committed,
             "reserve_next": policy.reserve_next, "dead_replicas": sorted(trainer.dead_replicas),
@@ -686,7 +689,8 @@ def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
     """(training ranks, after `iteration`) Call idle standbys into the vacant replica ids
     (standby.py, steps 1-4); the outcome is reported with the next iteration."""
     policy = trainer.p.policy
-    vacant = sorted(set(range(policy.config.w_init)) - set(policy.layout.replicas))
+    w_init = policy.config.w_init
+    vacant = sorted(set(range(w_init)) - set(policy.layout.replicas))
     if not vacant or not pool.idle:
         return
     event = {"event": "join", "replicas": [], "ranks": [], "called": time.time(),
@@ -695,29 +699,45 @@ def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
     message = {"join": pool.joins, "iteration": iteration, "idle": list(pool.idle),
                "vacant": vacant}
     pool.send(message)
-    assignment, grown, ok, candidates = pool.assemble(message, member=True)
+    assignment, grown, ok, candidates = pool.assemble(message, member=True,
+                                                      position=setup.local_rank)
+    group, replica_group = setup.group, trainer.p.replica_group
+    lost = []
     if ok and assignment:
-        ok = setup.group.adopt(grown).wait().census[0] == 1
+        adopted = group.adopt(grown).wait().census[0] == 1
+        members = group.members if adopted else []
+        settled = standby.settle(replica_group, w_init, assignment, members, members, set())
+        lost = standby.drop_members(group, settled.dropped)
+        ok = bool(settled.joined)
+    # Whoever was assigned joined, or left (dropped), or goes back to waiting (not adopted
+    # anywhere: `Settled.present` is empty then, on the standbys' side too).
+    pool.idle = candidates if not (ok and assignment) else [r for r in candidates
+                                                            if r not in assignment]
     if not (ok and assignment):
-        pool.idle = candidates
-        trainer.pending_events.append({**event, "event": "join-abandoned",
-                                       "abandoned": time.time()})
+        _abandon_join(trainer, event, lost)
         return
     blob = standby.state_blob(_join_state(trainer, setup, iteration))
-    trainer.p.faults.arm_join(setup.group, iteration)
-    _, alive, lost = standby.transfer(setup.group, sorted(assignment), blob)
-    joined = {rank: assignment[rank] for rank in alive}
-    pool.idle = [r for r in candidates if r not in joined]
-    failure = trainer.grow(joined, lost)
+    trainer.p.faults.arm_join(group, iteration)
+    _, alive, lost_here = standby.transfer(group, sorted(r for r in assignment
+                                                         if r in group.members), blob)
+    dead = {trainer.p.replica_of_rank[r] for r in lost_here if r in trainer.p.replica_of_rank}
+    settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
+    lost += lost_here + standby.drop_members(group, settled.dropped)
+    joined = settled.joined
+    failure = trainer.grow(joined, lost, settled.dead)
     if failure is not None:
         trainer.pending_events.append(failure)
     if not joined:
-        trainer.pending_events.append({**event, "event": "join-abandoned", "lost": lost,
-                                       "abandoned": time.time()})
+        _abandon_join(trainer, event, lost)
         return
-    trainer.pending_events.append({**event, "replicas": sorted(joined.values()),
+    trainer.pending_events.append({**event, "replicas": sorted(set(joined.values())),
                                    "ranks": sorted(joined), "epoch": setup.group.epoch,
                                    "state_received": time.time()})
+
+
+def _abandon_join(trainer: ResilientTrainer, event: dict, lost: list[int]) -> None:
+    trainer.pending_events.append({**event, "event": "join-abandoned", "lost": lost,
+                                   "abandoned": time.time()})
 
 
 def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
@@ -728,22 +748,43 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
 
     standby_faults = _standby_faults(cfg, ctx)
     standby_faults.idle()
+    w_init = cfg.num_replicas
+    # The replica's own ranks, to combine the positions' outcomes (standby.settle).
+    replica_group = setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None
+    group = setup.group
     while True:
         message = pool.wait_for_call()
         if message is None:
             return None
         called = time.time()
-        assignment, grown, ok, candidates = pool.assemble(message, member=False)
+        assignment, grown, ok, candidates = pool.assemble(message, member=False,
+                                                          position=setup.local_rank)
         pool.idle = [r for r in candidates if r not in assignment]
         if not ok or pool.rank not in assignment:
             continue
-        if setup.group.adopt(grown).wait().census[0] != 1:
+        adopted = group.adopt(grown).wait().census[0] == 1
+        members = group.members if adopted else []
+        settled = standby.settle(replica_group, w_init, assignment, members, members, set())
+        if assignment[pool.rank] not in settled.present:
+            pool.idle = candidates  # adopted nowhere: every group is as it was
             continue
-        standby_faults.arm_join(setup.group, message["iteration"])
-        blob, alive, lost = standby.transfer(setup.group, sorted(assignment), None)
+        if pool.rank in settled.dropped:
+            runtime.leave("join abandoned: the grown groups did not take at every position")
+        standby.drop_members(group, settled.dropped)
+        standby_faults.arm_join(group, message["iteration"])
+        blob, alive, lost = standby.transfer(group, sorted(r for r in assignment
+                                                           if r in group.members), None)
         break
     state = standby.from_blob(blob)
     received = time.time()
+    if state["position"] != setup.checkpoint_position:
+        raise RuntimeError(f"standby join: the state received is of position "
+                           f"{state['position']}, this rank's is {setup.checkpoint_position}")
+    dead = {state["replica_of_rank"][r] for r in lost if r in state["replica_of_rank"]}
+    settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
+    if pool.rank in settled.dropped:
+        runtime.leave("join abandoned: the state did not reach every position of this replica")
+    lost += standby.drop_members(group, settled.dropped)
     setup.replica_index = assignment[pool.rank]
     checkpoint.load_training_state(state, setup.ddp_model, setup.optimizer, setup.scheduler)
     torch.set_rng_state(state["rng"]["cpu"])
@@ -756,11 +797,11 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
                                  dict(state["replica_of_rank"]), progress.exits.requested)
     trainer.dead_replicas = set(state["dead_replicas"])
     trainer.p.audit.continue_from(state["committed_reserve"])
-    joined = {rank: assignment[rank] for rank in alive}
-    failure = trainer.grow(joined, lost)
+    joined = settled.joined
+    failure = trainer.grow(joined, lost, settled.dead)
     if failure is not None:
         trainer.pending_events.append(failure)
-    event = {"event": "join", "replicas": sorted(joined.values()), "ranks": sorted(joined),
+    event = {"event": "join", "replicas": sorted(set(joined.values())), "ranks": sorted(joined),
              "epoch": setup.group.epoch, "called": called, "state_received": received,
              "after_iteration": state["iteration"]}
     trainer.pending_events.append(dict(event))

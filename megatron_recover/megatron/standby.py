@@ -1,30 +1,38 @@
 """Standby replicas: wait without a busy core, then grow the job back (--recover-standby-replicas).
 
-A job with K standbys runs K replicas more than the training ones, as the last MPI ranks. A
-standby builds its model and optimizer like any replica (in a torch.distributed world of its
-own, so megatron's parallel state of the training ranks is the one without standbys), then waits
-on the pool communicator (a duplicate of MPI_COMM_WORLD made by every rank at start-up) with a
-non-blocking receive polled every POLL_S: it joins no collective and uses no core while waiting.
+A job with K standbys runs K replicas more than the training ones, as the last MPI ranks (a standby
+replica is M = TP x PP consecutive ranks; distributed-optimizer instances cannot have standbys yet).
+A standby builds its model and optimizer like any replica (in a torch.distributed world of its own,
+so megatron's parallel state of the training ranks is the one without standbys), then waits on the
+pool communicator (a duplicate of MPI_COMM_WORLD made by every rank at start-up) with a non-blocking
+receive polled every POLL_S: it joins no collective and uses no core while waiting.
 
 Growing back, after an iteration boundary at which the policy's layout has fewer replicas than
 W_init (`grow_back`, on every training rank alike: the decision is a function of the policy):
 
-  1. Call-up. Every survivor sends the same message to every idle standby: the join's sequence
-     number, the idle standbys and the vacant replica ids. A standby takes the first message of
-     a join and drops the copies.
+  1. Call-up. Every survivor sends the same message to every idle standby rank: the join's
+     sequence number, the idle standby ranks and the vacant replica ids. A standby takes the
+     first message of a join and drops the copies.
   2. Assembly. Survivors and every idle standby shrink the pool communicator (a fault-tolerant
      collective: whoever died is left out, whenever it died), so all hold the same set of live
-     processes, and assign the live idle standbys to the vacant ids in order. They split it
-     into the grown group (survivors and the assigned standbys; the others go back to waiting)
-     and agree on the pool that every split succeeded; then each member hands the grown
-     communicator to its ulfm group (`ULFMGroup.adopt`, a second agreement, over the grown
-     group). `MPI_Comm_create_from_group` would need no shrink, but a member that is dead when
-     it is called crashes the live ones inside Open MPI 5.0.11 (SIGSEGV in
-     ompi_comm_revoke_local), so it is not used.
-  3. State transfer. The lowest surviving member broadcasts the complete training state on the
-     grown group; a failure during it is repaired like any other (a dead donor is replaced by
-     the next survivor, a dead joiner drops out) and the transfer is repeated until a consensus
-     shows that every live member holds it.
+     processes, and assign the standby replicas whose M ranks are all alive to the vacant ids
+     in order. They split it into one grown group per intra-replica position (the survivors'
+     and the assigned standbys' ranks at that position; the others go back to waiting) and
+     agree on the pool that every split succeeded; then each member hands the grown
+     communicator to its position's ulfm group (`ULFMGroup.adopt`, a second agreement, over
+     the grown group). With M > 1 the positions' outcomes are then combined over each
+     replica's own ranks (`Settled`): a joiner whose replica did not take at every position
+     leaves, and the survivors wait until its ranks are gone from their groups.
+     `MPI_Comm_create_from_group` would need no shrink, but a member that is dead when it is
+     called crashes the live ones inside Open MPI 5.0.11 (SIGSEGV in ompi_comm_revoke_local),
+     so it is not used.
+  3. State transfer. At each position the lowest surviving member broadcasts its complete
+     training state (its shard of the model and optimizer) on the grown group; a failure during
+     it is repaired like any other (a dead donor is replaced by the next survivor, a dead joiner
+     drops out) and the transfer is repeated until a consensus shows that every live member
+     holds it. The positions' outcomes are combined as in step 2: a replica id joins only where
+     its joiner took the state at every position, and a replica that lost a rank anywhere is
+     dropped everywhere.
   4. Every member grows the policy by the joined ids; the next iteration runs on the grown
      layout with B unchanged.
 
@@ -60,6 +68,8 @@ class Pool:
 
     comm: object  # the pool communicator (a duplicate of MPI_COMM_WORLD, errors returned)
     idle: list[int]  # MPI ranks of the standbys not (yet) called, as far as this rank knows
+    first: int  # the first standby rank (= the training ranks)
+    unit: int  # ranks per replica (M): a standby replica is `unit` consecutive ranks
     joins: int = 0  # call-ups so far (a call-up's sequence number)
     # (standby) Seconds spent waiting for calls, and the process CPU seconds meanwhile.
     waited_s: float = 0.0
@@ -69,13 +79,14 @@ class Pool:
     _sends: list = field(default_factory=list)
 
     @classmethod
-    def open(cls, training_ranks: int) -> "Pool":
+    def open(cls, training_ranks: int, ranks_per_replica: int) -> "Pool":
         """Collective over MPI_COMM_WORLD (at start-up, on every rank); MPI ranks from
-        `training_ranks` on are the standbys."""
+        `training_ranks` on are the standbys, `ranks_per_replica` to a standby replica."""
         MPI = _mpi()
         comm = MPI.COMM_WORLD.Dup()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
-        return cls(comm, list(range(training_ranks, comm.Get_size())))
+        return cls(comm, list(range(training_ranks, comm.Get_size())), training_ranks,
+                   ranks_per_replica)
 
     @property
     def rank(self) -> int:
@@ -133,23 +144,31 @@ class Pool:
         callers = set(range(self.comm.Get_size())) - set(self.idle) - {self.rank}
         return bool(callers - runtime.failed_ranks(self.comm))
 
-    def assemble(self, message: dict, member: bool):
-        """Step 2 of the module docstring, on survivors (`member`) and idle standbys alike.
-        Returns (assignment: standby MPI rank -> replica id, the grown communicator or None
-        when this rank is not in it, ok: whether every split succeeded, the idle standbys that
-        were alive). The caller settles `idle` once it knows who joined."""
+    def assemble(self, message: dict, member: bool, position: int):
+        """Step 2 of the module docstring, on survivors (`member`) and idle standbys alike;
+        `position`: this rank's place in its replica (0..M-1, the same numbering in every
+        replica). Returns (assignment: the MPI rank of every rank of an assigned standby
+        replica -> its replica id, this position's grown communicator or None when this rank
+        is not in it, ok: whether every split succeeded, the ranks of the idle standby replicas
+        that were alive). The caller settles `idle` once it knows who joined."""
         MPI = _mpi()
         self.joins = message["join"]
         shrunk = self.comm.Shrink()
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         alive = set(MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())),
                                               self.comm.Get_group()))
-        candidates = [r for r in message["idle"] if r in alive]
-        assignment = dict(zip(candidates, message["vacant"]))
+        units = {}
+        for rank in message["idle"]:
+            units.setdefault((rank - self.first) // self.unit, []).append(rank)
+        whole = [sorted(ranks) for _, ranks in sorted(units.items())
+                 if len(ranks) == self.unit and alive.issuperset(ranks)]
+        candidates = [rank for ranks in whole for rank in ranks]
+        assignment = {rank: replica for ranks, replica in zip(whole, message["vacant"])
+                      for rank in ranks}
         member = member or self.rank in assignment
         grown, ok = None, 1
         try:
-            grown = shrunk.Split(0 if member else MPI.UNDEFINED, self.rank)
+            grown = shrunk.Split(position if member else MPI.UNDEFINED, self.rank)
         except MPI.Exception:
             ok = 0
         try:
@@ -178,6 +197,55 @@ class Pool:
             except _mpi().Exception:
                 pending = []  # a receiver died: its copy does not matter any more
             time.sleep(POLL_S)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A join step's outcome at one position, made equal on every rank of a replica: a
+    position's outcome is the same on all of its group's members, and every replica has one
+    rank at each position, so the union over a replica's ranks is the same in every replica."""
+
+    joined: dict[int, int]  # this position's joiner ranks that join -> their replica id
+    dead: set[int]  # replica ids that lost a rank at some position meanwhile
+    dropped: list[int]  # this position's joiner ranks whose replica did not take everywhere
+    present: set[int]  # replica ids whose joiner is in some position's group
+
+
+def settle(replica_group, w_init: int, assignment: dict[int, int], members: list[int],
+           holding: list[int], dead_here: set[int]) -> Settled:
+    """Combine the positions' outcomes (module docstring, steps 2 and 3). `members`: this
+    position's group members; `holding`: the assigned ranks in it that took this step (hold
+    the grown communicator, or the state); `dead_here`: replica ids of the live layout that
+    lost a rank in this position's group meanwhile. Every rank of a replica calls it
+    (`replica_group` None: a replica of one rank)."""
+    assigned = set(assignment.values())
+    flags = torch.zeros(3 * w_init, dtype=torch.float64)
+    for replica in assigned - {assignment[r] for r in holding if r in assignment}:
+        flags[replica] = 1  # not taken at this position
+    for replica in dead_here:
+        flags[w_init + replica] = 1
+    for rank in members:
+        if rank in assignment:
+            flags[2 * w_init + assignment[rank]] = 1
+    if replica_group is not None:
+        # A peer that died makes this raise; the exit hook then takes this rank down too.
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX,
+                                     group=replica_group)
+    taken = {r for r in assigned if flags[r] == 0}
+    here = [r for r in members if r in assignment]
+    return Settled(joined={r: assignment[r] for r in here if assignment[r] in taken},
+                   dead={r for r in range(w_init) if flags[w_init + r] > 0},
+                   dropped=sorted(r for r in here if assignment[r] not in taken),
+                   present={r for r in range(w_init) if flags[2 * w_init + r] > 0})
+
+
+def drop_members(group, ranks: list[int]) -> list[int]:
+    """Wait until `ranks` (joiners that leave: `Settled.dropped`) are gone from `group`: a
+    consensus, repeated, on every remaining member alike. Returns every member lost."""
+    lost = []
+    while any(r in group.members for r in ranks):
+        lost += group.consensus([1]).wait().failed_ranks
+    return sorted(lost)
 
 
 def state_blob(state: dict) -> torch.Tensor:

@@ -261,16 +261,19 @@ class ResilientTrainer:
         report.g_cur = state.layout.g_cur
         return report
 
-    def grow(self, joined: dict[int, int], lost_ranks: list[int]) -> dict | None:
+    def grow(self, joined: dict[int, int], lost_ranks: list[int],
+             dead_replicas: set[int] = frozenset()) -> dict | None:
         """Between iterations: the ranks `joined` (world rank -> replica id, on this rank's
         group already) took dead replicas' ids, and the group lost `lost_ranks` (agreed) while
-        they joined; the policy lays out the grown set without the replicas lost. Returns the
-        failure event of those, if any."""
-        self.p.policy.grow(joined.values())
+        they joined, and the replicas `dead_replicas` lost a rank at another position; the
+        policy lays out the grown set without the replicas lost. Returns the failure event of
+        those, if any."""
+        self.p.policy.grow(set(joined.values()))
         self.p.replica_of_rank.update(joined)
         self.dead_replicas -= set(joined.values())
         ranks = [r for r in lost_ranks if r not in joined and r in self.p.replica_of_rank]
-        dead = sorted({self.p.replica_of_rank[r] for r in ranks} - self.dead_replicas)
+        dead = sorted(({self.p.replica_of_rank[r] for r in ranks} | set(dead_replicas))
+                      - self.dead_replicas)
         if not dead:
             return None
         self.dead_replicas.update(dead)
