@@ -768,7 +768,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         if assignment[pool.rank] not in settled.present:
             pool.idle = candidates  # adopted nowhere: every group is as it was
             continue
-        if pool.rank in settled.dropped:
+        if pool.rank not in settled.joined:  # its group grew at some position, not at all
             runtime.leave("join abandoned: the grown groups did not take at every position")
         standby.drop_members(group, settled.dropped)
         standby_faults.arm_join(group, message["iteration"])
@@ -782,7 +782,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
                            f"{state['position']}, this rank's is {setup.checkpoint_position}")
     dead = {state["replica_of_rank"][r] for r in lost if r in state["replica_of_rank"]}
     settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
-    if pool.rank in settled.dropped:
+    if pool.rank not in settled.joined:
         runtime.leave("join abandoned: the state did not reach every position of this replica")
     lost += standby.drop_members(group, settled.dropped)
     setup.replica_index = assignment[pool.rank]
