@@ -189,32 +189,33 @@ TP2 = [*MODEL[:-2], "--tensor-model-parallel-size", "2"]  # MODEL without its st
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_a_standby_replaces_a_tensor_parallel_replica(tmp_path):
-    """TP=2 x 2 replicas and one standby replica of 2 ranks (world ranks 4, 5). Replica 1 (ranks
-    2, 3) loses its rank 0 inside a bucket's all-reduce in iteration 2; its rank 1 leaves through
-    the replica gate. The standby takes replica id 1 at both positions: each of its ranks
-    receives its own tensor-parallel shard from the survivor at that position, and the run
-    equals the failure-free one without standbys (losses; every position's parameters)."""
+    """TP=2 x 2 replicas and one standby replica of 2 ranks (world ranks 4, 5). Replica 0 (ranks
+    0, 1) loses its rank 0 inside a bucket's all-reduce in iteration 2; its rank 1 leaves through
+    the replica gate. The standby takes replica id 0 at both positions: each of its ranks
+    receives its own tensor-parallel shard from the survivor at that position (ranks 2, 3), and
+    the run equals the failure-free one without standbys (losses; every position's
+    parameters)."""
     reference = run_training(tmp_path / "reference", 4, TP2, None, TIMEOUT_S)
     schedule = """entries:
-  - {iteration: 2, replica: 1, local_rank: 0, location: during-reduce}
+  - {iteration: 2, replica: 0, local_rank: 0, location: during-reduce}
 """
     run = run_training(tmp_path / "tp2", 6, [*TP2, "--recover-standby-replicas", "1"], schedule,
                        TIMEOUT_S)
-    assert [(m["rank"], m["location"]) for m in run.markers] == [(2, "during-reduce")]
-    assert run.result.statuses[3]["state"] == "left", run.result.statuses[3]
+    assert [(m["rank"], m["location"]) for m in run.markers] == [(0, "during-reduce")]
+    assert run.result.statuses[1]["state"] == "left", run.result.statuses[1]
     assert [r["iteration"] for r in run.records] == list(range(1, ITERATIONS + 1))
     assert_ledger_held(run.records, B)
     assert [r["live_replicas"] for r in run.records] == [2, 1] + [2] * (ITERATIONS - 2)
-    assert joins(run) == [([1], [4], 2)]  # as rank 0 (position 0) logs it
-    for rank, donor in ((4, 0), (5, 1)):  # position 0 and 1 of the joined replica
+    assert joins(run) == [([0], [4], 2)]  # as the writer (rank 2, position 0) logs it
+    for rank, donor in ((4, 2), (5, 3)):  # position 0 and 1 of the joined replica
         joined = run.result.statuses[rank]["joined"]
-        assert joined["replica"] == 1 and joined["ranks"] == [rank], joined
+        assert joined["replica"] == 0 and joined["ranks"] == [rank], joined
         assert joined["digests"] == joined["donor_digests"], joined
         assert joined["contributions"] == {str(t): B // 2 for t in range(3, ITERATIONS + 1)}
         # Position by position, the joiner ends with the survivor's and the reference's shard.
         assert run.result.statuses[rank]["param_digest"] == run.result.statuses[donor][
             "param_digest"]
-        assert param_rdiff(run.params(rank), reference.params(donor)) <= EXACT_PARAM_RTOL
+        assert param_rdiff(run.params(rank), reference.params(rank - 4)) <= EXACT_PARAM_RTOL
     loss = loss_rdiff(run.records, reference.records)
     assert loss <= EXACT_LOSS_RTOL, loss
-    assert run.result.statuses[0]["param_digest"] != run.result.statuses[1]["param_digest"]
+    assert run.result.statuses[2]["param_digest"] != run.result.statuses[3]["param_digest"]

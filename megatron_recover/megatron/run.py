@@ -720,9 +720,12 @@ def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
     trainer.p.faults.arm_join(group, iteration)
     _, alive, lost_here = standby.transfer(group, sorted(r for r in assignment
                                                          if r in group.members), blob)
-    dead = {trainer.p.replica_of_rank[r] for r in lost_here if r in trainer.p.replica_of_rank}
+    lost += lost_here  # since the adoption: every position learns of them in `settle`
+    dead = {trainer.p.replica_of_rank[r] for r in lost if r in trainer.p.replica_of_rank}
     settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
-    lost += lost_here + standby.drop_members(group, settled.dropped)
+    # A survivor lost while a dropped joiner leaves is known at this position only (untested,
+    # with M > 1: the other positions learn of its replica at the next iteration's verdict).
+    lost += standby.drop_members(group, settled.dropped)
     joined = settled.joined
     failure = trainer.grow(joined, lost, settled.dead)
     if failure is not None:
@@ -770,10 +773,11 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
             continue
         if pool.rank not in settled.joined:  # its group grew at some position, not at all
             runtime.leave("join abandoned: the grown groups did not take at every position")
-        standby.drop_members(group, settled.dropped)
+        lost = standby.drop_members(group, settled.dropped)
         standby_faults.arm_join(group, message["iteration"])
-        blob, alive, lost = standby.transfer(group, sorted(r for r in assignment
-                                                           if r in group.members), None)
+        blob, alive, lost_here = standby.transfer(group, sorted(r for r in assignment
+                                                                if r in group.members), None)
+        lost += lost_here
         break
     state = standby.from_blob(blob)
     received = time.time()
