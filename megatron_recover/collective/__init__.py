@@ -8,6 +8,7 @@ from megatron_recover.collective.backend import (
     register,
     require_fault_tolerance,
     set_world_rank_offset,
+    world_ranks,
 )
 from megatron_recover.collective.records import (
     BackendUnavailable,
@@ -19,5 +20,5 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "BackendUnavailable", "CollectiveTimeout", "FailureRecord",
     "ULFMGroup", "ULFMWork", "new_group", "register", "require_fault_tolerance",
-    "set_world_rank_offset",
+    "set_world_rank_offset", "world_ranks",
 ]

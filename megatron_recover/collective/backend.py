@@ -60,11 +60,16 @@ def set_world_rank_offset(offset: int) -> None:
     _world_rank_offset = offset
 
 
+def world_ranks(ranks: list[int]) -> list[int]:
+    """The MPI world ranks of torch.distributed ranks `ranks` (`set_world_rank_offset`)."""
+    return [_world_rank_offset + r for r in ranks]
+
+
 def _create_backend(dist_opts, backend_options):
     native = native_module()
     require_fault_tolerance()
     ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
-    ranks = [_world_rank_offset + r for r in ranks]
+    ranks = world_ranks(ranks)
     timeout_s = dist_opts.timeout.total_seconds()
     backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)
     _backends[dist_opts.group_id] = backend

@@ -346,9 +346,9 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
             dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
     if hang_s and par.ranks_per_replica > 1:
-        offset = ctx.rank - dist.get_rank()  # a standby's torch world starts past the training's
-        runtime.start_replica_gate([offset + r for r in dist.get_process_group_ranks(
-            replica_group)], hang_s / 4)
+        # MPI ranks: a standby's torch world starts past the training ranks.
+        runtime.start_replica_gate(collective.world_ranks(
+            dist.get_process_group_ranks(replica_group)), hang_s / 4)
     ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg),
                          group.process_group if group else None, across_instances=instances)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
@@ -704,9 +704,7 @@ def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
     group, replica_group = setup.group, trainer.p.replica_group
     lost = []
     if ok and assignment:
-        adopted = group.adopt(grown).wait().census[0] == 1
-        members = group.members if adopted else []
-        settled = standby.settle(replica_group, w_init, assignment, members, members, set())
+        settled = standby.adopt(group, grown, replica_group, w_init, assignment)
         lost = standby.drop_members(group, settled.dropped)
         ok = bool(settled.joined)
     # Whoever was assigned joined, or left (dropped), or goes back to waiting (not adopted
@@ -718,8 +716,7 @@ def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
         return
     blob = standby.state_blob(_join_state(trainer, setup, iteration))
     trainer.p.faults.arm_join(group, iteration)
-    _, alive, lost_here = standby.transfer(group, sorted(r for r in assignment
-                                                         if r in group.members), blob)
+    _, alive, lost_here = standby.transfer(group, assignment, blob)
     lost += lost_here  # since the adoption: every position learns of them in `settle`
     dead = {trainer.p.replica_of_rank[r] for r in lost if r in trainer.p.replica_of_rank}
     settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
@@ -765,9 +762,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         pool.idle = [r for r in candidates if r not in assignment]
         if not ok or pool.rank not in assignment:
             continue
-        adopted = group.adopt(grown).wait().census[0] == 1
-        members = group.members if adopted else []
-        settled = standby.settle(replica_group, w_init, assignment, members, members, set())
+        settled = standby.adopt(group, grown, replica_group, w_init, assignment)
         if assignment[pool.rank] not in settled.present:
             pool.idle = candidates  # adopted nowhere: every group is as it was
             continue
@@ -775,8 +770,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
             runtime.leave("join abandoned: the grown groups did not take at every position")
         lost = standby.drop_members(group, settled.dropped)
         standby_faults.arm_join(group, message["iteration"])
-        blob, alive, lost_here = standby.transfer(group, sorted(r for r in assignment
-                                                                if r in group.members), None)
+        blob, alive, lost_here = standby.transfer(group, assignment, None)
         lost += lost_here
         break
     state = standby.from_blob(blob)

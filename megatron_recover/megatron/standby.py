@@ -239,6 +239,14 @@ def settle(replica_group, w_init: int, assignment: dict[int, int], members: list
                    present={r for r in range(w_init) if flags[2 * w_init + r] > 0})
 
 
+def adopt(group, grown, replica_group, w_init: int, assignment: dict[int, int]) -> Settled:
+    """The end of step 2 on a member of a grown group (survivor or assigned standby): hand
+    `grown` to this position's ulfm group, then combine the positions' outcomes."""
+    adopted = group.adopt(grown).wait().census[0] == 1
+    members = group.members if adopted else []
+    return settle(replica_group, w_init, assignment, members, members, set())
+
+
 def drop_members(group, ranks: list[int]) -> list[int]:
     """Wait until `ranks` (joiners that leave: `Settled.dropped`) are gone from `group`: a
     consensus, repeated, on every remaining member alike. Returns every member lost."""
@@ -260,12 +268,13 @@ def from_blob(blob: torch.Tensor) -> dict:
     return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=False)
 
 
-def transfer(group, joiners: list[int], blob: torch.Tensor | None) -> tuple[
+def transfer(group, assignment: dict[int, int], blob: torch.Tensor | None) -> tuple[
         torch.Tensor | None, list[int], list[int]]:
     """Step 3: broadcast `blob` (given on every survivor; None on joiners) from the lowest
-    surviving member until every live member holds it. Returns (the blob, the joiners still
-    alive, every member lost meanwhile), the same lists on every member. Every member of the
-    grown group calls it."""
+    surviving member until every live member holds it; the joiners are the assigned ranks in
+    `group`. Returns (the blob, the joiners still alive, every member lost meanwhile), the
+    same lists on every member. Every member of the grown group calls it."""
+    joiners = sorted(r for r in assignment if r in group.members)
     lost = []
     while True:
         donor = min(m for m in group.members if m not in joiners)
