@@ -37,9 +37,9 @@ def main() -> None:
 
     import torch
 
-    # Standby replicas (--recover-standby-replicas) are the last ranks, outside the world size.
-    training_ranks = arguments.training_world_size(sys.argv[1:], ctx.world_size)
     try:
+        # Standby replicas (--recover-standby-replicas) are the last ranks, outside the world size.
+        training_ranks = arguments.training_world_size(sys.argv[1:], ctx.world_size)
         cfg = arguments.parse_args(
             sys.argv[1:], world_size=training_ranks, cuda_available=torch.cuda.is_available(),
             te_available=_transformer_engine_imports())

@@ -789,14 +789,25 @@ def test_standby_replicas_are_outside_the_world_size():
     assert cfg.b == 8
     cfg = parse_args(tp2, world_size=training_world_size(tp2, 6), cuda_available=False)
     assert (cfg.parallel.world_size, cfg.num_replicas, cfg.parallel.ranks_per_replica) == (4, 2, 2)
+    # A standby replica is an instance of the same shape: 2 instances of 2 shards (4 ranks) and
+    # one standby instance of 2 (-np 6); with TP=2, 2 instances of 2 x 2 and one more (-np 12).
+    hsdp = _small_argv(["--recover", "--recover-standby-replicas", "1",
+                        "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"])
+    assert training_world_size(hsdp, 6) == 4
+    assert training_world_size([*hsdp, "--tensor-model-parallel-size", "2"], 12) == 8
+    cfg = parse_args(hsdp, world_size=training_world_size(hsdp, 6), cuda_available=False)
+    assert (cfg.parallel.world_size, cfg.num_replicas, cfg.parallel.ranks_per_replica) == (4, 2, 2)
+    # --use-distributed-optimizer alone under --recover: an instance per data-parallel rank.
+    alone = _small_argv(["--recover", "--recover-standby-replicas", "2",
+                         "--use-distributed-optimizer"])
+    assert training_world_size(alone, 6) == 4
+    with pytest.raises(ValueError, match="a multiple of 3"):
+        training_world_size(hsdp, 7)  # 2 instances + 1 standby instance of equal size
 
 
 def test_standby_replicas_refusals():
     assert "given without --recover" in refused("--recover-standby-replicas", "1")
     assert "must be >= 0" in refused("--recover", "--recover-standby-replicas", "-1")
-    message = refused("--recover", "--recover-standby-replicas", "1",
-                      "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
-    assert "do not replace distributed-optimizer instances yet" in message
     # -np 4 with 4 standbys: nothing left to train.
     assert "no training ranks" in refused("--recover", "--recover-standby-replicas", "4",
                                           world_size=0)

@@ -185,22 +185,23 @@ def test_standbys_leave_when_every_training_replica_dies(tmp_path):
 
 
 TP2 = [*MODEL[:-2], "--tensor-model-parallel-size", "2"]  # MODEL without its standbys
-
-
-@pytest.mark.timeout(3 * TIMEOUT_S)
-def test_a_standby_replaces_a_tensor_parallel_replica(tmp_path):
-    """TP=2 x 2 replicas and one standby replica of 2 ranks (world ranks 4, 5). Replica 0 (ranks
-    0, 1) loses its rank 0 inside a bucket's all-reduce in iteration 2; its rank 1 leaves through
-    the replica gate. The standby takes replica id 0 at both positions: each of its ranks
-    receives its own tensor-parallel shard from the survivor at that position (ranks 2, 3), and
-    the run equals the failure-free one without standbys (losses; every position's
-    parameters)."""
-    reference = run_training(tmp_path / "reference", 4, TP2, None, TIMEOUT_S)
-    schedule = """entries:
+HSDP = [*MODEL[:-2], "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+REPLACED = """entries:
   - {iteration: 2, replica: 0, local_rank: 0, location: during-reduce}
 """
-    run = run_training(tmp_path / "tp2", 6, [*TP2, "--recover-standby-replicas", "1"], schedule,
-                       TIMEOUT_S)
+
+
+def replace_replica_0(tmp_path, args: list[str], share: int):
+    """2 replicas of 2 ranks (world ranks 0, 1 and 2, 3) and one standby replica of 2 ranks
+    (4, 5). Replica 0 loses its rank 0 inside a bucket's all-reduce in iteration 2 and its rank
+    1 leaves through the replica gate; the standby takes replica id 0 at both positions, each
+    of its ranks from the survivor at its position (ranks 2, 3). Checks the join and that the
+    run equals the failure-free one without standbys (losses; every position's parameters);
+    `share`: the microbatch ids each rank of a replica contributes per iteration. Returns the
+    run."""
+    reference = run_training(tmp_path / "reference", 4, args, None, TIMEOUT_S)
+    run = run_training(tmp_path / "grown", 6, [*args, "--recover-standby-replicas", "1"],
+                       REPLACED, TIMEOUT_S)
     assert [(m["rank"], m["location"]) for m in run.markers] == [(0, "during-reduce")]
     assert run.result.statuses[1]["state"] == "left", run.result.statuses[1]
     assert [r["iteration"] for r in run.records] == list(range(1, ITERATIONS + 1))
@@ -210,12 +211,30 @@ def test_a_standby_replaces_a_tensor_parallel_replica(tmp_path):
     for rank, donor in ((4, 2), (5, 3)):  # position 0 and 1 of the joined replica
         joined = run.result.statuses[rank]["joined"]
         assert joined["replica"] == 0 and joined["ranks"] == [rank], joined
+        # The state it received is its donor's, bit for bit, before its first pass.
         assert joined["digests"] == joined["donor_digests"], joined
-        assert joined["contributions"] == {str(t): B // 2 for t in range(3, ITERATIONS + 1)}
-        # Position by position, the joiner ends with the survivor's and the reference's shard.
+        assert joined["contributions"] == {str(t): share for t in range(3, ITERATIONS + 1)}
+        # Position by position, the joiner ends with the survivor's and the reference's state.
         assert run.result.statuses[rank]["param_digest"] == run.result.statuses[donor][
             "param_digest"]
         assert param_rdiff(run.params(rank), reference.params(rank - 4)) <= EXACT_PARAM_RTOL
     loss = loss_rdiff(run.records, reference.records)
     assert loss <= EXACT_LOSS_RTOL, loss
+    return run
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_a_standby_replaces_a_tensor_parallel_replica(tmp_path):
+    """TP=2: each standby rank receives its own tensor-parallel shard."""
+    run = replace_replica_0(tmp_path, TP2, B // 2)
     assert run.result.statuses[2]["param_digest"] != run.result.statuses[3]["param_digest"]
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_a_standby_replaces_a_distributed_optimizer_instance(tmp_path):
+    """2 distributed-optimizer instances of 2 shards: each standby rank receives the optimizer
+    shard (main parameters, Adam moments) of the survivor at its shard position, and runs
+    B / (2 instances x 2 shards) ids of every later iteration."""
+    run = replace_replica_0(tmp_path, HSDP, B // 4)
+    digests = [run.result.statuses[r]["joined"]["digests"]["optimizer"] for r in (4, 5)]
+    assert digests[0] != digests[1]  # each shard's own state

@@ -670,39 +670,44 @@ def _recover(ns) -> list[str]:
     if ns.recover_hang_timeout is not None and ns.recover_hang_timeout < 0:
         problems.append(f"--recover-hang-timeout must be seconds >= 0 (0: no hang detection), "
                         f"got {ns.recover_hang_timeout}")
-    return problems + _standbys(ns)
-
-
-def _standbys(ns) -> list[str]:
-    """What --recover-standby-replicas supports so far: any tensor and pipeline parallel
-    layout; not yet distributed-optimizer instances."""
-    k = ns.recover_standby_replicas
-    if not k:
-        return []
-    if k < 0:
-        return [f"--recover-standby-replicas must be >= 0, got {k}"]
-    problems = []
-    if ns.use_distributed_optimizer and ns.num_distributed_optimizer_instances > 1:
-        problems.append("--recover-standby-replicas: standbys do not replace distributed-"
-                        "optimizer instances yet; drop --recover-standby-replicas, or "
-                        "--num-distributed-optimizer-instances for replicas of TP x PP ranks")
+    if ns.recover_standby_replicas is not None and ns.recover_standby_replicas < 0:
+        problems.append(f"--recover-standby-replicas must be >= 0, got "
+                        f"{ns.recover_standby_replicas}")
     return problems
 
 
 def training_world_size(argv: list[str], world_size: int) -> int:
-    """The MPI ranks that train: all of them but --recover-standby-replicas x TP x PP (the last
-    ones). Read before the full parse, which validates the same values; a malformed value
-    leaves the world as it is for the full parse to report."""
+    """The MPI ranks that train: all of them but the --recover-standby-replicas K standby
+    replicas (the last ranks). A standby replica has a training replica's shape: TP x PP ranks
+    or, with distributed-optimizer instances, one instance of TP x PP x S ranks (S = the
+    data-parallel ranks per instance), so the launch holds (instances + K) x TP x PP x S.
+    Read before the full parse, which validates the same values; a malformed value leaves the
+    world as it is for the full parse to report. Raises ValueError for a launch that cannot be
+    cut into instances and standby instances of the same size."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--recover-standby-replicas", type=int, default=0)
     pre.add_argument("--tensor-model-parallel-size", type=int, default=1)
     pre.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    pre.add_argument("--use-distributed-optimizer", action="store_true")
+    pre.add_argument("--num-distributed-optimizer-instances", type=int)
     try:
         ns, _ = pre.parse_known_args(argv)
     except SystemExit:
         return world_size
     k = max(ns.recover_standby_replicas or 0, 0)
-    return world_size - k * ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
+    m = ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
+    instances = ns.num_distributed_optimizer_instances
+    if not (k and ns.use_distributed_optimizer and instances and instances > 0):
+        # One data-parallel rank per replica (without instances, --recover makes every
+        # data-parallel rank its own instance).
+        return world_size - k * m
+    if m < 1 or world_size % ((instances + k) * m):
+        raise ValueError(
+            f"{world_size} ranks cannot hold --num-distributed-optimizer-instances {instances} "
+            f"and --recover-standby-replicas {k} standby instances of the same size: launch "
+            f"(instances + standbys) x TP x PP x S ranks, a multiple of {(instances + k) * m} "
+            f"(S: the data-parallel ranks of one instance)")
+    return world_size // (instances + k) * instances
 
 
 def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,

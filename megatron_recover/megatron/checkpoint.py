@@ -65,7 +65,7 @@ def _distributed_optimizers(optimizer) -> list:
     return [opt for opt in chained if isinstance(opt, DistributedOptimizer)]
 
 
-def _parameter_state(optimizer) -> list[dict]:
+def parameter_state(optimizer) -> list[dict]:
     """Per distributed optimizer, this shard's main parameters and Adam moments, by parameter."""
     return [{opt._param_name(param): {k: v.detach().clone() for k, v in
                                       opt._get_main_param_and_optimizer_states(param).items()}
@@ -95,7 +95,7 @@ def training_state(ddp_model, optimizer, scheduler) -> dict:
     """This rank's model, optimizer (loss scaler and, with the distributed optimizer, this
     shard's main parameters and Adam moments) and scheduler state, as torch.save writes it."""
     return {"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
-            "parameter_state": _parameter_state(optimizer), "scheduler": scheduler.state_dict()}
+            "parameter_state": parameter_state(optimizer), "scheduler": scheduler.state_dict()}
 
 
 def load_training_state(saved: dict, ddp_model, optimizer, scheduler) -> None:

@@ -65,24 +65,29 @@ def build_gpt(transformer_config, vocab_size: int, max_sequence_length: int,
     )
 
 
-def wrap_ddp(model, transformer_config, ddp_config, cross_replica_group=None,
-             across_instances=False):
-    """Megatron's DDP; with `cross_replica_group` (a ulfm torch group) as its data-parallel group
-    or, `across_instances`, as the group between distributed-optimizer instances (the shards of
-    an instance keep megatron's intra-instance group)."""
-    pg_collection = None
-    if cross_replica_group is not None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        if across_instances:
-            pg_collection.inter_dist_opt = cross_replica_group
-        else:
-            pg_collection.dp = cross_replica_group
-            pg_collection.dp_cp = cross_replica_group
-            pg_collection.intra_dp_cp = cross_replica_group
+def process_groups(cross_replica_group, across_instances=False):
+    """megatron's process groups with `cross_replica_group` (a ulfm torch group) as the
+    data-parallel group or, `across_instances`, as the group between distributed-optimizer
+    instances (the shards of an instance keep megatron's intra-instance group); None without
+    one (megatron's own groups throughout)."""
+    if cross_replica_group is None:
+        return None
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    if across_instances:
+        pg_collection.inter_dist_opt = cross_replica_group
+    else:
+        pg_collection.dp = cross_replica_group
+        pg_collection.dp_cp = cross_replica_group
+        pg_collection.intra_dp_cp = cross_replica_group
+    return pg_collection
+
+
+def wrap_ddp(model, transformer_config, ddp_config, pg_collection=None):
+    """Megatron's DDP over `pg_collection` (`process_groups`; None: megatron's groups)."""
     ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model,
                                   pg_collection=pg_collection)
     transformer_config.finalize_model_grads_func = (
-        finalize_model_grads if cross_replica_group is None else _finalize_keeping_token_sums)
+        finalize_model_grads if pg_collection is None else _finalize_keeping_token_sums)
     transformer_config.no_sync_func = ddp.no_sync
     return ddp
 

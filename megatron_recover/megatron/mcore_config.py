@@ -78,7 +78,10 @@ def to_ddp_config(cfg: TrainConfig):
         overlap_param_gather=par.overlap_param_gather,
         use_distributed_optimizer=par.use_distributed_optimizer,
         num_distributed_optimizer_instances=par.num_distributed_optimizer_instances,
-        bucket_size=par.ddp_bucket_size,
+        # megatron-core's default, from the job's data-parallel size: a standby instance's
+        # DDP (whose own data-parallel group is one instance) must cut the same buckets.
+        bucket_size=(par.ddp_bucket_size if par.ddp_bucket_size is not None
+                     else max(40_000_000, 1_000_000 * par.data_parallel_size)),
     )
 
 

@@ -32,6 +32,7 @@ from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.gpt import (
     MicrobatchPass,
     build_gpt,
+    process_groups,
     synced_inside_replica,
     wrap_ddp,
 )
@@ -119,12 +120,12 @@ def _cross_replica_groups(replica_group_ranks: list[int],
     return mine, replica_of_rank
 
 
-def _optimizer_and_scheduler(cfg, ddp_model):
+def _optimizer_and_scheduler(cfg, ddp_model, pg_collection):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optimizer = get_megatron_optimizer(mcore_config.to_optimizer_config(cfg), [ddp_model],
-                                       use_gloo_process_groups=False)
+                                       use_gloo_process_groups=False, pg_collection=pg_collection)
     scheduler = OptimizerParamScheduler(optimizer, **mcore_config.to_scheduler_kwargs(cfg))
     return optimizer, scheduler
 
@@ -304,10 +305,15 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     hang_s = cfg.recover.hang_timeout_s if cfg.recover.enabled else 0
     par = cfg.parallel
     instances = par.use_distributed_optimizer and par.num_distributed_optimizer_instances > 1
+    # A standby instance is alone in its torch world: megatron lays it out as that world's one
+    # instance, whose data-parallel group is its shards, as an instance's is in the training
+    # world; its DDP config still has the job's instances, so it reduces across them on ulfm.
+    standby_instance = instances and is_standby(cfg, ctx)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        num_distributed_optimizer_instances=par.num_distributed_optimizer_instances,
+        num_distributed_optimizer_instances=(1 if standby_instance else
+                                             par.num_distributed_optimizer_instances),
         create_gloo_process_groups=False,
         # A last resort for a TP/PP collective stuck on a peer that answers heartbeats but never
         # joins; a failed or frozen peer is handled much sooner by the replica gate.
@@ -329,8 +335,8 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     # (Megatron's HSDP form), an instance: its shards reduce-scatter inside it, and only the
     # all-reduce across instances crosses replicas.
     if instances:
-        dp_group_ranks = dist.get_process_group_ranks(
-            parallel_state.get_inter_distributed_optimizer_instance_group())
+        dp_group_ranks = ([dist.get_rank()] if standby_instance else dist.get_process_group_ranks(
+            parallel_state.get_inter_distributed_optimizer_instance_group()))
         replica_group = parallel_state.get_intra_distributed_optimizer_instance_group()
         shard_group = parallel_state.get_data_parallel_group(with_context_parallel=True,
                                                              partial_data_parallel=True)
@@ -349,9 +355,11 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
         # MPI ranks: a standby's torch world starts past the training ranks.
         runtime.start_replica_gate(collective.world_ranks(
             dist.get_process_group_ranks(replica_group)), hang_s / 4)
-    ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg),
-                         group.process_group if group else None, across_instances=instances)
-    optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model)
+    groups = process_groups(group.process_group if group else None, instances)
+    ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg), groups)
+    # With instances the optimizer takes the same groups (a standby instance's megatron state
+    # has no group across instances); without, megatron's own, as Megatron-LM builds it.
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model, groups if instances else None)
     tconfig.grad_scale_func = optimizer.scale_loss
     setup = RankSetup(
         ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, micro_pass=None,
@@ -647,7 +655,9 @@ def state_digests(setup: RankSetup) -> dict:
 
 
 def optimizer_digest(optimizer) -> str:
-    """sha256 over megatron's optimizer state_dict (Adam moments, main parameters, scaler)."""
+    """sha256 over megatron's optimizer state_dict (Adam moments, main parameters, scaler) and,
+    with the distributed optimizer, this shard's main parameters and Adam moments (its
+    state_dict holds neither)."""
     digest = hashlib.sha256()
 
     def walk(value):
@@ -664,6 +674,7 @@ def optimizer_digest(optimizer) -> str:
             digest.update(repr(value).encode())
 
     walk(optimizer.state_dict())
+    walk(checkpoint.parameter_state(optimizer))
     return digest.hexdigest()
 
 

@@ -1,11 +1,12 @@
 """Standby replicas: wait without a busy core, then grow the job back (--recover-standby-replicas).
 
 A job with K standbys runs K replicas more than the training ones, as the last MPI ranks (a standby
-replica is M = TP x PP consecutive ranks; distributed-optimizer instances cannot have standbys yet).
-A standby builds its model and optimizer like any replica (in a torch.distributed world of its own,
-so megatron's parallel state of the training ranks is the one without standbys), then waits on the
-pool communicator (a duplicate of MPI_COMM_WORLD made by every rank at start-up) with a non-blocking
-receive polled every POLL_S: it joins no collective and uses no core while waiting.
+replica is M consecutive ranks: TP x PP, or TP x PP x S for a distributed-optimizer instance of S
+shards). A standby builds its model and optimizer like any replica (in a torch.distributed world of
+its own, so megatron's parallel state of the training ranks is the one without standbys; a standby
+instance is that world's one instance), then waits on the pool communicator (a duplicate of
+MPI_COMM_WORLD made by every rank at start-up) with a non-blocking receive polled every POLL_S: it
+joins no collective and uses no core while waiting.
 
 Growing back, after an iteration boundary at which the policy's layout has fewer replicas than
 W_init (`grow_back`, on every training rank alike: the decision is a function of the policy):
