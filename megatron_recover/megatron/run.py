@@ -800,6 +800,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
     faults = _faults(cfg, ctx, setup)  # the schedule's points of the replica id it took
     setup.micro_pass.faults = progress.eval_pass.faults = faults
+    _optimizer_fault_points(faults, setup.optimizer, setup.ddp_model)
     policy = WorkloadPolicy.resume(mcore_config.to_policy_config(cfg), state["layout"],
                                    state["last_committed"], state["reserve_next"])
     trainer = _resilient_trainer(cfg, setup, dataset, policy, setup.replica_index,
