@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test bench bench-restart bench-scale bench-grow-back goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build test test-long bench bench-restart bench-scale bench-grow-back goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -37,8 +37,12 @@ $(BACKEND): $(VENV)/.package-stamp build/mpicc-path $(wildcard csrc/ulfm_backend
 
 build: $(BACKEND)
 
+# CI's suite; the checks marked `long` (several minutes each) run in `make test-long`.
 test: build
-	$(PYTEST) tests
+	$(PYTEST) -m "not long" tests
+
+test-long: build
+	$(PYTEST) -m long tests
 
 bench: build
 	$(PY) scripts/bench_collective.py

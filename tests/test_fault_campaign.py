@@ -1,7 +1,8 @@
 """The fault campaign (megatron_recover/faults/campaign.py): its draws, and a bounded slice of it.
 
-Run: `make test` (the slice: 10 cases of a fixed seed over five configurations, a few minutes,
-CPU only, every run under a hard timeout); the full campaign is `make fault-campaign N=30 SEED=1`.
+Run: `make test` (the draws) and `make test-long` (the slice: 10 cases of a fixed seed over five
+configurations, 6-10 minutes, CPU only, every run under a hard timeout); the full campaign is
+`make fault-campaign N=30 SEED=1`, and `make test` runs one case of it through the README's command.
 """
 
 import json
@@ -40,6 +41,7 @@ def test_draws_are_reproducible_and_leave_a_survivor():
 
 
 @pytest.mark.mpi
+@pytest.mark.long
 @pytest.mark.timeout(1500)
 def test_campaign_slice(tmp_path, figures):
     lines = []

@@ -35,16 +35,18 @@ SCALE = [("-np 8", "-np 2"), ("--global-batch-size 32", "--global-batch-size 4")
          ("--replicas R", "--replicas 2"), ("--seed S", "--seed 1"), ("--count K", "--count 1"),
          ("--iterations A:B", "--iterations 1:2")]
 
-# README command -> ("run", what to run, scaled) or ("skip", why it does not run here).
+# README command -> ("run", what to run, scaled), ("long", the same, run by `make test-long`
+# rather than `make test`) or ("skip", why it does not run here).
 COMMANDS = {
     "make demo": ("run", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
                          "--out {tmp}/demo"),
-    "make demo-bf16": ("run", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
+    "make demo-bf16": ("long", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
                               "--precision bf16 --out {tmp}/demo-bf16"),
     "scripts/demo.py --precision bf16\\|fp16\\|fp32": ("skip", "the synopsis of make demo-bf16"),
     "make demo-collective": ("run", ".venv/bin/python scripts/demo_collective.py --ranks 3 "
                                     "--steps 4 --kill-step 2"),
     "make test": ("skip", "this suite itself"),
+    "make test-long": ("skip", "this suite's checks marked long"),
     "make setup": ("run", "make setup"),
     "make build": ("run", "make build"),
     "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
@@ -67,7 +69,7 @@ COMMANDS = {
     "make bench-grow-back": ("run", ".venv/bin/python scripts/bench_grow_back.py --replicas 3 "
                                     "--failures 1 --iterations 5 --out {tmp}/grow-back"),
     "scripts/bench_grow_back.py --json": ("skip", "as make bench-grow-back"),
-    "scripts/bench_overhead.py --json": ("run", ".venv/bin/python scripts/bench_overhead.py "
+    "scripts/bench_overhead.py --json": ("long", ".venv/bin/python scripts/bench_overhead.py "
                                                 "--json --ranks 2 --iterations 7 --rounds 1"),
     "megatron-recover plan --w-init 32 --g-init 8 --iterations 5 --fail 1:31 --json":
         ("run", ".venv/bin/megatron-recover plan --w-init 32 --g-init 8 --iterations 5 "
@@ -139,7 +141,8 @@ def run(command: str, tmp: Path) -> str:
     return output
 
 
-RUNNABLE = [c for c, (kind, _) in COMMANDS.items() if kind == "run" and _ != "scaled"]
+RUNNABLE = [pytest.param(c, marks=[pytest.mark.long] if kind == "long" else [])
+            for c, (kind, how) in COMMANDS.items() if kind in ("run", "long") and how != "scaled"]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
