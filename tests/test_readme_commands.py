@@ -41,7 +41,7 @@ COMMANDS = {
     "make demo": ("run", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
                          "--out {tmp}/demo"),
     "make demo-bf16": ("long", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
-                              "--precision bf16 --out {tmp}/demo-bf16"),
+                               "--precision bf16 --out {tmp}/demo-bf16"),
     "scripts/demo.py --precision bf16\\|fp16\\|fp32": ("skip", "the synopsis of make demo-bf16"),
     "make demo-collective": ("run", ".venv/bin/python scripts/demo_collective.py --ranks 3 "
                                     "--steps 4 --kill-step 2"),
@@ -70,7 +70,7 @@ COMMANDS = {
                                     "--failures 1 --iterations 5 --out {tmp}/grow-back"),
     "scripts/bench_grow_back.py --json": ("skip", "as make bench-grow-back"),
     "scripts/bench_overhead.py --json": ("long", ".venv/bin/python scripts/bench_overhead.py "
-                                                "--json --ranks 2 --iterations 7 --rounds 1"),
+                                                 "--json --ranks 2 --iterations 7 --rounds 1"),
     "megatron-recover plan --w-init 32 --g-init 8 --iterations 5 --fail 1:31 --json":
         ("run", ".venv/bin/megatron-recover plan --w-init 32 --g-init 8 --iterations 5 "
                 "--fail 1:31 --json"),
