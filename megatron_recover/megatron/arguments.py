@@ -697,11 +697,13 @@ def training_world_size(argv: list[str], world_size: int) -> int:
     k = max(ns.recover_standby_replicas or 0, 0)
     m = ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
     instances = ns.num_distributed_optimizer_instances
+    if m < 1:
+        return world_size
     if not (k and ns.use_distributed_optimizer and instances and instances > 0):
         # One data-parallel rank per replica (without instances, --recover makes every
         # data-parallel rank its own instance).
         return world_size - k * m
-    if m < 1 or world_size % ((instances + k) * m):
+    if world_size % ((instances + k) * m):
         raise ValueError(
             f"{world_size} ranks cannot hold --num-distributed-optimizer-instances {instances} "
             f"and --recover-standby-replicas {k} standby instances of the same size: launch "
