@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test test-long bench bench-restart bench-scale bench-grow-back goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build test test-long bench bench-restart bench-scale bench-grow-back bench-node-loss goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -56,6 +56,10 @@ bench-scale: build
 
 bench-grow-back: build
 	$(PY) scripts/bench_grow_back.py
+
+# Three fake nodes of this machine (root: Linux namespaces): about 8 minutes.
+bench-node-loss: build
+	$(PY) scripts/bench_node_loss.py
 
 # The goodput simulator: its validation anchors, then ETTR from 1k to 100k GPUs (pure Python;
 # the cpu-benchmark anchor reads runs/bench/summary.json from `make bench-restart`).

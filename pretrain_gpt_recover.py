@@ -5,7 +5,9 @@ Launch it as Megatron's pretrain_gpt.py, under MPI with fault tolerance:
     mpirun --with-ft ulfm -np 8 .venv/bin/python pretrain_gpt_recover.py \\
         --num-layers 2 --hidden-size 64 ... --recover [--recover-policy static|adaptive]
 
-Rendezvous comes from MPI; no other environment is needed. Without a GPU, megatron-core runs
+Rendezvous comes from MPI; no other environment is needed (`megatron-recover launch` sets
+MEGATRON_RECOVER_STATUS_DIR, MEGATRON_RECOVER_RUN_ID and, across hosts,
+MEGATRON_RECOVER_NETWORK). Without a GPU, megatron-core runs
 under the CPU emulation (megatron_recover.testing). This file only reads argv and the
 environment, then hands a validated TrainConfig to megatron_recover.megatron.run.
 """
@@ -42,7 +44,8 @@ def main() -> None:
         training_ranks = arguments.training_world_size(sys.argv[1:], ctx.world_size)
         cfg = arguments.parse_args(
             sys.argv[1:], world_size=training_ranks, cuda_available=torch.cuda.is_available(),
-            te_available=_transformer_engine_imports())
+            te_available=_transformer_engine_imports(),
+            run_id=os.environ.get("MEGATRON_RECOVER_RUN_ID"))
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
     if ctx.rank == 0:
@@ -74,7 +77,9 @@ def main() -> None:
         runtime.stop_at_startup(str(error))
     except collective.BackendUnavailable as error:
         runtime.stop_at_startup(str(error), finalize=True)  # MPI without fault tolerance
-    runtime.init_torch_distributed(ctx, world_id=run.torch_world_id(cfg, ctx))
+    # Set by `megatron-recover launch --if-include` for jobs on several hosts.
+    runtime.init_torch_distributed(ctx, world_id=run.torch_world_id(cfg, ctx),
+                                   network=os.environ.get("MEGATRON_RECOVER_NETWORK"))
     trained = run.train(cfg, ctx, source, vocab_size)  # a standby never called leaves inside
     if status_dir:
         # Test and benchmark harnesses compare final parameters across runs.

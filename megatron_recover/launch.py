@@ -20,9 +20,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 
 LAUNCH_DEFAULTS = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-FORWARDED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", "MEGATRON_RECOVER_STATUS_DIR")
+# What the ranks' entry point reads (pretrain_gpt_recover.py).
+STATUS_DIR_ENV = "MEGATRON_RECOVER_STATUS_DIR"
+RUN_ID_ENV = "MEGATRON_RECOVER_RUN_ID"  # one per job, kept by its relaunches (snapshots)
+NETWORK_ENV = "MEGATRON_RECOVER_NETWORK"  # --if-include: the network the ranks rendezvous on
+FORWARDED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", STATUS_DIR_ENV, RUN_ID_ENV,
+                 NETWORK_ENV)
 
 
 @dataclass(frozen=True)
@@ -34,13 +41,29 @@ class LaunchConfig:
     status_dir: Path
     timeout_s: float = 3600.0
     mpirun: str | None = None  # default: the mpirun beside this Python
+    hosts: tuple[str, ...] = ()  # several hosts: ranks_per_host consecutive ranks on each
+    ranks_per_host: int = 0
+    ssh_agent: str | None = None  # PRRTE's remote launcher instead of ssh (plm_ssh_agent)
+    network: str | None = None  # CIDR of the hosts' network (MPI's and gloo's interface)
+    run_id: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # more environment for mpirun and its agents
 
 
 def mpirun_command(cfg: LaunchConfig, fault_tolerant: bool = True) -> list[str]:
     """The full mpirun line: ULFM on (unless `fault_tolerant` is False, to show what a plain
-    launch does), oversubscription when ranks exceed cores, idle ranks yield."""
+    launch does), the hosts, oversubscription when ranks exceed this machine's cores, idle ranks
+    yield."""
     mpirun = cfg.mpirun or str(Path(sys.executable).parent / "mpirun")
     cmd = [mpirun, *(["--with-ft", "ulfm"] if fault_tolerant else []), "-np", str(cfg.num_ranks)]
+    if cfg.hosts:
+        n = cfg.ranks_per_host
+        cmd += ["--host", ",".join(f"{host}:{n}" for host in cfg.hosts),
+                "--map-by", f"ppr:{n}:node"]
+    if cfg.ssh_agent:
+        cmd += ["--prtemca", "plm_ssh_agent", cfg.ssh_agent]
+    if cfg.network:
+        cmd += ["--prtemca", "oob_tcp_if_include", cfg.network,
+                "--mca", "btl_tcp_if_include", cfg.network]
     if cfg.num_ranks > (os.cpu_count() or 1):
         cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
     # One compute thread per rank; the status directory reaches the ranks' entry points.
@@ -52,7 +75,12 @@ def mpirun_command(cfg: LaunchConfig, fault_tolerant: bool = True) -> list[str]:
 
 
 def launch_env(cfg: LaunchConfig) -> dict[str, str]:
-    env = dict(os.environ, **LAUNCH_DEFAULTS, MEGATRON_RECOVER_STATUS_DIR=str(cfg.status_dir))
+    env = dict(os.environ, **LAUNCH_DEFAULTS, **dict(cfg.env))
+    env[STATUS_DIR_ENV] = str(cfg.status_dir)
+    if cfg.run_id:
+        env[RUN_ID_ENV] = cfg.run_id
+    if cfg.network:
+        env[NETWORK_ENV] = cfg.network
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
@@ -98,6 +126,13 @@ def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 POLL_S = 0.5
+
+
+def _descendants(pid: int) -> list:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 class Started:
@@ -151,9 +186,17 @@ class Started:
                     poll()
 
     def stop(self) -> None:
-        """Stop it (and its process group) if it still runs; collect the last output."""
+        """Stop it (and its process group) if it still runs; collect the last output. Its
+        descendants in other process groups (mpirun's remote launchers, ssh or a stand-in)
+        are stopped too, by PID."""
+        descendants = _descendants(self.proc.pid)
         _stop(self.proc)  # also the group's members that outlived mpirun
         self.proc.wait()
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.Error:  # gone already
+                pass
         self._reader.join(timeout=5.0)
 
 
@@ -281,7 +324,22 @@ def launch(cfg: LaunchConfig, stream: bool = False, on_line=None, poll=None,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--num-ranks", type=int, required=True, help="MPI processes")
+    parser.add_argument("-n", "--num-ranks", type=int, default=None,
+                        help="MPI processes (with --hostfile: its slots)")
+    hosts = parser.add_argument_group("several hosts (relaunch after a lost node)")
+    hosts.add_argument("--hostfile", type=Path, default=None,
+                       help="Open MPI hostfile (`host slots=N`, the same N on every host)")
+    hosts.add_argument("--spare-hosts", default="",
+                       help="comma-separated hosts that replace lost ones on a relaunch")
+    hosts.add_argument("--max-relaunches", type=int, default=0,
+                       help="relaunches after lost hosts (default 0)")
+    hosts.add_argument("--ssh-agent", default=None,
+                       help="PRRTE's remote launcher instead of ssh (plm_ssh_agent)")
+    hosts.add_argument("--if-include", default=None, metavar="CIDR",
+                       help="the hosts' network: MPI's and torch.distributed's traffic use it")
+    hosts.add_argument("--stall-timeout", type=float, default=None,
+                       help="seconds without a committed iteration after which the job counts "
+                            "as hung (default: 11 x the command's --recover-hang-timeout)")
     parser.add_argument("--status-dir", type=Path, default=None,
                         help="where ranks write their status files (default: a temporary dir)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="hard limit, seconds")
@@ -294,8 +352,10 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         print("megatron-recover launch: give the program after --", file=sys.stderr)
         return 2
-    if args.num_ranks < 1:
-        print("megatron-recover launch: --num-ranks must be >= 1", file=sys.stderr)
+    if args.hostfile is not None:
+        return _run_on_hosts(args, command)
+    if args.num_ranks is None or args.num_ranks < 1:
+        print("megatron-recover launch: give --num-ranks >= 1 (or --hostfile)", file=sys.stderr)
         return 2
     status_dir = args.status_dir or Path(tempfile.mkdtemp(prefix="megatron-recover-"))
     cfg = LaunchConfig(args.num_ranks, command, status_dir, args.timeout, args.mpirun)
@@ -314,4 +374,32 @@ def run(args: argparse.Namespace) -> int:
           f"{' (timed out)' if result.timed_out else ''}; {basis}")
     if args.status_dir is None and succeeded:
         shutil.rmtree(status_dir, ignore_errors=True)
+    return 0 if succeeded else 1
+
+
+def _run_on_hosts(args: argparse.Namespace, command: list[str]) -> int:
+    from megatron_recover import relaunch
+
+    hosts = relaunch.read_hostfile(args.hostfile)
+    slots = {n for _, n in hosts}
+    if not hosts or len(slots) != 1:
+        print(f"megatron-recover launch: --hostfile {args.hostfile}: give every host the same "
+              "slots (ranks per host)", file=sys.stderr)
+        return 2
+    per_host = slots.pop()
+    if args.num_ranks is not None and args.num_ranks != per_host * len(hosts):
+        print(f"megatron-recover launch: --num-ranks {args.num_ranks} differs from the "
+              f"hostfile's {per_host * len(hosts)} slots: drop --num-ranks", file=sys.stderr)
+        return 2
+    status_root = args.status_dir or Path(tempfile.mkdtemp(prefix="megatron-recover-"))
+    cfg = relaunch.JobConfig(
+        command=command, hosts=[h for h, _ in hosts], ranks_per_host=per_host,
+        status_root=status_root, spare_hosts=[h for h in args.spare_hosts.split(",") if h],
+        max_relaunches=args.max_relaunches, timeout_s=args.timeout,
+        stall_timeout_s=args.stall_timeout, ssh_agent=args.ssh_agent, network=args.if_include,
+        mpirun=args.mpirun)
+    attempts = relaunch.run_job(cfg, echo=True)
+    succeeded = attempts[-1].succeeded
+    print(f"megatron-recover launch: run {'succeeded' if succeeded else 'FAILED'} after "
+          f"{len(attempts)} attempt(s); status files in {status_root}")
     return 0 if succeeded else 1

@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,18 @@ def write_status(state: str, **fields) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record) + "\n")
     os.replace(tmp, path)
+
+
+def write_progress(iteration: int) -> None:
+    """Record the newest committed iteration (the lowest live rank calls it after each one), for
+    the launcher's stall watchdog: `progress.json` beside the status files."""
+    path = _state["status_path"]
+    if path is None:
+        return
+    progress = path.with_name("progress.json")
+    tmp = progress.with_name(f"progress.{os.getpid()}.tmp")  # a writer that moved may overlap
+    tmp.write_text(json.dumps({"iteration": iteration, "time": time.time()}) + "\n")
+    os.replace(tmp, progress)
 
 
 # gloo reports a peer that died, or a collective that outlived its timeout, only through the
@@ -275,12 +288,13 @@ def init_mpi(status_dir: Path | None = None) -> DistributedContext:
         status_path = status_dir / f"rank-{rank}.json"
     _state["rank"] = rank
     install_exit_discipline(status_path)
-    write_status("running", pid=os.getpid())
+    write_status("running", pid=os.getpid(), host=socket.gethostname())
     return DistributedContext(rank=rank, world_size=size, status_path=status_path)
 
 
 def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
-                           timeout_s: float = 1800.0, world_id: int = 0) -> None:
+                           timeout_s: float = 1800.0, world_id: int = 0,
+                           network: str | None = None) -> None:
     """torch.distributed over the MPI ranks that pass the same `world_id`, and the `ulfm`
     backend registered. Collective over the whole MPI world.
 
@@ -298,14 +312,15 @@ def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
     world = _mpi().COMM_WORLD.Split(world_id, ctx.rank)
     rank, size = world.Get_rank(), world.Get_size()
     offset = ctx.rank - rank  # the world's ranks are consecutive MPI ranks (the caller's order)
+    host = _rendezvous_host(world, network)
     store = None
     port = 0
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)
+        store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False)
         port = store.port
     port = world.bcast(port, root=0)
     if rank != 0:
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+        store = dist.TCPStore(host, port, size, is_master=False)
     torch.set_num_threads(1)
     # The timeout bounds every gloo collective: a rank stuck in one leaves (exit hook) instead of
     # waiting forever for a peer that hangs.
@@ -316,6 +331,47 @@ def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
 
     collective.register()
     collective.set_world_rank_offset(offset)
+
+
+def ipv4_addresses() -> dict[str, str]:
+    """This host's network interfaces and their (first) IPv4 addresses."""
+    import fcntl
+    import struct
+
+    addresses = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address
+                continue
+            addresses[name] = socket.inet_ntoa(packed[20:24])
+    return addresses
+
+
+def _rendezvous_host(world, network: str | None) -> str:
+    """The address of the world's rank 0 for torch.distributed's store, and gloo's interface.
+
+    One host: loopback. Several, with `network` (a CIDR: the launcher's --if-include, which Open
+    MPI uses too): gloo uses this host's interface in it (GLOO_SOCKET_IFNAME, unless given) and
+    rank 0's address there is the store's. Several without it: rank 0's hostname, which every
+    host must resolve (gloo resolves its own likewise).
+    """
+    import ipaddress
+
+    hostname = socket.gethostname()
+    mine = None
+    if network:
+        addresses = ipaddress.ip_network(network)
+        mine = next(((name, address) for name, address in ipv4_addresses().items()
+                     if ipaddress.ip_address(address) in addresses), None)
+        if mine is None:
+            raise RuntimeError(f"--if-include {network}: host {hostname} has no interface in it")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", mine[0])
+    hosts = world.allgather((hostname, mine[1] if mine else None))
+    if all(h == hosts[0][0] for h, _ in hosts):
+        return "127.0.0.1"
+    return hosts[0][1] or hosts[0][0]
 
 
 def init_distributed(status_dir: Path | None = None, backend: str = "gloo") -> DistributedContext:

@@ -120,6 +120,8 @@ def survivors_agree(run, ranks):
     assert len(scaler) == 1, scaler
 
 
+# `make test-long`: bf16 and fp16 failures stay in `make test` through the layouts below.
+@pytest.mark.long
 @pytest.mark.timeout(6 * TIMEOUT_S)
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_failures_within_the_precisions_tolerance(tmp_path, measured, precision):

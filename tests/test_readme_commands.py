@@ -69,6 +69,14 @@ COMMANDS = {
     "make bench-grow-back": ("run", ".venv/bin/python scripts/bench_grow_back.py --replicas 3 "
                                     "--failures 1 --iterations 5 --out {tmp}/grow-back"),
     "scripts/bench_grow_back.py --json": ("skip", "as make bench-grow-back"),
+    # The fake nodes hide /tmp: the output goes under runs/, which they see.
+    "make bench-node-loss": ("long", ".venv/bin/python scripts/bench_node_loss.py --iterations 12 "
+                                     "--interval 2 --pairs 1 --out runs/readme-node-loss"),
+    "scripts/bench_node_loss.py --json": ("skip", "as make bench-node-loss"),
+    ".venv/bin/megatron-recover launch --hostfile hosts --spare-hosts node9 --max-relaunches 2 "
+    "-- .venv/bin/python pretrain_gpt_recover.py ARGS --recover --recover-snapshot-interval 10":
+        ("skip", "needs several hosts; tests/test_node_loss.py runs the same launcher on fake "
+                 "nodes"),
     "scripts/bench_overhead.py --json": ("long", ".venv/bin/python scripts/bench_overhead.py "
                                                  "--json --ranks 2 --iterations 7 --rounds 1"),
     "megatron-recover plan --w-init 32 --g-init 8 --iterations 5 --fail 1:31 --json":

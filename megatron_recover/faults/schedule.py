@@ -45,6 +45,11 @@ An optional top-level `overflows` list of {iteration, microbatch_id} forces an f
 backward of that microbatch, on whichever replica runs it (again, after a failure), is scaled to
 inf, so the loss scaler must skip the step. Each firing leaves a marker with location `overflow`.
 A schedule may hold only overflows (`entries: []`): the failure-free reference of such a run.
+
+An optional top-level `slow_snapshot_writes` list of {iteration, seconds} makes every rank's
+snapshot writer (--recover-snapshot-interval) of that iteration pause for `seconds` halfway
+through its file, as the write of a large model takes that long: a node lost meanwhile tears
+the snapshot on every node. Each pause leaves a marker with location `snapshot-write`.
 """
 
 import os
@@ -188,6 +193,21 @@ def load_overflows(path: Path, b_at, train_iters: int) -> list[Overflow]:
                              f"ids of iteration {overflow.iteration})")
         overflows.append(overflow)
     return overflows
+
+
+def load_slow_snapshot_writes(path: Path, train_iters: int) -> dict[int, float]:
+    """The schedule's `slow_snapshot_writes`: iteration -> seconds the writer pauses."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    raws = data.get("slow_snapshot_writes", []) if isinstance(data, dict) else []
+    if not isinstance(raws, list) or not all(isinstance(r, dict) and set(r) == {
+            "iteration", "seconds"} for r in raws):
+        raise ValueError(f"{path}: 'slow_snapshot_writes' must be a list of "
+                         "{iteration, seconds}")
+    pauses = {int(r["iteration"]): float(r["seconds"]) for r in raws}
+    if any(not 1 <= t <= train_iters or seconds <= 0 for t, seconds in pauses.items()):
+        raise ValueError(f"{path}: slow_snapshot_writes: iterations in 1..{train_iters}, "
+                         "seconds > 0")
+    return pauses
 
 
 def write_schedule(entries: list[ScheduleEntry], path: Path) -> None:

@@ -230,6 +230,15 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="start K replicas more than the training ones (mpirun -np counts them, "
                         "as the last ranks): they wait without a busy core and replace lost "
                         "replicas after the iteration that lost them, B unchanged")
+    g.add_argument("--recover-snapshot-interval", type=int, metavar="N",
+                   help="every N iterations each rank snapshots its complete training state "
+                        "into node-local memory (a helper thread writes it); a relaunch after a "
+                        "node loss (megatron-recover launch --max-relaunches) resumes from the "
+                        "newest snapshot the surviving nodes hold (default 0: none)")
+    g.add_argument("--recover-snapshot-dir", metavar="DIR",
+                   help="where the snapshots go: a node-local directory, for this job only "
+                        "(default under megatron-recover launch: /dev/shm/megatron-recover-"
+                        "RUN_ID)")
     g.add_argument("--recover-no-restore", action="store_true",
                    help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
                         "(shows what gradient restoration buys; breaks the trajectory)")
@@ -652,7 +661,8 @@ def _logging(ns, wandb_available: bool) -> list[str]:
 def _recover(ns) -> list[str]:
     given = [flag for flag in ("--recover-policy", "--recover-mode", "--recover-failure-schedule",
                                "--recover-log", "--recover-hang-timeout",
-                               "--recover-standby-replicas")
+                               "--recover-standby-replicas", "--recover-snapshot-interval",
+                               "--recover-snapshot-dir")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
     if ns.recover_no_restore:
         given.append("--recover-no-restore")
@@ -673,7 +683,36 @@ def _recover(ns) -> list[str]:
     if ns.recover_standby_replicas is not None and ns.recover_standby_replicas < 0:
         problems.append(f"--recover-standby-replicas must be >= 0, got "
                         f"{ns.recover_standby_replicas}")
+    problems += _snapshots(ns)
     return problems
+
+
+def _snapshots(ns) -> list[str]:
+    interval = ns.recover_snapshot_interval
+    if interval is None:
+        return (["--recover-snapshot-dir without --recover-snapshot-interval: add the interval "
+                 "or drop the directory"] if ns.recover_snapshot_dir else [])
+    if interval < 0:
+        return [f"--recover-snapshot-interval must be >= 0 (0: no snapshots), got {interval}"]
+    if interval and ns.recover_standby_replicas:
+        return ["--recover-snapshot-interval with --recover-standby-replicas is not supported "
+                "yet (a relaunch would have to re-form the standby pool): use one of them"]
+    if interval and ns.recover_snapshot_dir is None and ns.snapshot_run_id is None:
+        return ["--recover-snapshot-interval needs --recover-snapshot-dir DIR (node-local "
+                "storage for this job, e.g. /dev/shm/JOB) when the job is not started by "
+                "megatron-recover launch, which names one per job"]
+    return []
+
+
+SNAPSHOT_ROOT = Path("/dev/shm")
+
+
+def _snapshot_dir(ns) -> Path | None:
+    if not ns.recover_snapshot_interval:
+        return None
+    if ns.recover_snapshot_dir is not None:
+        return Path(ns.recover_snapshot_dir)
+    return SNAPSHOT_ROOT / f"megatron-recover-{ns.snapshot_run_id}"
 
 
 def training_world_size(argv: list[str], world_size: int) -> int:
@@ -797,18 +836,20 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
 
 
 def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
-               te_available: bool = False) -> TrainConfig:
+               te_available: bool = False, run_id: str | None = None) -> TrainConfig:
     """Parse a Megatron GPT command line into a validated TrainConfig.
 
     argv: the arguments without the program name. world_size: ranks at launch (from MPI).
     cuda_available: whether this rank trains on CUDA; on CPU, CUDA-only kernels are refused.
     te_available: whether Transformer Engine imports; without it its layers are refused.
+    run_id: the job's id under `megatron-recover launch` (it names the snapshot directory).
     Raises ValueError (one message, a line per problem, each saying what to change)
     for a bad combination; argparse exits with status 2 on unknown or malformed arguments.
     Pure: reads only argv and the files it names (dataset, tokenizer, failure schedule).
     """
     argv, refused = argument_table.split_refused(argv)
     ns = build_parser().parse_args(argv)
+    ns.snapshot_run_id = run_id
     if world_size < 1:
         raise ValueError(f"no training ranks: every rank of the launch is one of the "
                          f"--recover-standby-replicas {ns.recover_standby_replicas} standby "
@@ -892,7 +933,9 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
                             else ns.recover_hang_timeout),
             restore=not ns.recover_no_restore,
             cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo"),
-            standby_replicas=ns.recover_standby_replicas or 0),
+            standby_replicas=ns.recover_standby_replicas or 0,
+            snapshot_interval=ns.recover_snapshot_interval or 0,
+            snapshot_dir=_snapshot_dir(ns)),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
         rampup_batch_size=(None if ns.rampup_batch_size is None

@@ -49,13 +49,17 @@ def _iteration_dir(directory: Path, iteration: int) -> Path:
     return Path(directory) / f"iter_{iteration:07d}"
 
 
-def _position_file(directory: Path, iteration: int, position: tuple[int, ...]) -> Path:
+def position_name(position: tuple[int, ...]) -> str:
     """position: (tensor rank, pipeline rank) or, with distributed-optimizer shards, (tensor
     rank, pipeline rank, shard)."""
     name = f"mp_rank_{position[0]:02d}_{position[1]:03d}"
     if len(position) == 3:
         name += f"_shard_{position[2]:02d}"
-    return _iteration_dir(directory, iteration) / f"{name}.pt"
+    return name
+
+
+def _position_file(directory: Path, iteration: int, position: tuple[int, ...]) -> Path:
+    return _iteration_dir(directory, iteration) / f"{position_name(position)}.pt"
 
 
 def _distributed_optimizers(optimizer) -> list:

@@ -326,6 +326,10 @@ class RecoverConfig:
     """--recover-standby-replicas: replicas started beside the training ones (the last MPI
     ranks; not in the world size) that wait, then replace lost replicas at an iteration
     boundary."""
+    snapshot_interval: int = 0
+    """--recover-snapshot-interval: iterations between in-memory snapshots (0: none)."""
+    snapshot_dir: Path | None = None
+    """--recover-snapshot-dir, or the launcher's per-job default: where a node keeps them."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch.distributed as dist
 
+from megatron_recover import runtime
 from megatron_recover.megatron import mcore_config
 from megatron_recover.megatron.evaluation import EvalPass, result_of
 from megatron_recover.megatron.report import IntervalStats, failure_lines, model_flops
@@ -109,6 +110,7 @@ class Progress:
         grad_norm = None if grad_norm is None else float(grad_norm)
         flops = None if self.flops is None else self.flops * global_batch_size
         if writer:
+            runtime.write_progress(iteration)  # the launcher's stall watchdog reads it
             for line in failure_lines(iteration, list(events)):
                 print(line, flush=True)
         if recover is not None:

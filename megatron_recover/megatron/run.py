@@ -25,8 +25,10 @@ from megatron_recover.faults.schedule import (
     StandbyFaults,
     load_overflows,
     load_schedule,
+    load_slow_snapshot_writes,
     load_standby_entries,
 )
+from megatron_recover.faults.injection import read_markers, write_marker
 from megatron_recover.megatron import mcore_config
 from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.gpt import (
@@ -39,7 +41,7 @@ from megatron_recover.megatron.gpt import (
 from megatron_recover.megatron.progress import Progress
 from megatron_recover.megatron.report import RecoverLog
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
-from megatron_recover.megatron import checkpoint, dist_checkpoint, standby
+from megatron_recover.megatron import checkpoint, dist_checkpoint, snapshot, standby
 from megatron_recover.policy import (
     ADAPTIVE,
     EXACT,
@@ -78,6 +80,12 @@ def check_start(cfg) -> None:
             raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
                              "scaler, which skips the step; without --fp16 the inf gradient "
                              "would reach the parameters: add --fp16 or drop 'overflows'")
+        pauses = load_slow_snapshot_writes(cfg.recover.failure_schedule, cfg.train_iters)
+        if any(t % max(cfg.recover.snapshot_interval, 1) or not cfg.recover.snapshot_interval
+               for t in pauses):
+            raise ValueError(f"{cfg.recover.failure_schedule}: slow_snapshot_writes names "
+                             "iterations without a snapshot: use multiples of "
+                             "--recover-snapshot-interval")
 
 
 def _check_optimizer_locations(cfg, entries) -> None:
@@ -221,17 +229,21 @@ def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
     return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
 
 
-def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
-    """The lowest live replica (every rank agrees on it through the policy) writes."""
+def recovery_state(trainer, iteration: int) -> checkpoint.RecoveryState:
+    """What the policy needs to continue after `iteration` (checkpoints and snapshots)."""
     policy = trainer.p.policy
-    live = tuple(policy.layout.replicas)
-    if trainer.p.replica != min(live):
-        return
-    state = checkpoint.RecoveryState(
+    return checkpoint.RecoveryState(
         iteration=iteration, b=policy.config.b, w_init=policy.config.w_init,
         g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
-        layout=policy.layout, reserve_next=policy.reserve_next, live_replicas=live,
-        ramp=policy.config.ramp)
+        layout=policy.layout, reserve_next=policy.reserve_next,
+        live_replicas=tuple(policy.layout.replicas), ramp=policy.config.ramp)
+
+
+def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
+    """The lowest live replica (every rank agrees on it through the policy) writes."""
+    if trainer.p.replica != min(trainer.p.policy.layout.replicas):
+        return
+    state = recovery_state(trainer, iteration)
     checkpoint.save(cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer, setup.scheduler,
                     setup.checkpoint_position,
                     setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
@@ -434,25 +446,42 @@ def _trainer(cfg, ctx, setup: RankSetup, dataset,
     policy = WorkloadPolicy(mcore_config.to_policy_config(cfg))
     replica_ids = list(range(cfg.num_replicas))
     start = 1
-    if cfg.checkpoint.load and checkpoint.latest_iteration(cfg.checkpoint.load) is None:
-        # As Megatron-LM: a job script passes the same --load on its first launch.
-        if ctx.rank == 0:
-            print(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
-                  f"{checkpoint.TRACKER}): training from scratch", flush=True)
-    elif cfg.checkpoint.load:
-        state = checkpoint.load(cfg.checkpoint.load, setup.ddp_model, setup.optimizer,
-                                setup.scheduler, setup.checkpoint_position)
+    state, source = _resume(cfg, ctx, setup)
+    if state is not None:
         policy, replica_ids = resumed_policy(cfg, state, cfg.num_replicas)
         start = state.iteration + 1
         if ctx.rank == 0:
             print(f"megatron-recover: resumed iteration {state.iteration} from "
-                  f"{cfg.checkpoint.load}: replicas {replica_ids} continue the run's "
+                  f"{source}: replicas {replica_ids} continue the run's "
                   f"{list(state.live_replicas)}", flush=True)
     # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
     replica_of_rank = {rank: replica_ids[dp] for rank, dp in setup.replica_of_rank.items()}
     trainer = _resilient_trainer(cfg, setup, dataset, policy, replica_ids[setup.replica_index],
                                  replica_of_rank, wants_exit)
     return trainer, start
+
+
+def _resume(cfg, ctx, setup: RankSetup) -> tuple[checkpoint.RecoveryState | None, str]:
+    """Load the newest state this job left: in-memory snapshots (after a relaunch) unless the
+    on-disk checkpoint of --load is newer; (None, "") when there is neither."""
+    on_disk = checkpoint.latest_iteration(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    start = time.perf_counter()
+    if cfg.recover.snapshot_interval:
+        state = snapshot.restore(cfg.recover.snapshot_dir, setup.group,
+                                 setup.checkpoint_position, setup.ddp_model, setup.optimizer,
+                                 setup.scheduler, after=on_disk or 0)
+        if state is not None:
+            return state, (f"in-memory snapshots in {cfg.recover.snapshot_dir} "
+                           f"({time.perf_counter() - start:.3f} s)")
+    if on_disk is not None:
+        state = checkpoint.load(cfg.checkpoint.load, setup.ddp_model, setup.optimizer,
+                                setup.scheduler, setup.checkpoint_position)
+        return state, f"{cfg.checkpoint.load} ({time.perf_counter() - start:.3f} s)"
+    if cfg.checkpoint.load and ctx.rank == 0:
+        # As Megatron-LM: a job script passes the same --load on its first launch.
+        print(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
+              f"{checkpoint.TRACKER}): training from scratch", flush=True)
+    return None, ""
 
 
 def _resilient_trainer(cfg, setup: RankSetup, dataset, policy, replica: int,
@@ -603,6 +632,9 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
     # the log lacks (bounded: a chain of PENDING_RECORDS writer deaths is not survived in full).
     pending = deque(maxlen=PENDING_RECORDS)
     iteration = start - 1
+    snapshots = None
+    if cfg.recover.snapshot_interval:
+        snapshots = _snapshots(cfg, ctx, setup, trainer.p.replica)
 
     def save():
         trainer.gather_parameters()
@@ -635,6 +667,11 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         saved = progress.save_due(iteration)
         if saved:
             save()
+        if snapshots is not None and snapshots.due(iteration):
+            trainer.gather_parameters()
+            snapshots.take(iteration, {**checkpoint.training_state(
+                setup.ddp_model, setup.optimizer, setup.scheduler),
+                "recovery": recovery_state(trainer, iteration)})
         if progress.stopping(iteration, report.exit_requested, saved, save):
             break
         if pool is not None and iteration < cfg.train_iters:
@@ -643,8 +680,29 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         progress.end_of_training(iteration)
     if pool is not None:
         pool.dismiss()
+    if snapshots is not None:
+        snapshots.finish()
     trainer.gather_parameters()  # the final parameters, on every shard
     return skipped, joined
+
+
+def _snapshots(cfg, ctx, setup: RankSetup, replica: int) -> snapshot.Snapshots:
+    """This rank's snapshot writer, with the failure schedule's slow writes."""
+    slow, on_pause = {}, None
+    if cfg.recover.failure_schedule is not None:
+        markers = marker_path(cfg)
+        # A relaunch that redoes an iteration does not pause its write again: once per job.
+        paused = {m["iteration"] for m in read_markers(markers)
+                  if m.get("location") == "snapshot-write"}
+        slow = {t: s for t, s in load_slow_snapshot_writes(cfg.recover.failure_schedule,
+                                                           cfg.train_iters).items()
+                if t not in paused}
+
+        def on_pause(iteration):
+            write_marker(markers, "snapshot-write", ctx.rank,
+                         {"location": "snapshot-write", "iteration": iteration})
+    return snapshot.Snapshots(cfg.recover.snapshot_dir, cfg.recover.snapshot_interval,
+                              setup.checkpoint_position, replica, slow, on_pause)
 
 
 def state_digests(setup: RankSetup) -> dict:

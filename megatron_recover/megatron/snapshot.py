@@ -1,0 +1,270 @@
+"""In-memory snapshots: a node loss costs at most --recover-snapshot-interval iterations.
+
+Open MPI's runtime ends the whole job when a node (its daemon) is lost, and nothing can be saved
+at that point (ranks on the mpirun node get no signal, the others are killed 0.2-0.3 s after a
+SIGTERM: ../shared/probes/nodes/README.md). So every --recover-snapshot-interval iterations each
+rank copies its complete training state at the iteration boundary and a helper thread writes the
+copy into node-local shared memory (--recover-snapshot-dir, /dev/shm by default):
+
+  DIR/iter_NNNNNNN/mp_rank_TT_PPP[_shard_SS]-replica_RRRR.pt
+
+one file per rank: its position's model, optimizer (with the distributed optimizer's main
+parameters and Adam moments), loss scaler, scheduler, RNG states and the recovery state (policy
+layout, data position). A file is written under a temporary name and renamed when complete: the
+rename is its completion marker, so a snapshot torn by the failure is never read. Each rank
+keeps its newest complete snapshot until the next one is complete (two buffers): the files of
+older iterations are deleted only then.
+
+Replicas hold identical states, so every surviving replica holds a full copy of the model state,
+and with distributed-optimizer instances every instance holds every shard index. A relaunch
+(`restore`) therefore needs no other copy while one full replica survives: it resumes from the
+newest iteration whose files, over the surviving nodes, cover every position of the new job,
+the same iteration on every rank; a rank whose node has no file of its position (a spare host)
+receives it from one that has. When no iteration is covered (no replica survived whole), the run
+falls back to the newest on-disk checkpoint (--load), or starts from scratch without one.
+"""
+
+import io
+import re
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_recover.megatron import checkpoint, standby
+
+_FILE = re.compile(r"^(mp_rank_\d+_\d+(?:_shard_\d+)?)-replica_\d+\.pt$")
+
+
+def _cloned(value):
+    """`value` with every tensor copied: the copy the writer thread may hold while the next
+    iteration updates the live tensors in place."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def rng_states() -> dict:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return {"random": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(states["random"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    torch.cuda.set_rng_state(states["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _iteration_dir(directory: Path, iteration: int) -> Path:
+    return directory / f"iter_{iteration:07d}"
+
+
+def _iteration_of(path: Path) -> int | None:
+    name = path.name
+    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
+def inventory(directory: Path) -> dict[int, set[str]]:
+    """The complete snapshot files on this node: iteration -> position names."""
+    found = {}
+    if not directory.is_dir():
+        return found
+    for path in directory.iterdir():
+        iteration = _iteration_of(path)
+        if iteration is None:
+            continue
+        names = {m.group(1) for m in map(_FILE.match, (p.name for p in path.iterdir())) if m}
+        if names:
+            found[iteration] = names
+    return found
+
+
+class Snapshots:
+    """This rank's snapshot writer: `take` at the iteration boundary, `finish` at the end.
+
+    `take` copies the state on the calling thread and returns; the helper thread writes it. A
+    `take` while the previous write still runs waits for it first (a rank has at most one
+    write in flight, so the files of its previous snapshot are always complete).
+    """
+
+    def __init__(self, directory: Path, interval: int, position: tuple[int, ...], replica: int,
+                 slow_writes: dict[int, float] | None = None, on_pause=None):
+        """`slow_writes` (failure schedules): iteration -> seconds its write pauses halfway,
+        after calling `on_pause(iteration)`."""
+        self.directory = Path(directory)
+        self.interval = interval
+        self.name = f"{checkpoint.position_name(position)}-replica_{replica:04d}.pt"
+        self._slow_writes = slow_writes or {}
+        self._on_pause = on_pause
+        self._writer: threading.Thread | None = None
+        self._previous: int | None = None  # the newest snapshot this rank completed
+        self.copy_s: list[float] = []  # time on the training thread, per snapshot
+        self.write_s: list[float] = []  # time of the helper thread's write, per snapshot
+        self.error: BaseException | None = None
+
+    def due(self, iteration: int) -> bool:
+        return self.interval > 0 and iteration % self.interval == 0
+
+    def take(self, iteration: int, state: dict) -> None:
+        """Snapshot `state` (what `checkpoint.training_state` returns plus the recovery state)
+        as of the end of `iteration`; blocks only for the copy (and a write still running)."""
+        start = time.perf_counter()
+        self.wait()
+        copy = {**_cloned(state), "rng": rng_states(), "iteration": iteration}
+        self.copy_s.append(time.perf_counter() - start)
+        self._writer = threading.Thread(target=self._write, args=(iteration, copy),
+                                        name="snapshot-writer", daemon=True)
+        self._writer.start()
+
+    def _write(self, iteration: int, copy: dict) -> None:
+        start = time.perf_counter()
+        try:
+            path = _iteration_dir(self.directory, iteration) / self.name
+            tmp = path.with_suffix(".tmp")
+            buffer = io.BytesIO()
+            torch.save(copy, buffer)
+            data = buffer.getbuffer()
+            with _create(tmp) as f:
+                if iteration in self._slow_writes:
+                    half = len(data) // 2
+                    f.write(data[:half])
+                    f.flush()
+                    self._on_pause(iteration)
+                    time.sleep(self._slow_writes[iteration])
+                    data = data[half:]
+                f.write(data)
+            tmp.rename(path)  # the completion marker
+            previous, self._previous = self._previous, iteration
+            if previous is not None:
+                # Every rank of this node is at most one write behind: nothing older than this
+                # rank's previous snapshot is still being written, or still the newest anywhere.
+                prune(self.directory, lambda t: t < previous)
+        except BaseException as error:  # reported by wait(), on the training thread
+            self.error = error
+        self.write_s.append(time.perf_counter() - start)
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self.error is not None:
+            raise RuntimeError(f"snapshot write to {self.directory} failed: {self.error!r}")
+
+    def finish(self) -> None:
+        """The run completed: wait for the last write, then remove this rank's files and the
+        directories left empty (the last rank of the node removes the node's)."""
+        self.wait()
+        for path in self.directory.glob(f"iter_*/{self.name}"):
+            path.unlink(missing_ok=True)
+        for path in sorted(self.directory.glob("iter_*")) + [self.directory]:
+            try:
+                path.rmdir()
+            except OSError:  # another rank's files are still there
+                pass
+
+
+def _create(path: Path):
+    """`path` opened for writing, its directory made first; a rank of this node that finished
+    the run may remove the (empty) directory meanwhile (`finish`), so this tries again."""
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return open(path, "wb")
+        except (FileNotFoundError, FileExistsError):  # removed between the two steps
+            continue
+
+
+def prune(directory: Path, drop) -> None:
+    """Remove the iteration directories `drop(iteration)` selects."""
+    for path in list(directory.glob("iter_*")):
+        iteration = _iteration_of(path)
+        if iteration is not None and drop(iteration):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def choose(inventories: list[tuple[str, str, dict[int, set[str]]]]) -> int | None:
+    """The newest iteration at which, for every position, some rank of that position has its
+    file on its node; `inventories` holds (hostname, position name, node inventory) of every
+    rank. None: no iteration is covered."""
+    needed = {name for _, name, _ in inventories}
+    iterations = set().union(*(found for _, _, found in inventories))
+    covered = [t for t in iterations
+               if all(any(other == name and name in found.get(t, ())
+                          for _, other, found in inventories) for name in needed)]
+    return max(covered) if covered else None
+
+
+def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimizer,
+            scheduler, after: int = 0) -> checkpoint.RecoveryState | None:
+    """Resume from the newest snapshot the surviving nodes hold in full (see the module
+    docstring), if it is newer than iteration `after` (an on-disk checkpoint's); None when
+    there is none. Every rank of the (torch) world calls it at start-up.
+
+    `group` is this position's cross-replica group: a rank without a local file of its position
+    receives the file's bytes from the lowest rank that has one. Contract: no rank fails during
+    the restore (the job ends and the launcher relaunches it again).
+    """
+    name = checkpoint.position_name(position)
+    mine = inventory(directory)
+    hostname = socket.gethostname()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (hostname, name, mine))
+    iteration = choose(everyone)
+    if iteration is None or iteration <= after:
+        return None
+    members = [rank for rank, (_, other, _) in enumerate(everyone) if other == name]
+    holders = [rank for rank in members if name in everyone[rank][2].get(iteration, ())]
+    local = _iteration_dir(directory, iteration)
+    if all(rank in holders for rank in members):
+        path = next(local.glob(f"{name}-replica_*.pt"))
+        saved = torch.load(path, map_location="cpu", weights_only=False)  # our own files
+    else:
+        assert sorted(group.members) == members, (group.members, members)
+        donor = min(holders)
+        blob = None
+        if dist.get_rank() == donor:
+            blob = torch.frombuffer(bytearray(next(local.glob(f"{name}-replica_*.pt"))
+                                              .read_bytes()), dtype=torch.uint8)
+        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
+        _broadcast(group, size, donor)
+        if blob is None:
+            blob = torch.empty(int(size[0]), dtype=torch.uint8)
+        _broadcast(group, blob, donor)
+        saved = standby.from_blob(blob)
+    if saved["iteration"] != iteration:
+        raise RuntimeError(f"snapshot {local} holds iteration {saved['iteration']}")
+    checkpoint.load_training_state(saved, ddp_model, optimizer, scheduler)
+    set_rng_states(saved["rng"])
+    # Iterations after the one resumed belong to the run that ended; the next snapshots rewrite
+    # them. The lowest rank of each node removes them there.
+    if dist.get_rank() == min(r for r, (h, _, _) in enumerate(everyone) if h == hostname):
+        prune(directory, lambda t: t > iteration)
+    dist.barrier()
+    return saved["recovery"]
+
+
+def _broadcast(group, tensor: torch.Tensor, donor: int) -> None:
+    record = group.broadcast(tensor, donor).wait()
+    if record.has_failure:
+        raise RuntimeError(f"a rank failed while restoring a snapshot: {record}")

@@ -1,0 +1,76 @@
+"""In-memory snapshots and the relaunching launcher, without MPI: the writer's two buffers and
+completion marker, the relaunch's choice of iteration, the hostfile and the stall bound.
+
+Run: `make test`. CPU only, one process; tests/test_node_loss.py runs the same code on 3 nodes.
+"""
+
+import torch
+
+from megatron_recover import relaunch
+from megatron_recover.megatron import snapshot
+
+
+def files(directory):
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def test_the_writer_keeps_the_newest_complete_snapshot_until_the_next_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "rng_states", lambda: {"torch": torch.get_rng_state()})
+    writer = snapshot.Snapshots(tmp_path, 2, (0, 0), replica=3)
+    weight = torch.zeros(4)
+    for iteration in (2, 4, 6):
+        weight += 1
+        writer.take(iteration, {"model": {"weight": weight}})
+        writer.wait()
+    # Iteration 2's files went once 6's were complete; 4's stay until 8's are.
+    assert files(tmp_path) == ["iter_0000004/mp_rank_00_000-replica_0003.pt",
+                               "iter_0000006/mp_rank_00_000-replica_0003.pt"]
+    saved = torch.load(tmp_path / files(tmp_path)[1], weights_only=False)
+    assert saved["iteration"] == 6 and saved["model"]["weight"].tolist() == [3.0] * 4
+    weight += 1  # the copy was taken at the boundary: later updates do not reach it
+    assert torch.load(tmp_path / files(tmp_path)[1], weights_only=False)["model"][
+        "weight"].tolist() == [3.0] * 4
+    writer.finish()
+    assert not tmp_path.exists()
+
+
+def test_a_slow_write_is_torn_until_it_completes(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "rng_states", lambda: {})
+    paused = []
+    writer = snapshot.Snapshots(tmp_path, 2, (1, 0, 1), replica=0, slow_writes={4: 0.5},
+                                on_pause=paused.append)
+    writer.take(2, {"model": {"w": torch.ones(1000)}})
+    writer.wait()
+    writer.take(4, {"model": {"w": torch.ones(1000)}})
+    while not paused:
+        pass
+    # Halfway through: only a temporary file, never counted as complete.
+    assert "iter_0000004/mp_rank_01_000_shard_01-replica_0000.tmp" in files(tmp_path)
+    assert snapshot.inventory(tmp_path) == {2: {"mp_rank_01_000_shard_01"}}
+    writer.wait()
+    assert snapshot.inventory(tmp_path) == {2: {"mp_rank_01_000_shard_01"},
+                                            4: {"mp_rank_01_000_shard_01"}}
+
+
+def test_the_relaunch_takes_the_newest_iteration_every_position_holds():
+    a, b = "mp_rank_00_000", "mp_rank_01_000"
+    # (host, the rank's position, its node's files): a TP=2 job on two nodes.
+    ranks = [("n0", a, {4: {a, b}, 6: {a}}), ("n0", b, {4: {a, b}, 6: {a}}),
+             ("n1", a, {4: {a, b}, 6: {a, b}}), ("n1", b, {4: {a, b}, 6: {a, b}})]
+    assert snapshot.choose(ranks) == 6
+    # n1 lost: 6 lacks position b on the survivors (torn there), 4 is complete.
+    assert snapshot.choose(ranks[:2]) == 4
+    # A spare host brings no files, and a file of another position does not count.
+    spare = [("n2", a, {}), ("n2", b, {})]
+    assert snapshot.choose(ranks[:2] + spare) == 4
+    assert snapshot.choose([("n0", a, {6: {b}}), ("n0", b, {})]) is None
+    assert snapshot.choose(spare) is None
+
+
+def test_hostfile_and_stall_bound(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the job's nodes\nnode1 slots=8\nnode2 slots=8  # second\n\nnode3\n")
+    assert relaunch.read_hostfile(hostfile) == [("node1", 8), ("node2", 8), ("node3", 1)]
+    assert relaunch.stall_timeout(["x", "--recover-hang-timeout", "5"]) == 55
+    assert relaunch.stall_timeout(["x", "--recover-hang-timeout=0"]) == 11 * 60
+    assert relaunch.stall_timeout(["x"]) == 11 * 60
