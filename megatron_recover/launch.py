@@ -28,6 +28,14 @@ LAUNCH_DEFAULTS = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STATUS_DIR_ENV = "MEGATRON_RECOVER_STATUS_DIR"
 RUN_ID_ENV = "MEGATRON_RECOVER_RUN_ID"  # one per job, kept by its relaunches (snapshots)
 NETWORK_ENV = "MEGATRON_RECOVER_NETWORK"  # --if-include: the network the ranks rendezvous on
+SNAPSHOT_ROOT = Path("/dev/shm")
+
+
+def default_snapshot_dir(run_id: str) -> Path:
+    """Where the ranks of job `run_id` keep their snapshots unless --recover-snapshot-dir."""
+    return SNAPSHOT_ROOT / f"megatron-recover-{run_id}"
+
+
 FORWARDED_ENV = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", STATUS_DIR_ENV, RUN_ID_ENV,
                  NETWORK_ENV)
 

@@ -25,6 +25,7 @@ A job that ends with an error and no lost host (a bug, a bad argument) is not re
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -32,7 +33,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_recover.launch import LaunchConfig, RunningJob, kill_ranks, read_statuses
+from megatron_recover.launch import (
+    LaunchConfig,
+    RunningJob,
+    default_snapshot_dir,
+    kill_ranks,
+    read_statuses,
+)
 
 # prterun's help text "lost communication with a remote daemon" names the node.
 _LOST_DAEMON = re.compile(r"Remote daemon:\s*\S+ on node (\S+)")
@@ -98,6 +105,7 @@ class Attempt:
 
     number: int
     hosts: list[str]
+    run_id: str
     started: float  # time.time()
     ended: float = 0.0  # mpirun exited (or was stopped)
     returncode: int | None = None
@@ -126,6 +134,8 @@ class Attempt:
         errors = "".join(f"\n  rank {rank} {s['state']}: {s['error'].strip().splitlines()[-1]}"
                          for rank, s in sorted(self.statuses.items())
                          if s.get("state") in ("error", "left") and s.get("error"))
+        if not self.succeeded and not errors:  # ranks died without a word: mpirun's last lines
+            errors = "".join(f"\n  | {line.rstrip()}" for _, line in self.lines[-6:])
         return (f"attempt {self.number} on {','.join(self.hosts)}: {how} after "
                 f"{self.ended - self.started:.1f} s; rank states {states}; lost hosts: {lost}"
                 f"{errors}")
@@ -183,7 +193,7 @@ def run_attempt(cfg: JobConfig, number: int, hosts: list[str], run_id: str, on_l
                           cfg.network, run_id, cfg.env)
     stall_s = cfg.stall_timeout_s if cfg.stall_timeout_s is not None else stall_timeout(
         cfg.command)
-    attempt = Attempt(number, list(hosts), time.time())
+    attempt = Attempt(number, list(hosts), run_id, time.time())
     job = RunningJob(launch, on_line=on_line, echo=echo)
     if on_start is not None:
         on_start(attempt, job)
@@ -235,6 +245,18 @@ def end_ranks(statuses: dict[int, dict], ssh_agent: str | None, env: dict) -> No
                    env)
 
 
+def remove_snapshots(run_id: str, hosts: list[str], cfg: JobConfig) -> None:
+    """The job completed: free the memory its default snapshot directory holds on every host
+    that still answers (the ranks remove their own files; those of ranks lost earlier stay)."""
+    directory = default_snapshot_dir(run_id)
+    env = {**os.environ, **dict(cfg.env)}
+    for host in dict.fromkeys(hosts):
+        if host == socket.gethostname():
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            remote(host, f"rm -rf {directory}", cfg.ssh_agent, env)
+
+
 class _Stalled(Exception):
     pass
 
@@ -255,6 +277,7 @@ def run_job(cfg: JobConfig, on_line=None, echo: bool = False, on_start=None,
                                       {**os.environ, **dict(cfg.env)})
         log(f"megatron-recover launch: {attempt.summary()}")
         if attempt.succeeded:
+            remove_snapshots(run_id, hosts + [h for a in attempts for h in a.hosts], cfg)
             return attempts
         if not attempt.lost and not attempt.stalled:
             log("megatron-recover launch: the job failed without a lost host: not relaunched")

@@ -1,8 +1,7 @@
 """Node loss on three fake nodes of this machine (megatron_recover.testing.nodes), 2 ranks each.
 
 A rank's death on a remote node is survived in-step. A lost node (whole, its daemon only, or
-silent: link down, with the failure detector on) ends the job within the bound derived from
---recover-hang-timeout; `megatron-recover launch` relaunches on the other nodes (or on a spare)
+silent: link down) ends the job within the launcher's bound; `megatron-recover launch` relaunches on the other nodes (or on a spare)
 and the ranks resume from the newest in-memory snapshot the survivors hold in full, after which
 the run equals the failure-free one: every iteration's loss (the last record of each) and the
 final parameters. A snapshot torn by the loss is never loaded. Nothing is left behind: no
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from megatron_recover import relaunch
+from megatron_recover.launch import default_snapshot_dir
 from megatron_recover.faults import read_markers
 from megatron_recover.testing.nodes import AGENT, FakeNodes, unavailable_reason
 from tests.mpirun_harness import ENTRY
@@ -35,10 +35,11 @@ pytestmark = [pytest.mark.mpi,
                                  reason=unavailable_reason() or "")]
 ITERATIONS = 10
 INTERVAL = 2
-# The failure detector's timeout of the silent loss: Revoke+Shrink then never returns, so the
-# launcher's stall bound (STALL_FACTOR x this) ends the job. Other runs keep the default (60 s):
-# with 6 ranks on 2 cores, shorter timeouts were seen to declare live ranks dead at start-up.
-SILENT_HANG_S = 8.0
+# The launcher's stall bound for the silent loss (--stall-timeout): the default, 11 x the hang
+# timeout, is 11 minutes at the default 60 s, and shorter hang timeouts (3-8 s) were seen here to
+# declare live ranks dead while 6 ranks start on 2 cores. With the detector at 60 s no error
+# reaches the survivors before the bound: the silent case the watchdog alone must end.
+SILENT_STALL_S = 45.0
 KILL_AFTER = 5  # the node is lost once this iteration has committed
 RANKS_PER_NODE = 2
 TEARDOWN_S = 15.0  # mpirun's teardown, then this launcher's clean-up
@@ -57,7 +58,7 @@ def shared_dir():
 
 @dataclass
 class Job:
-    command: list[str]
+    stall_timeout_s: float  # the launcher's bound
     attempts: list[relaunch.Attempt]
     records: dict[int, dict]  # the last record of each iteration
     markers: list[dict]
@@ -85,12 +86,13 @@ def _progress(status_dir: Path) -> int:
 
 
 def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=(),
-            schedule: str | None = None, wait_for_markers: int = 0, extra=()) -> Job:
+            schedule: str | None = None, wait_for_markers: int = 0,
+            stall_timeout_s: float | None = None) -> Job:
     """The job on `hosts` under the relaunching launcher; `lose(name)` (a FakeNodes method)
     takes node nodeC once iteration KILL_AFTER has committed (and, with `wait_for_markers`,
     that many markers are written)."""
     log = work / "log.jsonl"
-    command = [*ENTRY, *JOB, *extra, "--recover", "--recover-log", str(log)]
+    command = [*ENTRY, *JOB, "--recover", "--recover-log", str(log)]
     if schedule is not None:
         (work / "schedule.yaml").write_text(schedule)
         command += ["--recover-failure-schedule", str(work / "schedule.yaml")]
@@ -119,7 +121,8 @@ def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=()
     cfg = relaunch.JobConfig(
         command=command, hosts=hosts, ranks_per_host=RANKS_PER_NODE, status_root=status_root,
         spare_hosts=list(spares), max_relaunches=1, timeout_s=TIMEOUT_S,
-        ssh_agent=str(AGENT), network=nodes.cidr, env=tuple(nodes.env.items()))
+        stall_timeout_s=stall_timeout_s, ssh_agent=str(AGENT), network=nodes.cidr,
+        env=tuple(nodes.env.items()))
     attempts = relaunch.run_job(cfg, on_start=on_start)
     deadline = time.monotonic() + 10.0  # orphaned ranks of a lost daemon exit within ~1 s
     while (nodes.leftovers()["processes"] or nodes.leftovers()["agents"]) and \
@@ -128,8 +131,8 @@ def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=()
     records = {}
     for record in map(json.loads, log.read_text().splitlines()):
         records[record["iteration"]] = record  # a relaunch rewrites the iterations it redoes
-    return Job(command, attempts, records, read_markers(log.with_suffix(".markers.jsonl")), loss["at"],
-               loss["after"], loss["torn"], nodes.leftovers(), status_root)
+    return Job(stall_timeout_s or relaunch.stall_timeout(command), attempts, records, read_markers(log.with_suffix(".markers.jsonl")),
+               loss["at"], loss["after"], loss["torn"], nodes.leftovers(), status_root)
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +158,7 @@ def assert_equals_reference(job: Job, reference, label: str, figures) -> None:
     last = job.attempts[-1]
     completed = [r for r, s in last.statuses.items() if s.get("state") == "completed"]
     assert completed, last.summary()
+    assert not default_snapshot_dir(last.run_id).exists()  # freed on this machine
     digests = {last.statuses[r]["param_digest"] for r in completed}
     assert len(digests) == 1, "the replicas' final parameters differ"
     rdiff = max(param_rdiff(job.params(len(job.attempts), r), params) for r in completed)
@@ -172,7 +176,7 @@ def assert_relaunched(job: Job, lost_reason, hosts: list[str], figures, label) -
     assert not first.succeeded and list(first.lost) == ["nodeC"], first.summary()
     assert lost_reason(first.lost["nodeC"]), first.summary()
     ended_s = first.ended - job.killed_at
-    bound_s = relaunch.stall_timeout(job.command) + TEARDOWN_S
+    bound_s = job.stall_timeout_s + TEARDOWN_S
     assert ended_s <= bound_s, f"the job took {ended_s:.1f} s to end"
     assert second.succeeded and second.hosts == hosts, second.summary()
     assert [s["state"] for s in second.statuses.values()] == ["completed"] * 2 * len(hosts), (
@@ -210,18 +214,15 @@ def daemon_only(evidence: str) -> bool:
     return evidence == "PRRTE lost its daemon"
 
 
-LOSSES = {"whole node": ("kill_node", unreachable, ()),
-          "daemon only": ("kill_daemon", daemon_only, ()),
-          "silent, with the failure detector": (
-              "silence", unreachable, ("--recover-hang-timeout", f"{SILENT_HANG_S:g}"))}
+LOSSES = {"whole node": ("kill_node", unreachable), "daemon only": ("kill_daemon", daemon_only)}
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
 @pytest.mark.parametrize("loss", ["whole node", "daemon only"])
 def test_node_loss_relaunches_from_snapshots(shared_dir, reference, figures, loss):
-    method, reason, extra = LOSSES[loss]
+    method, reason = LOSSES[loss]
     with FakeNodes(["nodeB", "nodeC"]) as nodes:
-        job = run_job(shared_dir, nodes, nodes.hosts, lose=getattr(nodes, method), extra=extra)
+        job = run_job(shared_dir, nodes, nodes.hosts, lose=getattr(nodes, method))
     assert nodes.links() == []
     assert_relaunched(job, reason, nodes.hosts[:2], figures, loss)
     assert_equals_reference(job, reference, loss, figures)
@@ -229,27 +230,17 @@ def test_node_loss_relaunches_from_snapshots(shared_dir, reference, figures, los
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
 def test_a_silent_node_loss_ends_within_the_bound(shared_dir, reference, figures):
-    """With the detector the survivors see nodeC fail after SILENT_HANG_S. Either their repair
-    never returns (the probe's outcome), and the stall watchdog ends the job and it is relaunched
-    from the snapshots, or it returns and they finish training in-step, while mpirun waits for
-    nodeC's daemon forever, until the launcher stops it: both end within the bound, exactly."""
-    loss = "silent, with the failure detector"
-    method, reason, extra = LOSSES[loss]
+    """nodeC's link goes down, then its processes die: no connection closes and its ssh
+    stand-in blocks, so mpirun never learns of it and the survivors wait. The stall watchdog
+    stops the job SILENT_STALL_S after the last committed iteration; the probe finds nodeC
+    unreachable and the relaunch resumes from the snapshots."""
     with FakeNodes(["nodeB", "nodeC"]) as nodes:
-        job = run_job(shared_dir, nodes, nodes.hosts, lose=nodes.silence, extra=extra)
+        job = run_job(shared_dir, nodes, nodes.hosts, lose=nodes.silence,
+                      stall_timeout_s=SILENT_STALL_S)
     assert nodes.links() == []
-    if len(job.attempts) == 2:
-        assert_relaunched(job, reason, nodes.hosts[:2], figures, loss)
-    else:
-        (only,) = job.attempts
-        assert job.killed_at is not None and only.succeeded, only.summary()
-        ended_s = only.ended - job.killed_at
-        bound_s = relaunch.EXIT_GRACE_S + relaunch.stall_timeout(job.command) + TEARDOWN_S
-        figures.append(f"node loss, {loss}: survived in-step, mpirun stopped {ended_s:.1f} s "
-                       f"after the loss (bound {bound_s:g} s)")
-        assert ended_s <= bound_s
-        assert job.leftovers == {"processes": [], "agents": []}, job.leftovers
-    assert_equals_reference(job, reference, loss, figures)
+    assert job.attempts[0].stalled, job.attempts[0].summary()
+    assert_relaunched(job, unreachable, nodes.hosts[:2], figures, "silent")
+    assert_equals_reference(job, reference, "silent", figures)
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
@@ -272,9 +263,10 @@ def test_a_snapshot_torn_by_the_loss_is_never_loaded(shared_dir, reference, figu
         job = run_job(shared_dir, nodes, nodes.hosts, lose=nodes.kill_node,
                       schedule="entries: []\nslow_snapshot_writes:\n"
                                "  - {iteration: 6, seconds: 60}\n",
-                      wait_for_markers=len(nodes.hosts) * RANKS_PER_NODE)
+                      wait_for_markers=len(nodes.hosts))
+    # One writer per node (the lowest replica there): all three were inside it.
     pauses = [(m["rank"], m["iteration"]) for m in job.markers]
-    assert sorted(pauses) == [(r, 6) for r in range(6)]  # every writer was inside it
+    assert sorted(pauses) == [(0, 6), (2, 6), (4, 6)]
     assert any("iter_0000006" in path for path in job.torn), job.torn  # on this machine too
     assert job.resumed_iteration() == 4
     assert_equals_reference(job, reference, "torn snapshot", figures)

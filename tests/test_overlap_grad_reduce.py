@@ -69,7 +69,10 @@ def digests(run):
 
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# For time, `make test` kills under DP alone; the pipeline and instance layouts run in
+# `make test-long`.
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.long] if i else [])
+                                    for i, name in enumerate(LAYOUTS)])
 def test_kill_while_reductions_overlap_backward(tmp_path, layout):
     args, (replica, local_rank), survivors, live, stages = LAYOUTS[layout]
     deferred = train(tmp_path, "deferred", args)

@@ -16,7 +16,9 @@ def files(directory):
 
 def test_the_writer_keeps_the_newest_complete_snapshot_until_the_next_is(tmp_path, monkeypatch):
     monkeypatch.setattr(snapshot, "rng_states", lambda: {"torch": torch.get_rng_state()})
-    writer = snapshot.Snapshots(tmp_path, 2, (0, 0), replica=3)
+    writer = snapshot.Snapshots(tmp_path, 2, (0, 0), replica=3, replicas_here=[1, 3])
+    # Replica 1 writes this node's copy while it lives, then replica 3.
+    assert not writer.due(2, [0, 1, 3]) and writer.due(2, [0, 3]) and not writer.due(3, [3])
     weight = torch.zeros(4)
     for iteration in (2, 4, 6):
         weight += 1
@@ -39,6 +41,7 @@ def test_a_slow_write_is_torn_until_it_completes(tmp_path, monkeypatch):
     paused = []
     writer = snapshot.Snapshots(tmp_path, 2, (1, 0, 1), replica=0, slow_writes={4: 0.5},
                                 on_pause=paused.append)
+    assert writer.due(4, [0, 1])
     writer.take(2, {"model": {"w": torch.ones(1000)}})
     writer.wait()
     writer.take(4, {"model": {"w": torch.ones(1000)}})

@@ -704,15 +704,14 @@ def _snapshots(ns) -> list[str]:
     return []
 
 
-SNAPSHOT_ROOT = Path("/dev/shm")
-
-
 def _snapshot_dir(ns) -> Path | None:
+    from megatron_recover.launch import default_snapshot_dir
+
     if not ns.recover_snapshot_interval:
         return None
     if ns.recover_snapshot_dir is not None:
         return Path(ns.recover_snapshot_dir)
-    return SNAPSHOT_ROOT / f"megatron-recover-{ns.snapshot_run_id}"
+    return default_snapshot_dir(ns.snapshot_run_id)
 
 
 def training_world_size(argv: list[str], world_size: int) -> int:

@@ -10,6 +10,7 @@ run give the same losses up to floating-point reassociation.
 
 import hashlib
 import shutil
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -201,19 +202,19 @@ def microbatch_source(cfg):
 
 
 def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
-    """(policy, replica id of each data-parallel rank) continuing a checkpoint on
+    """(policy, replica id of each data-parallel rank) continuing a checkpoint or snapshot on
     `num_replicas` replicas, keeping B. Original replica ids are reused: the survivors' first."""
     config = mcore_config.to_policy_config(cfg)
     if cfg.b != state.b or config.ramp != state.ramp:
-        raise ValueError(f"--load: the checkpoint has B = {state.b} microbatches per iteration "
-                         f"(ramp-up {list(state.ramp)}), this run {cfg.b} (ramp-up "
+        raise ValueError(f"resuming: the checkpoint or snapshot has B = {state.b} microbatches "
+                         f"per iteration (ramp-up {list(state.ramp)}), this run {cfg.b} (ramp-up "
                          f"{list(config.ramp)}): keep --global-batch-size, --micro-batch-size "
                          "and --rampup-batch-size")
     if (cfg.recover.policy, cfg.recover.mode) != (state.policy, state.mode):
-        raise ValueError(f"--load: the checkpoint ran --recover-policy {state.policy} "
-                         f"--recover-mode {state.mode}; resume with the same")
+        raise ValueError(f"resuming: the checkpoint or snapshot ran --recover-policy "
+                         f"{state.policy} --recover-mode {state.mode}; resume with the same")
     if num_replicas > state.w_init:
-        raise ValueError(f"--load: {num_replicas} replicas, but the run started with "
+        raise ValueError(f"resuming: {num_replicas} replicas, but the run started with "
                          f"{state.w_init}; resume with at most that many")
     live = list(state.live_replicas)
     spare_ids = [r for r in range(state.w_init) if r not in live]
@@ -221,7 +222,7 @@ def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
     layout = state.layout
     if ids != sorted(live):
         if state.policy == ADAPTIVE:
-            raise ValueError(f"--load: the adaptive policy resumes on its {len(live)} live "
+            raise ValueError(f"resuming: the adaptive policy resumes on its {len(live)} live "
                              f"replicas only, not {num_replicas}")
         layout = advance_layout(ids, layout.b)
     config = PolicyConfig(w_init=state.w_init, g_init=state.g_init, policy=state.policy,
@@ -634,7 +635,7 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
     iteration = start - 1
     snapshots = None
     if cfg.recover.snapshot_interval:
-        snapshots = _snapshots(cfg, ctx, setup, trainer.p.replica)
+        snapshots = _snapshots(cfg, ctx, setup, trainer)
 
     def save():
         trainer.gather_parameters()
@@ -667,7 +668,7 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         saved = progress.save_due(iteration)
         if saved:
             save()
-        if snapshots is not None and snapshots.due(iteration):
+        if snapshots is not None and snapshots.due(iteration, trainer.p.policy.layout.replicas):
             trainer.gather_parameters()
             snapshots.take(iteration, {**checkpoint.training_state(
                 setup.ddp_model, setup.optimizer, setup.scheduler),
@@ -686,8 +687,13 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
     return skipped, joined
 
 
-def _snapshots(cfg, ctx, setup: RankSetup, replica: int) -> snapshot.Snapshots:
-    """This rank's snapshot writer, with the failure schedule's slow writes."""
+def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapshot.Snapshots:
+    """This rank's snapshot writer, with the failure schedule's slow writes. Collective over
+    the training ranks (where each rank is: one copy per node and position is enough)."""
+    where = [None] * dist.get_world_size()
+    dist.all_gather_object(where, (socket.gethostname(), setup.checkpoint_position))
+    replicas_here = sorted(trainer.p.replica_of_rank[rank] for rank, place in enumerate(where)
+                           if place == where[dist.get_rank()])
     slow, on_pause = {}, None
     if cfg.recover.failure_schedule is not None:
         markers = marker_path(cfg)
@@ -702,7 +708,8 @@ def _snapshots(cfg, ctx, setup: RankSetup, replica: int) -> snapshot.Snapshots:
             write_marker(markers, "snapshot-write", ctx.rank,
                          {"location": "snapshot-write", "iteration": iteration})
     return snapshot.Snapshots(cfg.recover.snapshot_dir, cfg.recover.snapshot_interval,
-                              setup.checkpoint_position, replica, slow, on_pause)
+                              setup.checkpoint_position, trainer.p.replica, replicas_here, slow,
+                              on_pause)
 
 
 def state_digests(setup: RankSetup) -> dict:

@@ -2,16 +2,17 @@
 
 Open MPI's runtime ends the whole job when a node (its daemon) is lost, and nothing can be saved
 at that point (ranks on the mpirun node get no signal, the others are killed 0.2-0.3 s after a
-SIGTERM: ../shared/probes/nodes/README.md). So every --recover-snapshot-interval iterations each
+SIGTERM: ../shared/probes/nodes/README.md). So every --recover-snapshot-interval iterations a
 rank copies its complete training state at the iteration boundary and a helper thread writes the
 copy into node-local shared memory (--recover-snapshot-dir, /dev/shm by default):
 
   DIR/iter_NNNNNNN/mp_rank_TT_PPP[_shard_SS]-replica_RRRR.pt
 
-one file per rank: its position's model, optimizer (with the distributed optimizer's main
+one file per position and node, written by the lowest live replica with a rank there (replicas
+hold the same bytes): the position's model, optimizer (with the distributed optimizer's main
 parameters and Adam moments), loss scaler, scheduler, RNG states and the recovery state (policy
 layout, data position). A file is written under a temporary name and renamed when complete: the
-rename is its completion marker, so a snapshot torn by the failure is never read. Each rank
+rename is its completion marker, so a snapshot torn by the failure is never read. Each writer
 keeps its newest complete snapshot until the next one is complete (two buffers): the files of
 older iterations are deleted only then.
 
@@ -109,11 +110,15 @@ class Snapshots:
     """
 
     def __init__(self, directory: Path, interval: int, position: tuple[int, ...], replica: int,
-                 slow_writes: dict[int, float] | None = None, on_pause=None):
-        """`slow_writes` (failure schedules): iteration -> seconds its write pauses halfway,
-        after calling `on_pause(iteration)`."""
+                 replicas_here: list[int] | None = None, slow_writes: dict[int, float] | None = None,
+                 on_pause=None):
+        """`replicas_here`: the replicas with a rank at this position on this node (default:
+        this one); the lowest live one writes the node's copy. `slow_writes` (failure
+        schedules): iteration -> seconds its write pauses halfway, after `on_pause(iteration)`."""
         self.directory = Path(directory)
         self.interval = interval
+        self.replica = replica
+        self.replicas_here = replicas_here or [replica]
         self.name = f"{checkpoint.position_name(position)}-replica_{replica:04d}.pt"
         self._slow_writes = slow_writes or {}
         self._on_pause = on_pause
@@ -123,8 +128,13 @@ class Snapshots:
         self.write_s: list[float] = []  # time of the helper thread's write, per snapshot
         self.error: BaseException | None = None
 
-    def due(self, iteration: int) -> bool:
-        return self.interval > 0 and iteration % self.interval == 0
+    def due(self, iteration: int, live_replicas) -> bool:
+        """Whether this rank snapshots after `iteration`: one of the interval's, and this rank
+        the lowest live replica of its position on its node (the others' copies are the same
+        bytes; a replica lost in-step hands the node's copy to the next)."""
+        here = [r for r in self.replicas_here if r in live_replicas]
+        return (self.interval > 0 and iteration % self.interval == 0
+                and bool(here) and min(here) == self.replica)
 
     def take(self, iteration: int, state: dict) -> None:
         """Snapshot `state` (what `checkpoint.training_state` returns plus the recovery state)
