@@ -87,7 +87,8 @@ def main() -> None:
     runtime.finish(finalize=cfg.recover.cross_replica_backend != "ulfm",
                    param_digest=run.parameter_digest(trained.model),
                    loss_scale=trained.loss_scale, skipped_iterations=trained.skipped_iterations,
-                   **({} if trained.joined is None else {"joined": trained.joined}))
+                   **({} if trained.joined is None else {"joined": trained.joined}),
+                   **({} if trained.snapshots is None else {"snapshots": trained.snapshots}))
 
 
 if __name__ == "__main__":

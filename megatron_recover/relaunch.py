@@ -171,7 +171,8 @@ def lost_hosts(attempt: Attempt, ranks_per_host: int, ssh_agent: str | None,
         ranks = range(index * ranks_per_host, (index + 1) * ranks_per_host)
         if not probe(host, ssh_agent, env):
             evidence[host].append("unreachable")
-        if not any(r in attempt.statuses for r in ranks):
+        # Where no rank started at all, the job never started: that says nothing of a host.
+        if attempt.statuses and not any(r in attempt.statuses for r in ranks):
             evidence[host].append("no rank started")
     return {host: ", ".join(found) for host, found in evidence.items() if found}
 
@@ -239,10 +240,23 @@ def end_ranks(statuses: dict[int, dict], ssh_agent: str | None, env: dict) -> No
             by_host.setdefault(status["host"], []).append(status["pid"])
     for host, pids in by_host.items():
         if host == socket.gethostname():
+            # Open MPI's shared-memory segments of ranks killed here outlive them (PRRTE, which
+            # removes them at a normal end, is gone): the files these ranks map, removed after.
+            segments = {line.split()[-1] for pid in pids for line in _maps(pid)
+                        if line.split()[-1].startswith("/dev/shm/sm_segment.")}
             kill_ranks({pid: {"pid": pid, "state": "running"} for pid in pids})
+            for path in segments:
+                Path(path).unlink(missing_ok=True)
         else:
             remote(host, f"kill -KILL {' '.join(map(str, pids))} 2>/dev/null; true", ssh_agent,
                    env)
+
+
+def _maps(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:  # gone already
+        return []
 
 
 def remove_snapshots(run_id: str, hosts: list[str], cfg: JobConfig) -> None:

@@ -20,18 +20,27 @@ def test_the_writer_keeps_the_newest_complete_snapshot_until_the_next_is(tmp_pat
     # Replica 1 writes this node's copy while it lives, then replica 3.
     assert not writer.due(2, [0, 1, 3]) and writer.due(2, [0, 3]) and not writer.due(3, [3])
     weight = torch.zeros(4)
+    other = tmp_path / "iter_0000002" / "mp_rank_01_000-replica_0001.pt"
     for iteration in (2, 4, 6):
         weight += 1
         writer.take(iteration, {"model": {"weight": weight}})
         writer.wait()
-    # Iteration 2's files went once 6's were complete; 4's stay until 8's are.
-    assert files(tmp_path) == ["iter_0000004/mp_rank_00_000-replica_0003.pt",
+        if iteration == 2:  # another position's writer on this node, a snapshot behind
+            other.write_bytes(b"its newest complete snapshot")
+    # This writer's file of iteration 2 went once 6's was complete; 4's stays until 8's is.
+    # The other writer's file stays: it is not this writer's to remove.
+    assert files(tmp_path) == ["iter_0000002/mp_rank_01_000-replica_0001.pt",
+                               "iter_0000004/mp_rank_00_000-replica_0003.pt",
                                "iter_0000006/mp_rank_00_000-replica_0003.pt"]
-    saved = torch.load(tmp_path / files(tmp_path)[1], weights_only=False)
+    saved = torch.load(tmp_path / files(tmp_path)[2], weights_only=False)
     assert saved["iteration"] == 6 and saved["model"]["weight"].tolist() == [3.0] * 4
     weight += 1  # the copy was taken at the boundary: later updates do not reach it
-    assert torch.load(tmp_path / files(tmp_path)[1], weights_only=False)["model"][
+    assert torch.load(tmp_path / files(tmp_path)[2], weights_only=False)["model"][
         "weight"].tolist() == [3.0] * 4
+    writer.finish()
+    assert files(tmp_path) == ["iter_0000002/mp_rank_01_000-replica_0001.pt"]
+    other.unlink()
+    other.parent.rmdir()
     writer.finish()
     assert not tmp_path.exists()
 

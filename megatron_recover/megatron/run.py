@@ -528,6 +528,7 @@ class Trained:
     loss_scale: float  # the optimizer's final loss scale (1.0 without fp16 scaling)
     skipped_iterations: list[int]  # iterations whose step the fp16 loss scaler skipped
     joined: dict | None = None  # a standby that joined: its join, as it saw it
+    snapshots: dict | None = None  # a snapshot writer's seconds per copy and per write
 
 
 def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trained:
@@ -539,16 +540,17 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
             if cfg.recover.standby_replicas else None)
     setup = build(cfg, ctx, source.microbatch, vocab_size)
     progress = Progress(cfg, ctx, setup, source, vocab_size)
-    joined = None
+    joined = snapshots = None
     try:
         if cfg.recover.enabled:
-            skipped, joined = _train_resilient(cfg, ctx, setup, source.dataset, progress, pool)
+            skipped, joined, snapshots = _train_resilient(cfg, ctx, setup, source.dataset,
+                                                          progress, pool)
         else:
             skipped = _train_stock(cfg, ctx, setup, progress)
     finally:
         progress.writers.close()
     return Trained(unwrap(setup.ddp_model), float(setup.optimizer.get_loss_scale()), skipped,
-                   joined)
+                   joined, snapshots)
 
 
 def _train_stock(cfg, ctx, setup: RankSetup, progress: Progress) -> list[int]:
@@ -612,10 +614,10 @@ def unwrap(ddp_model):
 
 
 def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
-                     pool: standby.Pool | None) -> tuple[list[int], dict | None]:
-    """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped and,
-    on a standby that joined, its join. A standby waits here until it is called; one that is
-    dismissed leaves the run from here."""
+                     pool: standby.Pool | None) -> tuple[list[int], dict | None, dict | None]:
+    """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped, on a
+    standby that joined, its join, and on a snapshot writer, its copy and write seconds. A
+    standby waits here until it is called; one that is dismissed leaves the run from here."""
     joined = None
     if is_standby(cfg, ctx):
         called = _join_when_called(cfg, ctx, setup, dataset, progress, pool)
@@ -681,10 +683,12 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         progress.end_of_training(iteration)
     if pool is not None:
         pool.dismiss()
+    stats = None
     if snapshots is not None:
         snapshots.finish()
+        stats = {"copy_s": snapshots.copy_s, "write_s": snapshots.write_s}
     trainer.gather_parameters()  # the final parameters, on every shard
-    return skipped, joined
+    return skipped, joined, stats
 
 
 def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapshot.Snapshots:

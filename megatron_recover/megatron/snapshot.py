@@ -13,7 +13,7 @@ hold the same bytes): the position's model, optimizer (with the distributed opti
 parameters and Adam moments), loss scaler, scheduler, RNG states and the recovery state (policy
 layout, data position). A file is written under a temporary name and renamed when complete: the
 rename is its completion marker, so a snapshot torn by the failure is never read. Each writer
-keeps its newest complete snapshot until the next one is complete (two buffers): the files of
+keeps its newest complete snapshot until the next one is complete (two buffers): its files of
 older iterations are deleted only then.
 
 Replicas hold identical states, so every surviving replica holds a full copy of the model state,
@@ -167,9 +167,7 @@ class Snapshots:
             tmp.rename(path)  # the completion marker
             previous, self._previous = self._previous, iteration
             if previous is not None:
-                # Every rank of this node is at most one write behind: nothing older than this
-                # rank's previous snapshot is still being written, or still the newest anywhere.
-                prune(self.directory, lambda t: t < previous)
+                self._remove_own(lambda t: t < previous)
         except BaseException as error:  # reported by wait(), on the training thread
             self.error = error
         self.write_s.append(time.perf_counter() - start)
@@ -181,17 +179,28 @@ class Snapshots:
         if self.error is not None:
             raise RuntimeError(f"snapshot write to {self.directory} failed: {self.error!r}")
 
+    def _remove_own(self, drop) -> None:
+        """Remove this rank's files of the iterations `drop(iteration)` selects, and their
+        directories once empty. Only its own: a writer of another position on this node may
+        lag a snapshot behind, and its newest complete file must stay."""
+        for path in self.directory.glob(f"iter_*/{self.name}"):
+            iteration = _iteration_of(path.parent)
+            if iteration is not None and drop(iteration):
+                path.unlink(missing_ok=True)
+                try:
+                    path.parent.rmdir()
+                except OSError:  # other files are still there
+                    pass
+
     def finish(self) -> None:
         """The run completed: wait for the last write, then remove this rank's files and the
-        directories left empty (the last rank of the node removes the node's)."""
+        directories left empty (the launcher removes what lost ranks left)."""
         self.wait()
-        for path in self.directory.glob(f"iter_*/{self.name}"):
-            path.unlink(missing_ok=True)
-        for path in sorted(self.directory.glob("iter_*")) + [self.directory]:
-            try:
-                path.rmdir()
-            except OSError:  # another rank's files are still there
-                pass
+        self._remove_own(lambda t: True)
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass
 
 
 def _create(path: Path):
@@ -266,10 +275,11 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
         raise RuntimeError(f"snapshot {local} holds iteration {saved['iteration']}")
     checkpoint.load_training_state(saved, ddp_model, optimizer, scheduler)
     set_rng_states(saved["rng"])
-    # Iterations after the one resumed belong to the run that ended; the next snapshots rewrite
-    # them. The lowest rank of each node removes them there.
+    # Every rank has its state: the lowest rank of each node removes the other iterations there
+    # (later ones belong to the run that ended and are written again; older ones are not needed).
+    dist.barrier()
     if dist.get_rank() == min(r for r, (h, _, _) in enumerate(everyone) if h == hostname):
-        prune(directory, lambda t: t > iteration)
+        prune(directory, lambda t: t != iteration)
     dist.barrier()
     return saved["recovery"]
 
