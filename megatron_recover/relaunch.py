@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_recover.launch import (
+    RUN_ID_ENV,
     LaunchConfig,
     RunningJob,
     default_snapshot_dir,
@@ -220,7 +221,8 @@ def run_attempt(cfg: JobConfig, number: int, hosts: list[str], run_id: str, on_l
     finally:
         attempt.ended = time.time()
         job.stop()
-        end_ranks(read_statuses(status_dir), cfg.ssh_agent, {**os.environ, **dict(cfg.env)})
+        end_ranks(read_statuses(status_dir), run_id, cfg.ssh_agent,
+                  {**os.environ, **dict(cfg.env)})
     attempt.timed_out = not (exited or attempt.stalled or attempt.stopped_after_training)
     attempt.returncode = job.proc.returncode if exited else None
     attempt.statuses = read_statuses(status_dir)
@@ -228,18 +230,22 @@ def run_attempt(cfg: JobConfig, number: int, hosts: list[str], run_id: str, on_l
     return attempt
 
 
-def end_ranks(statuses: dict[int, dict], ssh_agent: str | None, env: dict) -> None:
+def end_ranks(statuses: dict[int, dict], run_id: str, ssh_agent: str | None,
+              env: dict) -> None:
     """SIGKILL the ranks of a stopped attempt that may still run, by the PIDs in their status
-    files: here directly, on the other hosts through their remote launcher. mpirun ends without
-    signalling the ranks on its own host when it loses a node, and a rank hung in a repair on
-    another host may outlive a stopped mpirun; neither may compete with the relaunch. An
-    unreachable host is a lost one, left out of the relaunch."""
+    files, each only if it is still a process of this job (its environment holds the run id: a
+    PID may have been reused): here directly, on the other hosts through their remote launcher.
+    mpirun ends without signalling the ranks on its own host when it loses a node, and a rank
+    hung in a repair on another host may outlive a stopped mpirun; neither may compete with the
+    relaunch. An unreachable host is a lost one, left out of the relaunch."""
+    mark = f"{RUN_ID_ENV}={run_id}"
     by_host: dict[str, list[int]] = {}
     for status in statuses.values():
         if status.get("state") == "running" and status.get("pid") and status.get("host"):
             by_host.setdefault(status["host"], []).append(status["pid"])
     for host, pids in by_host.items():
         if host == socket.gethostname():
+            pids = [pid for pid in pids if mark.encode() in _environ(pid)]
             # Open MPI's shared-memory segments of ranks killed here outlive them (PRRTE, which
             # removes them at a normal end, is gone): the files these ranks map, removed after.
             segments = {line.split()[-1] for pid in pids for line in _maps(pid)
@@ -248,8 +254,9 @@ def end_ranks(statuses: dict[int, dict], ssh_agent: str | None, env: dict) -> No
             for path in segments:
                 Path(path).unlink(missing_ok=True)
         else:
-            remote(host, f"kill -KILL {' '.join(map(str, pids))} 2>/dev/null; true", ssh_agent,
-                   env)
+            remote(host, f"for p in {' '.join(map(str, pids))}; do grep -qzx '{mark}' "
+                         f"/proc/$p/environ 2>/dev/null && kill -KILL $p; done; true",
+                   ssh_agent, env)
 
 
 def _maps(pid: int) -> list[str]:
@@ -257,6 +264,13 @@ def _maps(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/maps").read_text().splitlines()
     except OSError:  # gone already
         return []
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
 
 
 def remove_snapshots(run_id: str, hosts: list[str], cfg: JobConfig) -> None:
