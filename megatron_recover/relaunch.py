@@ -42,8 +42,10 @@ from megatron_recover.launch import (
     read_statuses,
 )
 
-# prterun's help text "lost communication with a remote daemon" names the node.
-_LOST_DAEMON = re.compile(r"Remote daemon:\s*\S+ on node (\S+)")
+# prterun names the node in both of its messages for a lost daemon: "lost communication with a
+# remote daemon" (Remote daemon: [...] on node NAME) and, when the remote launcher of the daemon
+# exits first, "A daemon failed to report back" (Remote host: NAME).
+_LOST_DAEMON = re.compile(r"Remote daemon:\s*\S+ on node (\S+)|Remote host:\s*(\S+)")
 PROBE_TIMEOUT_S = 10.0
 DEFAULT_HANG_TIMEOUT_S = 60.0  # pretrain_gpt_recover.py's --recover-hang-timeout default
 STALL_FACTOR = 11  # the in-job last resort waits 10 x the hang timeout
@@ -165,7 +167,7 @@ def lost_hosts(attempt: Attempt, ranks_per_host: int, ssh_agent: str | None,
     """The hosts of `attempt` to leave out of the next one, each with the evidence found."""
     evidence = {host: [] for host in attempt.hosts}
     output = "".join(line for _, line in attempt.lines)
-    for host in _LOST_DAEMON.findall(output):
+    for host in (a or b for a, b in _LOST_DAEMON.findall(output)):
         if host in evidence and not evidence[host]:
             evidence[host].append("PRRTE lost its daemon")
     for index, host in enumerate(attempt.hosts):

@@ -169,7 +169,7 @@ def assert_equals_reference(job: Job, reference, label: str, figures) -> None:
 
 def assert_relaunched(job: Job, lost_reason, hosts: list[str], figures, label) -> int:
     """The first attempt ended within the bound with nodeC found lost; the second ran on
-    `hosts` and resumed from a snapshot at most one interval behind the loss. `lost_reason`
+    `hosts` and resumed from a snapshot at most one interval before the loss. `lost_reason`
     judges the evidence the launcher gives for nodeC."""
     first, second = job.attempts
     assert job.killed_at is not None, "the node was never lost"
@@ -185,7 +185,8 @@ def assert_relaunched(job: Job, lost_reason, hosts: list[str], figures, label) -
     figures.append(f"node loss, {label}: job ended {ended_s:.2f} s after the loss (bound "
                    f"{bound_s:g} s); lost after iteration {job.killed_after}, resumed from the "
                    f"snapshot of iteration {resumed}")
-    assert job.killed_after - INTERVAL <= resumed <= job.killed_after + 1
+    # Survivors may commit more iterations before the runtime ends them (never fewer snapshots).
+    assert resumed >= job.killed_after - INTERVAL
     assert job.leftovers == {"processes": [], "agents": []}, job.leftovers
     return resumed
 

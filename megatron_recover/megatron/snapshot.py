@@ -193,14 +193,11 @@ class Snapshots:
                     pass
 
     def finish(self) -> None:
-        """The run completed: wait for the last write, then remove this rank's files and the
-        directories left empty (the launcher removes what lost ranks left)."""
+        """Training ended here: wait for the last write. The files stay: a rank that ends
+        training may still be in a job that then loses a node before every rank completed, and
+        the relaunch needs them (the launcher frees its default directory once the job
+        completed)."""
         self.wait()
-        self._remove_own(lambda t: True)
-        try:
-            self.directory.rmdir()
-        except OSError:
-            pass
 
 
 def _create(path: Path):
