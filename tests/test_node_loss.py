@@ -1,10 +1,10 @@
 """Node loss on three fake nodes of this machine (megatron_recover.testing.nodes), 2 ranks each.
 
 A rank's death on a remote node is survived in-step. A lost node (whole, its daemon only, or
-silent: link down) ends the job within the launcher's bound; `megatron-recover launch` relaunches on the other nodes (or on a spare)
-and the ranks resume from the newest in-memory snapshot the survivors hold in full, after which
-the run equals the failure-free one: every iteration's loss (the last record of each) and the
-final parameters. A snapshot torn by the loss is never loaded. Nothing is left behind: no
+silent: link down) ends the job within the launcher's bound; `megatron-recover launch`
+relaunches on the other nodes (or on a spare) and the ranks resume from the newest in-memory
+snapshot the survivors hold in full, after which the run equals the failure-free one: every
+iteration's loss (the last record of each) and the final parameters. A snapshot torn by the loss is never loaded. Nothing is left behind: no
 process in the nodes' namespaces, no ssh stand-in, no network device.
 
 Run: `make test` as root (skipped, with the reason, without root, unshare, nsenter or ip). CPU
@@ -131,7 +131,8 @@ def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=()
     records = {}
     for record in map(json.loads, log.read_text().splitlines()):
         records[record["iteration"]] = record  # a relaunch rewrites the iterations it redoes
-    return Job(stall_timeout_s or relaunch.stall_timeout(command), attempts, records, read_markers(log.with_suffix(".markers.jsonl")),
+    return Job(stall_timeout_s or relaunch.stall_timeout(command), attempts, records,
+               read_markers(log.with_suffix(".markers.jsonl")),
                loss["at"], loss["after"], loss["torn"], nodes.leftovers(), status_root)
 
 

@@ -110,8 +110,8 @@ class Snapshots:
     """
 
     def __init__(self, directory: Path, interval: int, position: tuple[int, ...], replica: int,
-                 replicas_here: list[int] | None = None, slow_writes: dict[int, float] | None = None,
-                 on_pause=None):
+                 replicas_here: list[int] | None = None,
+                 slow_writes: dict[int, float] | None = None, on_pause=None):
         """`replicas_here`: the replicas with a rank at this position on this node (default:
         this one); the lowest live one writes the node's copy. `slow_writes` (failure
         schedules): iteration -> seconds its write pauses halfway, after `on_pause(iteration)`."""
