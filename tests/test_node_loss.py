@@ -4,8 +4,9 @@ A rank's death on a remote node is survived in-step. A lost node (whole, its dae
 silent: link down) ends the job within the launcher's bound; `megatron-recover launch`
 relaunches on the other nodes (or on a spare) and the ranks resume from the newest in-memory
 snapshot the survivors hold in full, after which the run equals the failure-free one: every
-iteration's loss (the last record of each) and the final parameters. A snapshot torn by the loss is never loaded. Nothing is left behind: no
-process in the nodes' namespaces, no ssh stand-in, no network device.
+iteration's loss (the last record of each) and the final parameters. A snapshot torn by the
+loss is never loaded. Nothing is left behind: no process in the nodes' namespaces, no ssh
+stand-in, no network device.
 
 Run: `make test` as root (skipped, with the reason, without root, unshare, nsenter or ip). CPU
 only; 6 oversubscribed ranks; every job is bounded and the harness kills only what it started.
