@@ -180,11 +180,13 @@ def lost_hosts(attempt: Attempt, ranks_per_host: int, ssh_agent: str | None,
     return {host: ", ".join(found) for host, found in evidence.items() if found}
 
 
-def _progress_time(status_dir: Path) -> float | None:
+def read_progress(status_dir: Path) -> dict:
+    """The newest committed iteration the ranks recorded ({"iteration", "time"}; {} before
+    the first)."""
     try:
-        return json.loads((status_dir / "progress.json").read_text())["time"]
-    except (OSError, ValueError, KeyError):
-        return None
+        return json.loads((status_dir / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def run_attempt(cfg: JobConfig, number: int, hosts: list[str], run_id: str, on_line=None,
@@ -210,7 +212,7 @@ def run_attempt(cfg: JobConfig, number: int, hosts: list[str], run_id: str, on_l
             # Training is over, but mpirun still waits: for a node that vanished silently.
             attempt.stopped_after_training = True
             raise _Stalled
-        last = _progress_time(status_dir)
+        last = read_progress(status_dir).get("time")
         if not done and last is not None and now - last > stall_s:
             attempt.stalled = True
             raise _Stalled

@@ -62,11 +62,8 @@ def log(*args) -> None:
 LOG = sys.stdout
 
 
-def _progress(status_dir: Path) -> int:
-    try:
-        return json.loads((status_dir / "progress.json").read_text())["iteration"]
-    except (OSError, ValueError):
-        return 0
+def _iteration(status_dir: Path) -> int:
+    return relaunch.read_progress(status_dir).get("iteration", 0)
 
 
 def run(nodes: FakeNodes, work: Path, args, extra: list[str], kill_after: int | None) -> dict:
@@ -86,8 +83,8 @@ def run(nodes: FakeNodes, work: Path, args, extra: list[str], kill_after: int | 
         def watch():
             status = work / "status" / "attempt-1"
             while attempt.ended == 0.0:
-                if _progress(status) >= kill_after:
-                    loss["after"], loss["at"] = _progress(status), time.time()
+                if _iteration(status) >= kill_after:
+                    loss["after"], loss["at"] = _iteration(status), time.time()
                     nodes.kill_node("nodeC")
                     return
                 time.sleep(0.02)

@@ -56,6 +56,10 @@ def shared_dir():
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
+def _iteration(status_dir: Path) -> int:
+    return relaunch.read_progress(status_dir).get("iteration", 0)
+
+
 
 @dataclass
 class Job:
@@ -79,13 +83,6 @@ class Job:
         return int(lines[0].split("resumed iteration")[1].split()[0])
 
 
-def _progress(status_dir: Path) -> int:
-    try:
-        return json.loads((status_dir / "progress.json").read_text())["iteration"]
-    except (OSError, ValueError):
-        return 0
-
-
 def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=(),
             schedule: str | None = None, wait_for_markers: int = 0,
             stall_timeout_s: float | None = None) -> Job:
@@ -107,9 +104,9 @@ def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=()
         def watch():
             markers = log.with_suffix(".markers.jsonl")
             while attempt.ended == 0.0:
-                if (_progress(status_root / "attempt-1") >= KILL_AFTER
+                if (_iteration(status_root / "attempt-1") >= KILL_AFTER
                         and len(read_markers(markers)) >= wait_for_markers):
-                    loss["after"] = _progress(status_root / "attempt-1")
+                    loss["after"] = _iteration(status_root / "attempt-1")
                     loss["torn"] = [str(p) for p in
                                     Path("/dev/shm").glob("megatron-recover-*/iter_*/*.tmp")]
                     loss["at"] = time.time()
