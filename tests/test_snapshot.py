@@ -74,6 +74,8 @@ def test_the_relaunch_takes_the_newest_iteration_every_position_holds():
     spare = [("n2", a, {}), ("n2", b, {})]
     assert snapshot.choose(ranks[:2] + spare) == 4
     assert snapshot.choose([("n0", a, {6: {b}}), ("n0", b, {})]) is None
+    # b's file is on n0, but b's only rank is on n1: the state moves within a position's group.
+    assert snapshot.choose([("n0", a, {6: {a, b}}), ("n1", b, {})]) is None
     assert snapshot.choose(spare) is None
 
 
