@@ -152,7 +152,8 @@ def test_overlap_param_gather_with_an_idle_shard_and_a_failure(tmp_path):
     (first, second) = failure_events(records)
     assert first["replicas"] == [2] and first["g_ext"] == 1, first  # one id per instance
     assert second["replicas"] == [1], second
-    assert result.statuses[2]["state"] == "left", result.statuses[2]
+    # Rank 2 leaves with its instance; if its status says otherwise, the output says how it ended.
+    assert result.statuses[2]["state"] == "left", (result.statuses[2], result.output[-6000:])
     assert run.completed() == [0, 1]
     assert_ledger_held(records, 6)
     assert [r["live_replicas"] for r in records] == [3, 3, 2, 2, 1]
