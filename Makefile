@@ -57,7 +57,7 @@ bench-scale: build
 bench-grow-back: build
 	$(PY) scripts/bench_grow_back.py
 
-# Three fake nodes of this machine (root: Linux namespaces): about 8 minutes.
+# Three fake nodes of this machine (root: Linux namespaces): about 4 minutes.
 bench-node-loss: build
 	$(PY) scripts/bench_node_loss.py
 

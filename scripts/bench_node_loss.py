@@ -2,26 +2,29 @@
 what snapshots cost a failure-free iteration.
 
 Usage (as root): .venv/bin/python scripts/bench_node_loss.py [--json] [--iterations 30]
-       [--interval 10] [--pairs 2] [--out runs/node-loss] [--timeout 600]
-       [--only overhead|node-loss]
+       [--interval 10] [--pairs 5] [--overhead-ranks 1] [--out runs/node-loss]
+       [--timeout 600] [--only overhead|node-loss]
 
-A 3-node job (megatron_recover.testing.nodes: this machine and two fake nodes, 2 ranks each, one
-small GPT, DP 6, exact mode) under `megatron-recover launch --max-relaunches 1`:
+One small GPT in exact mode under `megatron-recover launch --max-relaunches 1`, with the fake
+nodes of megatron_recover.testing.nodes up (this machine and two fake nodes):
 
 - Snapshot overhead: failure-free runs without and with --recover-snapshot-interval, alternated
-  (--pairs of each), side by side on the same machine: the wall time per iteration between the
-  log records of iteration 5 and the last (snapshot copies included, which run between
-  iterations), with/without per pair and for the best run of each side. The helper thread's
-  write competes for these 2 cores; on a GPU node it has a core of its own and only the copy
-  stays on the training thread, which the runs with snapshots also measure (each writer's
-  copy seconds, against the run's time).
-- Kill-to-resumed: nodeC is killed whole (all its processes and the host) once iteration
-  `interval + 2` has committed; the launcher finds it lost and relaunches on the other two nodes,
-  which resume from the newest snapshot, or, in the second run, from --save/--load's checkpoint
-  written every `interval` iterations (the same interval: the same work at risk). Each is split
-  into teardown (kill to mpirun's exit), relaunch and initialization (mpirun's start to the
-  "resumed" line, the load excluded), the load, and the first iteration (the resumed line to the
-  first committed iteration); iterations redone is the work lost.
+  (--pairs of each), side by side on this machine alone with --overhead-ranks ranks: the wall
+  time per iteration between the log records of iteration 5 and the last (snapshot copies
+  included, which run between iterations), with/without per pair, their median and the best
+  run of each side. By default one rank: its training thread has one core and the helper
+  thread's write the other, as on a GPU node, where the write has cores of its own (6 ranks on
+  these 2 cores ran the same failure-free job at 1.0 and at 2.0 s per iteration, a noise far
+  above the effect). The runs with snapshots also measure the training thread's share alone
+  (each writer's copy seconds, against the run's time).
+- Kill-to-resumed, a 3-node job (2 ranks each, DP 6): nodeC is killed whole (all its processes
+  and the host) once iteration `interval + 2` has committed; the launcher finds it lost and
+  relaunches on the other two nodes, which resume from the newest snapshot, or, in the second
+  run, from --save/--load's checkpoint written every `interval` iterations (the same interval:
+  the same work at risk). Each is split into teardown (kill to mpirun's exit), relaunch and
+  initialization (mpirun's start to the "resumed" line, the load excluded), the load, and the
+  first iteration (the resumed line to the first committed iteration); iterations redone is
+  the work lost.
 
 Machine figures: 6 ranks share 2 cores, so start-up (importing torch and megatron-core in 6
 processes) dominates the relaunch; on a cluster each rank has its own cores and the load and
@@ -66,9 +69,11 @@ def _iteration(status_dir: Path) -> int:
     return relaunch.read_progress(status_dir).get("iteration", 0)
 
 
-def run(nodes: FakeNodes, work: Path, args, extra: list[str], kill_after: int | None) -> dict:
-    """One job under the relaunching launcher; with `kill_after`, nodeC is killed whole once
-    that iteration committed. Returns the attempts and the kill's time and iteration."""
+def run(nodes: FakeNodes, work: Path, args, extra: list[str], kill_after: int | None,
+        hosts: list[str] | None = None, ranks_per_host: int = RANKS_PER_NODE) -> dict:
+    """One job under the relaunching launcher, on `hosts` (default: the three nodes); with
+    `kill_after`, nodeC is killed whole once that iteration committed. Returns the attempts and
+    the kill's time and iteration."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     command = [sys.executable, str(ROOT / "pretrain_gpt_recover.py"), *GPT,
@@ -92,7 +97,7 @@ def run(nodes: FakeNodes, work: Path, args, extra: list[str], kill_after: int | 
         threading.Thread(target=watch, daemon=True).start()
 
     cfg = relaunch.JobConfig(
-        command=command, hosts=nodes.hosts, ranks_per_host=RANKS_PER_NODE,
+        command=command, hosts=hosts or nodes.hosts, ranks_per_host=ranks_per_host,
         status_root=work / "status", max_relaunches=1, timeout_s=args.timeout,
         ssh_agent=str(AGENT), network=nodes.cidr, env=tuple(nodes.env.items()))
     attempts = relaunch.run_job(cfg, on_start=on_start, log=log)
@@ -108,14 +113,18 @@ def seconds_per_iteration(records: dict, first: int = 5) -> float:
 
 
 def overhead(nodes: FakeNodes, out: Path, args) -> dict:
-    """Side by side, alternated: wall time per iteration without and with snapshots (the best
-    run of each side: noise here only ever adds time); and inside the runs with snapshots, what
-    the training thread spent copying, against the run's time."""
+    """Side by side, alternated, on this machine alone with `--overhead-ranks` ranks (default 1:
+    the training thread on one core, the helper thread's write on the other, as on a GPU node;
+    6 ranks on 2 cores measured 1.0 and 2.0 s per iteration for the same failure-free run):
+    wall time per iteration without and with snapshots, per pair, their median and the best
+    run of each side; and inside the runs with snapshots, what the training thread spent
+    copying, against the run's time."""
+    hosts, ranks = nodes.hosts[:1], args.overhead_ranks
     pairs, on_path = [], []
     for i in range(args.pairs):
-        without = run(nodes, out / f"plain-{i}", args, [], None)
+        without = run(nodes, out / f"plain-{i}", args, [], None, hosts, ranks)
         with_ = run(nodes, out / f"snapshots-{i}", args,
-                    ["--recover-snapshot-interval", str(args.interval)], None)
+                    ["--recover-snapshot-interval", str(args.interval)], None, hosts, ranks)
         if not (without["attempts"][-1].succeeded and with_["attempts"][-1].succeeded):
             raise RuntimeError("a failure-free run failed")
         a, b = seconds_per_iteration(without["records"]), seconds_per_iteration(with_["records"])
@@ -129,12 +138,13 @@ def overhead(nodes: FakeNodes, out: Path, args) -> dict:
                         "write_s_per_snapshot": round(statistics.median(
                             w for st in stats for w in st["write_s"]), 4),
                         "ratio": round(1 + copy_s / span_s, 4)})
-        log(f"overhead pair {i + 1}: {a * 1e3:.1f} ms/iteration without snapshots, "
-            f"{b * 1e3:.1f} ms with (interval {args.interval}): ratio {b / a:.3f}; the training "
-            f"thread's copies: ratio {on_path[-1]['ratio']:.4f}")
+        log(f"overhead pair {i + 1} ({ranks} rank(s) on this machine): {a * 1e3:.1f} "
+            f"ms/iteration without snapshots, {b * 1e3:.1f} ms with (interval {args.interval}): "
+            f"ratio {b / a:.3f}; the training thread's copies: ratio {on_path[-1]['ratio']:.4f}")
     best = min(p["with_s"] for p in pairs) / min(p["without_s"] for p in pairs)
-    return {"interval": args.interval, "pairs": pairs, "ratio_best_of": round(best, 4),
-            "training_thread": on_path,
+    return {"interval": args.interval, "ranks": ranks, "pairs": pairs,
+            "ratio_median": round(statistics.median(p["ratio"] for p in pairs), 4),
+            "ratio_best_of": round(best, 4), "training_thread": on_path,
             "training_thread_ratio_max": max(p["ratio"] for p in on_path)}
 
 
@@ -192,7 +202,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--interval", type=int, default=10)
-    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--overhead-ranks", type=int, default=1,
+                        help="ranks of the overhead runs, all on this machine")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "node-loss")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--only", choices=["overhead", "node-loss"], default=None,
