@@ -38,9 +38,17 @@ ITERATIONS = 10
 INTERVAL = 2
 # The launcher's stall bound for the silent loss (--stall-timeout): the default, 11 x the hang
 # timeout, is 11 minutes at the default 60 s, and shorter hang timeouts (3-8 s) were seen here to
-# declare live ranks dead while 6 ranks start on 2 cores. With the detector at 60 s no error
-# reaches the survivors before the bound: the silent case the watchdog alone must end.
+# declare live ranks dead while 6 ranks start on 2 cores. The detector declares a silent peer
+# dead between timeout - period and timeout + period after the loss (its period is half the
+# timeout): 30-90 s at 60 s, which races the bound (a repair that then returns finishes the run
+# in-step and only mpirun waits). At SILENT_HANG_S it cannot come before 60 s: the silent case
+# the watchdog alone must end.
 SILENT_STALL_S = 45.0
+SILENT_HANG_S = 120.0
+# A rank of nodeC computes this long, without communication, in iteration KILL_AFTER + 1: the
+# loss lands inside that iteration (at this model's 0.13-0.3 s per iteration the run was seen to
+# end before the harness had taken the link down and killed the node's processes).
+SILENT_STALL_RANK_S = 30
 KILL_AFTER = 5  # the node is lost once this iteration has committed
 RANKS_PER_NODE = 2
 TEARDOWN_S = 15.0  # mpirun's teardown, then this launcher's clean-up
@@ -85,12 +93,14 @@ class Job:
 
 def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=(),
             schedule: str | None = None, wait_for_markers: int = 0,
-            stall_timeout_s: float | None = None) -> Job:
+            stall_timeout_s: float | None = None, extra: tuple[str, ...] = (),
+            schedule_after_loss: str | None = None) -> Job:
     """The job on `hosts` under the relaunching launcher; `lose(name)` (a FakeNodes method)
     takes node nodeC once iteration KILL_AFTER has committed (and, with `wait_for_markers`,
-    that many markers are written)."""
+    that many markers are written). `schedule_after_loss` replaces the failure schedule then,
+    for the relaunch (which reads it at its start-up)."""
     log = work / "log.jsonl"
-    command = [*ENTRY, *JOB, "--recover", "--recover-log", str(log)]
+    command = [*ENTRY, *JOB, *extra, "--recover", "--recover-log", str(log)]
     if schedule is not None:
         (work / "schedule.yaml").write_text(schedule)
         command += ["--recover-failure-schedule", str(work / "schedule.yaml")]
@@ -111,6 +121,8 @@ def run_job(work: Path, nodes: FakeNodes, hosts: list[str], lose=None, spares=()
                                     Path("/dev/shm").glob("megatron-recover-*/iter_*/*.tmp")]
                     loss["at"] = time.time()
                     lose("nodeC")
+                    if schedule_after_loss is not None:
+                        (work / "schedule.yaml").write_text(schedule_after_loss)
                     return
                 time.sleep(0.02)
 
@@ -236,7 +248,14 @@ def test_a_silent_node_loss_ends_within_the_bound(shared_dir, reference, figures
     unreachable and the relaunch resumes from the snapshots."""
     with FakeNodes(["nodeB", "nodeC"]) as nodes:
         job = run_job(shared_dir, nodes, nodes.hosts, lose=nodes.silence,
-                      stall_timeout_s=SILENT_STALL_S)
+                      stall_timeout_s=SILENT_STALL_S,
+                      extra=("--recover-hang-timeout", f"{SILENT_HANG_S:g}"),
+                      schedule=("entries:\n"
+                                f"  - {{iteration: {KILL_AFTER + 1}, replica: 4, local_rank: 0,"
+                                " location: pre-forward, action: stall,"
+                                f" seconds: {SILENT_STALL_RANK_S}}}\n"),
+                      wait_for_markers=1, schedule_after_loss="entries: []\n")
+    assert [(m["rank"], m["iteration"]) for m in job.markers] == [(4, KILL_AFTER + 1)]
     assert nodes.links() == []
     assert job.attempts[0].stalled, job.attempts[0].summary()
     assert_relaunched(job, unreachable, nodes.hosts[:2], figures, "silent")
