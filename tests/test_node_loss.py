@@ -38,11 +38,11 @@ ITERATIONS = 10
 INTERVAL = 2
 # The launcher's stall bound for the silent loss (--stall-timeout): the default, 11 x the hang
 # timeout, is 11 minutes at the default 60 s, and shorter hang timeouts (3-8 s) were seen here to
-# declare live ranks dead while 6 ranks start on 2 cores. The detector declares a silent peer
-# dead between timeout - period and timeout + period after the loss (its period is half the
-# timeout): 30-90 s at 60 s, which races the bound (a repair that then returns finishes the run
-# in-step and only mpirun waits). At SILENT_HANG_S it cannot come before 60 s: the silent case
-# the watchdog alone must end.
+# declare live ranks dead while 6 ranks start on 2 cores. The detector can declare a silent peer
+# dead from timeout - period after the loss (the last heartbeat may be a period old; its period
+# is half the timeout): from 30 s at 60 s, which races the bound (a repair that then returns
+# finishes the run in-step and only mpirun waits). At SILENT_HANG_S not before 60 s: the silent
+# case the watchdog alone must end.
 SILENT_STALL_S = 45.0
 SILENT_HANG_S = 120.0
 # A rank of nodeC computes this long, without communication, in iteration KILL_AFTER + 1: the
