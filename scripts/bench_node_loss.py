@@ -218,6 +218,8 @@ def main() -> int:
         return 2
     if args.iterations < args.interval + 6:
         parser.error("--iterations must leave room after the kill: >= interval + 6")
+    if args.pairs < 1 or args.overhead_ranks < 1:
+        parser.error("--pairs and --overhead-ranks need at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {}
     if args.only in (None, "overhead"):
