@@ -1,9 +1,10 @@
 """Several nodes on one machine, for the node-loss tests and benchmark (needs root).
 
 A fake node is a holder process in its own hostname, network and mount namespaces, with private
-tmpfs mounts on /tmp and /dev/shm (Open MPI's session directory, our snapshots) and a veth link
-to a bridge in the machine's namespace. The bridge takes 10.77.X.1/24, node k 10.77.X.(k+1), for
-an X no address of this machine uses: those addresses exist only inside what the harness made.
+tmpfs mounts on /tmp and /dev/shm (Open MPI's session directory, our snapshots; this checkout and
+its Python environment stay visible there, as on a shared file system) and a veth link to a
+bridge in the machine's namespace. The bridge takes 10.77.X.1/24, node k 10.77.X.(k+1), for an
+X no address of this machine uses: those addresses exist only inside what the harness made.
 The machine itself is the first host (it runs mpirun and the first ranks, as a job's first node
 does). mpirun reaches the other nodes through `fake_ssh.sh`, an ssh stand-in that enters a node's
 namespaces (`--prtemca plm_ssh_agent`).
@@ -20,15 +21,21 @@ is left as it was. Nothing is killed that the harness did not start.
 """
 
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 AGENT = Path(__file__).with_name("fake_ssh.sh")
+# What every node runs, as a cluster's shared file system holds it: this package's checkout and
+# the Python environment (a clone under /tmp would otherwise vanish behind a node's own /tmp).
+SHARED = (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve())
+PRIVATE = (Path("/tmp"), Path("/dev/shm"))
 TOOLS = ("unshare", "nsenter", "ip")
 STATE_ENV = "MEGATRON_RECOVER_FAKE_NODES"
 
@@ -73,6 +80,19 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _node_mounts() -> str:
+    """Shell commands that give a new node's mount namespace its private /tmp and /dev/shm
+    while the SHARED paths under them stay visible: each is opened first (fds 3, 4, ...) and
+    bound back from its descriptor after the tmpfs hides it (a bind from another namespace's
+    view, /proc/PID/root, is refused)."""
+    kept = [p for p in SHARED if any(p.is_relative_to(private) for private in PRIVATE)]
+    opened = "".join(f"exec {3 + i}<{shlex.quote(str(p))}; " for i, p in enumerate(kept))
+    bound = "".join(f"mkdir -p {shlex.quote(str(p))} && mount --no-canonicalize --bind "
+                    f"/proc/self/fd/{3 + i} {shlex.quote(str(p))}; exec {3 + i}<&-; "
+                    for i, p in enumerate(kept))
+    return (opened + " ".join(f"mount -t tmpfs tmpfs {p};" for p in PRIVATE) + " " + bound)
 
 
 class FakeNodes:
@@ -124,8 +144,7 @@ class FakeNodes:
         for name in self.names:
             holder = subprocess.Popen(
                 ["unshare", "--uts", "--net", "--mount", "--propagation", "private", "sh", "-c",
-                 f"hostname {name}; mount -t tmpfs tmpfs /dev/shm; mount -t tmpfs tmpfs /tmp; "
-                 "exec sleep 1000000"],
+                 f"hostname {name}; {_node_mounts()}exec sleep 1000000"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True)
             self.holders[name] = holder
