@@ -119,6 +119,24 @@ def read_statuses(status_dir: Path) -> dict[int, dict]:
     return statuses
 
 
+def _tmpdir(env: dict[str, str]) -> Path:
+    """The directory mpirun (PRRTE) keeps its session in, for the environment it ran with."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        if env.get(name):
+            return Path(env[name])
+    return Path("/tmp")
+
+
+def remove_session_dir(pid: int, env: dict[str, str]) -> None:
+    """Remove the session directory of mpirun `pid`, which has exited and been reaped.
+
+    mpirun keeps its PMIx rendezvous files in <tmpdir>/ompi.<its PID> and removes them when it
+    exits cleanly; a SIGKILLed one leaves them. A later mpirun that gets the same PID (pid_max is
+    32768 here; a test suite starts many thousands of processes) then finds them and stops at
+    once: "The PMIx server's listener thread failed to start" (exit 213)."""
+    shutil.rmtree(_tmpdir(env) / f"ompi.{pid}", ignore_errors=True)
+
+
 def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """Stop mpirun: SIGTERM lets it take its ranks down; then SIGKILL its process group."""
     if proc.poll() is None:
@@ -155,6 +173,7 @@ class Started:
         self._start = time.monotonic()
         self.lines: list[tuple[float, str]] = []
         self._on_line, self._echo = on_line, echo
+        self._env = env
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -200,6 +219,7 @@ class Started:
         descendants = _descendants(self.proc.pid)
         _stop(self.proc)  # also the group's members that outlived mpirun
         self.proc.wait()
+        remove_session_dir(self.proc.pid, self._env)
         for child in descendants:
             try:
                 child.kill()

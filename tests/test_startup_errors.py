@@ -4,9 +4,13 @@ Run: `make test`. CPU only; each case is a 2-rank mpirun under a hard timeout. T
 (no hang), record an error in the rank status files, and rank 0 must print the message once.
 """
 
+import shutil
+import socket
+
 import pytest
 
-from megatron_recover.launch import LaunchConfig, launch, launch_env, mpirun_command, run_bounded
+from megatron_recover.launch import (LaunchConfig, Started, launch, launch_env, mpirun_command,
+                                     run_bounded)
 from tests.mpirun_harness import ENTRY
 
 pytestmark = pytest.mark.mpi
@@ -86,3 +90,25 @@ def test_a_fatal_error_reaches_the_terminal_under_plain_mpirun(tmp_path):
     for rank in (0, 1):
         assert f"megatron-recover: rank {rank} stops on an error:" in output, output[-3000:]
     assert output.count("ValueError: --load:") == 2 and "mp_rank_00_000.pt is missing" in output
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_a_killed_mpirun_never_stops_a_later_one_at_start_up(tmp_path):
+    """A SIGKILLed mpirun leaves its PMIx rendezvous files in <tmpdir>/ompi.<its PID>; an mpirun
+    that later gets that PID stops at once (CI saw it with pid_max 32768). The launcher removes
+    them once it has reaped the mpirun it started."""
+    cfg = LaunchConfig(1, ["sh", "-c", "kill -KILL $PPID"], tmp_path / "status", TIMEOUT_S)
+    env = {**launch_env(cfg), "TMPDIR": str(tmp_path)}
+    killed = Started(mpirun_command(cfg, fault_tolerant=False), env)
+    assert killed.wait(TIMEOUT_S) and killed.proc.returncode == -9, killed.output
+    left = tmp_path / f"ompi.{killed.proc.pid}"
+    assert (left / f"pmix.{socket.gethostname()}.tool.{killed.proc.pid}").exists()
+    stale = shutil.copytree(left, tmp_path / "stale")
+    killed.stop()
+    assert not left.exists()
+
+    # What they did to the next mpirun of that PID (`exec` keeps the shell's PID).
+    command = " ".join(mpirun_command(LaunchConfig(1, ["true"], cfg.status_dir), False))
+    rc, output, _ = run_bounded(
+        ["sh", "-c", f'cp -a {stale} "$TMPDIR/ompi.$$" && exec {command}'], env, TIMEOUT_S)
+    assert rc == 213 and "listener thread failed to start" in output, (rc, output)
