@@ -45,11 +45,17 @@ INTERVAL = 2
 # case the watchdog alone must end.
 SILENT_STALL_S = 45.0
 SILENT_HANG_S = 120.0
-# A rank of nodeC computes this long, without communication, in iteration KILL_AFTER + 1: the
-# loss lands inside that iteration (at this model's 0.13-0.3 s per iteration the run was seen to
-# end before the harness had taken the link down and killed the node's processes).
-SILENT_STALL_RANK_S = 30
 KILL_AFTER = 5  # the node is lost once this iteration has committed
+# A rank of nodeC computes this long, without communication, in iteration KILL_AFTER + 1, and
+# the node is lost once it has begun: the loss lands inside that iteration. Without it the run
+# was seen to complete before the loss (0.13-0.3 s per iteration here; CI saw all ranks complete
+# before nodeC's daemon was killed). The relaunch runs without it (entries fire again on a
+# relaunch, and replica 4 is back with a spare host).
+LOSS_STALL_S = 30
+LOSS_INSIDE_AN_ITERATION = dict(
+    schedule=(f"entries:\n  - {{iteration: {KILL_AFTER + 1}, replica: 4, local_rank: 0,"
+              f" location: pre-forward, action: stall, seconds: {LOSS_STALL_S}}}\n"),
+    wait_for_markers=1, schedule_after_loss="entries: []\n")
 RANKS_PER_NODE = 2
 TEARDOWN_S = 15.0  # mpirun's teardown, then this launcher's clean-up
 TIMEOUT_S = 300
@@ -202,6 +208,15 @@ def assert_relaunched(job: Job, lost_reason, hosts: list[str], figures, label) -
     return resumed
 
 
+def assert_lost_inside_an_iteration(job: Job) -> None:
+    """The nodeC rank's long computation began (its marker) and the node was lost during it."""
+    first = job.attempts[0]
+    assert [(m["rank"], m["iteration"]) for m in job.markers] == [(4, KILL_AFTER + 1)], \
+        first.summary()
+    assert job.killed_after == KILL_AFTER, (job.killed_after, first.summary())
+    assert job.killed_at - job.markers[0]["time"] < LOSS_STALL_S
+
+
 @pytest.mark.timeout(TIMEOUT_S + 120)
 def test_rank_on_a_remote_node_dies_in_step(shared_dir, reference, figures):
     """No relaunch: ULFM survives a rank's death on nodeC (replica 4) in-step, exactly."""
@@ -234,7 +249,9 @@ LOSSES = {"whole node": ("kill_node", unreachable), "daemon only": ("kill_daemon
 def test_node_loss_relaunches_from_snapshots(shared_dir, reference, figures, loss):
     method, reason = LOSSES[loss]
     with FakeNodes(["nodeB", "nodeC"]) as nodes:
-        job = run_job(shared_dir, nodes, nodes.hosts, lose=getattr(nodes, method))
+        job = run_job(shared_dir, nodes, nodes.hosts, lose=getattr(nodes, method),
+                      **LOSS_INSIDE_AN_ITERATION)
+    assert_lost_inside_an_iteration(job)
     assert nodes.links() == []
     assert_relaunched(job, reason, nodes.hosts[:2], figures, loss)
     assert_equals_reference(job, reference, loss, figures)
@@ -250,12 +267,8 @@ def test_a_silent_node_loss_ends_within_the_bound(shared_dir, reference, figures
         job = run_job(shared_dir, nodes, nodes.hosts, lose=nodes.silence,
                       stall_timeout_s=SILENT_STALL_S,
                       extra=("--recover-hang-timeout", f"{SILENT_HANG_S:g}"),
-                      schedule=("entries:\n"
-                                f"  - {{iteration: {KILL_AFTER + 1}, replica: 4, local_rank: 0,"
-                                " location: pre-forward, action: stall,"
-                                f" seconds: {SILENT_STALL_RANK_S}}}\n"),
-                      wait_for_markers=1, schedule_after_loss="entries: []\n")
-    assert [(m["rank"], m["iteration"]) for m in job.markers] == [(4, KILL_AFTER + 1)]
+                      **LOSS_INSIDE_AN_ITERATION)
+    assert_lost_inside_an_iteration(job)
     assert nodes.links() == []
     assert job.attempts[0].stalled, job.attempts[0].summary()
     assert_relaunched(job, unreachable, nodes.hosts[:2], figures, "silent")
@@ -266,7 +279,8 @@ def test_a_silent_node_loss_ends_within_the_bound(shared_dir, reference, figures
 def test_a_spare_host_restores_the_replica_count(shared_dir, reference, figures):
     with FakeNodes(["nodeB", "nodeC", "nodeD"]) as nodes:
         job = run_job(shared_dir, nodes, nodes.hosts[:3], lose=nodes.kill_node,
-                      spares=["nodeD"])
+                      spares=["nodeD"], **LOSS_INSIDE_AN_ITERATION)
+    assert_lost_inside_an_iteration(job)
     hosts = [nodes.hosts[0], "nodeB", "nodeD"]
     assert_relaunched(job, unreachable, hosts, figures, "whole node, spare host")
     resumed = job.resumed_iteration()
