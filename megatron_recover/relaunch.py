@@ -102,6 +102,11 @@ class JobConfig:
     env: tuple[tuple[str, str], ...] = ()
 
 
+# Open MPI's signal handler in a rank: this line, then the signal, its address and a backtrace.
+SIGNAL_REPORT = "*** Process received signal ***"
+SIGNAL_REPORT_LINES = 16
+
+
 @dataclass
 class Attempt:
     """One mpirun of the job and what ended it."""
@@ -125,6 +130,15 @@ class Attempt:
         return not (self.stalled or self.timed_out) and "completed" in states \
             and "error" not in states
 
+    def silent_deaths(self) -> list[str]:
+        """What mpirun printed of ranks that died without a status: the first signal report
+        (Open MPI's handler prints the signal, the faulting address and a backtrace), then
+        the last lines."""
+        lines = [line for _, line in self.lines]
+        first = next((i for i, line in enumerate(lines) if SIGNAL_REPORT in line), None)
+        report = lines[first:first + SIGNAL_REPORT_LINES] if first is not None else []
+        return report + (["..."] if report else []) + lines[-6:]
+
     def summary(self) -> str:
         states = {}
         for status in self.statuses.values():
@@ -137,8 +151,8 @@ class Attempt:
         errors = "".join(f"\n  rank {rank} {s['state']}: {s['error'].strip().splitlines()[-1]}"
                          for rank, s in sorted(self.statuses.items())
                          if s.get("state") in ("error", "left") and s.get("error"))
-        if not self.succeeded and not errors:  # ranks died without a word: mpirun's last lines
-            errors = "".join(f"\n  | {line.rstrip()}" for _, line in self.lines[-6:])
+        if not self.succeeded and not errors:  # ranks died without a word: mpirun's lines
+            errors = "".join(f"\n  | {line.rstrip()}" for line in self.silent_deaths())
         return (f"attempt {self.number} on {','.join(self.hosts)}: {how} after "
                 f"{self.ended - self.started:.1f} s; rank states {states}; lost hosts: {lost}"
                 f"{errors}")

@@ -1,5 +1,6 @@
 """In-memory snapshots and the relaunching launcher, without MPI: the writer's two buffers and
-completion marker, the relaunch's choice of iteration, the hostfile, the stall bound, lost hosts.
+completion marker, the relaunch's choice of iteration, the hostfile, the stall bound, lost hosts,
+what the launcher reports of ranks that died without a status.
 
 Run: `make test`. CPU only, one process; tests/test_node_loss.py runs the same code on 3 nodes.
 """
@@ -101,3 +102,20 @@ def test_lost_hosts_from_either_prterun_message():
     # No rank of nodeX started, and nothing else is known: that is the evidence.
     attempt = relaunch.Attempt(1, [here, "nodeX"], "id", 0.0, statuses={0: {}, 1: {}})
     assert relaunch.lost_hosts(attempt, 2, "true", {}) == {"nodeX": "no rank started"}
+
+
+def test_a_rank_that_died_without_a_status_is_reported_by_its_signal():
+    """A rank killed by a signal writes no status; the summary quotes Open MPI's report of it,
+    however much mpirun printed after it."""
+    report = ["[vm:123] *** Process received signal ***\n", "[vm:123] Signal: Aborted (6)\n",
+              "[vm:123] [ 0] /lib/libc.so.6(+0x42520)\n", "[vm:123] *** End of error message ***\n"]
+    after = [f"later line {i}\n" for i in range(40)]
+    attempt = relaunch.Attempt(1, ["vm"], "id", 0.0, timed_out=True,
+                               statuses={0: {"state": "running"}, 1: {"state": "running"}},
+                               lines=[(0.0, line) for line in ["start\n", *report, *after]])
+    summary = attempt.summary()
+    assert "Signal: Aborted (6)" in summary and "End of error message" in summary, summary
+    assert "later line 39" in summary and "later line 20" not in summary, summary
+    quiet = relaunch.Attempt(1, ["vm"], "id", 0.0, timed_out=True, statuses={0: {}},
+                             lines=[(0.0, line) for line in after])
+    assert "..." not in quiet.summary() and "later line 34" in quiet.summary()
