@@ -143,8 +143,10 @@ def test_failures_within_the_precisions_tolerance(tmp_path, measured, precision)
 
 
 @pytest.mark.timeout(6 * TIMEOUT_S)
-@pytest.mark.parametrize("layout,precision", [("tp2xdp2", "bf16"), ("tp2xdp2", "fp16"),
-                                              ("do-2x2", "bf16-grad-reduce"), ("do-2x2", "fp16")])
+# `make test` runs bf16 and fp16 once each, the other layout of each in `make test-long`.
+@pytest.mark.parametrize("layout,precision", [
+    pytest.param("tp2xdp2", "bf16", marks=pytest.mark.long), ("tp2xdp2", "fp16"),
+    ("do-2x2", "bf16-grad-reduce"), pytest.param("do-2x2", "fp16", marks=pytest.mark.long)])
 def test_model_parallel_and_sharded_layouts(tmp_path, measured, layout, precision):
     m = measured(precision)
     args = [*m.args, *LAYOUTS[layout]]

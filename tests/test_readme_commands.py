@@ -54,7 +54,7 @@ COMMANDS = {
     "make fault-campaign N=30 SEED=1": ("run", "make fault-campaign N=1 SEED=5 "
                                                "OUT={tmp}/campaign"),
     "make fault-campaign": ("skip", "the target of the command above"),
-    "make bench": ("run", ".venv/bin/python scripts/bench_collective.py --reps-scale 0.05"),
+    "make bench": ("long", ".venv/bin/python scripts/bench_collective.py --reps-scale 0.05"),
     "make bench-restart": ("skip", "about 45 minutes; tests/test_bench_vs_restart.py checks its "
                                    "accounting, tests/test_stock_fail_stop.py its baseline"),
     "make goodput": ("run", ".venv/bin/megatron-recover goodput --gpus 1000,4000 --runs 1 "
@@ -66,7 +66,7 @@ COMMANDS = {
     "scripts/bench_vs_restart.py --json": ("skip", "as make bench-restart"),
     "make bench-scale": ("skip", "6 minutes and 14 GiB; tests/test_bench_scale.py runs it scaled"),
     "scripts/bench_scale.py --json": ("skip", "as make bench-scale"),
-    "make bench-grow-back": ("run", ".venv/bin/python scripts/bench_grow_back.py --replicas 3 "
+    "make bench-grow-back": ("long", ".venv/bin/python scripts/bench_grow_back.py --replicas 3 "
                                     "--failures 1 --iterations 5 --out {tmp}/grow-back"),
     "scripts/bench_grow_back.py --json": ("skip", "as make bench-grow-back"),
     # The fake nodes hide /tmp: the output goes under runs/, which they see.

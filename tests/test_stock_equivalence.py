@@ -51,8 +51,11 @@ def stock_run(tmp_path: Path, name: str, precision: list[str]):
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
-@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]],
-                         ids=["fp32", "bf16", "fp16"])
+# The hooks are the same in every precision: `make test` runs fp32, `make test-long` the others.
+@pytest.mark.parametrize("precision", [
+    pytest.param([], id="fp32"),
+    pytest.param(["--bf16"], id="bf16", marks=pytest.mark.long),
+    pytest.param(["--fp16", "--initial-loss-scale", "4096"], id="fp16", marks=pytest.mark.long)])
 def test_patched_without_recover_equals_unpatched(tmp_path, monkeypatch, precision):
     _, patched_losses, patched_digests = stock_run(tmp_path, "patched", precision)
     source = unpatched_megatron(tmp_path)
