@@ -2,8 +2,10 @@
 
 Run: `make test`. CPU only; each case is a 2-rank mpirun under a hard timeout. The run must end
 (no hang), record an error in the rank status files, and rank 0 must print the message once.
+The last case: what a killed mpirun leaves behind must not stop the next one at start-up.
 """
 
+import shlex
 import shutil
 import socket
 
@@ -108,7 +110,8 @@ def test_a_killed_mpirun_never_stops_a_later_one_at_start_up(tmp_path):
     assert not left.exists()
 
     # What they did to the next mpirun of that PID (`exec` keeps the shell's PID).
-    command = " ".join(mpirun_command(LaunchConfig(1, ["true"], cfg.status_dir), False))
+    command = shlex.join(mpirun_command(LaunchConfig(1, ["true"], cfg.status_dir), False))
     rc, output, _ = run_bounded(
-        ["sh", "-c", f'cp -a {stale} "$TMPDIR/ompi.$$" && exec {command}'], env, TIMEOUT_S)
+        ["sh", "-c", f'cp -a {shlex.quote(str(stale))} "$TMPDIR/ompi.$$" && exec {command}'],
+        env, TIMEOUT_S)
     assert rc == 213 and "listener thread failed to start" in output, (rc, output)
