@@ -17,8 +17,9 @@ def main(argv=None) -> int:
     from megatron_recover.policy import plan_cli
     plan_cli.add_arguments(sub.add_parser("plan", help="simulate the workload policy under failures"))
 
-    from megatron_recover import launch
-    launch.add_arguments(sub.add_parser("launch", help="run a command under mpirun --with-ft ulfm"))
+    from megatron_recover import launch_cli
+    launch_cli.add_arguments(sub.add_parser("launch",
+                                            help="run a command under mpirun --with-ft ulfm"))
 
     from megatron_recover.faults import schedule_cli
     schedule_cli.add_arguments(sub.add_parser("schedule", help="write a seeded failure schedule"))
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
                                              "systems from 1k to 100k GPUs"))
 
     args = parser.parse_args(argv)
-    commands = {"plan": plan_cli.run, "launch": launch.run, "schedule": schedule_cli.run,
+    commands = {"plan": plan_cli.run, "launch": launch_cli.run, "schedule": schedule_cli.run,
                 "goodput": goodput_cli.run}
     return commands[args.subcommand](args)
 
