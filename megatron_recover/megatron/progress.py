@@ -19,7 +19,7 @@ from megatron_recover.megatron.report import IntervalStats, failure_lines, model
 from megatron_recover.megatron.writers import MetricWriters, training_scalars, validation_scalars
 
 if TYPE_CHECKING:
-    from megatron_recover.megatron.run import RankSetup
+    from megatron_recover.megatron.rank_setup import RankSetup
 
 
 class ExitRequests:

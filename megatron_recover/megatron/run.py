@@ -40,6 +40,7 @@ from megatron_recover.megatron.gpt import (
     wrap_ddp,
 )
 from megatron_recover.megatron.progress import Progress
+from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.megatron.report import RecoverLog
 from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
 from megatron_recover.megatron import checkpoint, dist_checkpoint, snapshot, standby
@@ -269,32 +270,6 @@ def save_parameters(model, path: Path) -> None:
     """This rank's final parameters, by name, as CPU tensors (torch.save)."""
     torch.save({name: param.detach().cpu().clone() for name, param in model.named_parameters()},
                path)
-
-
-@dataclass
-class RankSetup:
-    """What one rank built: megatron's model and optimizer, and its place among the replicas."""
-
-    ddp_model: object
-    optimizer: object
-    scheduler: object
-    micro_pass: MicrobatchPass
-    group: collective.ULFMGroup | None  # the cross-replica group of this position (ulfm)
-    replica_of_rank: dict[int, int] | None  # world rank -> replica index (its rank in `group`)
-    replica_group: object  # this replica's ranks: TP x PP (x its shards, with instances)
-    shard_group: object | None  # distributed-optimizer instances: the replica's DP ranks here
-    dp_rank: int
-    replica_index: int  # the data-parallel rank, or the distributed-optimizer instance
-    local_rank: int
-    position: tuple[int, int]  # (tensor, pipeline) parallel rank
-
-    @property
-    def checkpoint_position(self) -> tuple[int, ...]:
-        """Which file of a checkpoint is this rank's: its (tensor, pipeline) position and, with
-        distributed-optimizer shards, its shard (each holds its own optimizer state)."""
-        if self.shard_group is None or dist.get_world_size(self.shard_group) == 1:
-            return self.position
-        return (*self.position, dist.get_rank(self.shard_group))
 
 
 def torch_world_id(cfg, ctx: runtime.DistributedContext) -> int:

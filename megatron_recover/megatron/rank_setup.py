@@ -1,0 +1,35 @@
+"""What one rank built (`RankSetup`): shared by run.py, which builds it, and progress.py, which
+reads it after each iteration; its own module so that neither imports the other."""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_recover import collective
+from megatron_recover.megatron.gpt import MicrobatchPass
+
+
+@dataclass
+class RankSetup:
+    """What one rank built: megatron's model and optimizer, and its place among the replicas."""
+
+    ddp_model: object
+    optimizer: object
+    scheduler: object
+    micro_pass: MicrobatchPass
+    group: collective.ULFMGroup | None  # the cross-replica group of this position (ulfm)
+    replica_of_rank: dict[int, int] | None  # world rank -> replica index (its rank in `group`)
+    replica_group: object  # this replica's ranks: TP x PP (x its shards, with instances)
+    shard_group: object | None  # distributed-optimizer instances: the replica's DP ranks here
+    dp_rank: int
+    replica_index: int  # the data-parallel rank, or the distributed-optimizer instance
+    local_rank: int
+    position: tuple[int, int]  # (tensor, pipeline) parallel rank
+
+    @property
+    def checkpoint_position(self) -> tuple[int, ...]:
+        """Which file of a checkpoint is this rank's: its (tensor, pipeline) position and, with
+        distributed-optimizer shards, its shard (each holds its own optimizer state)."""
+        if self.shard_group is None or dist.get_world_size(self.shard_group) == 1:
+            return self.position
+        return (*self.position, dist.get_rank(self.shard_group))
