@@ -2,8 +2,8 @@
 
 A rank's death is survived in-step (ULFM) and never relaunches anything. A lost node is not:
 Open MPI 5.0's runtime ends the whole job ~50 ms after it loses a node's daemon, and a node that
-vanishes silently (link down) leaves the job hanging (../shared/probes/nodes/README.md). The
-launcher therefore:
+vanishes silently (link down) leaves the job hanging (docs/node-loss.md, "A lost node ends the
+job" and "A silent node loss hangs"). The launcher therefore:
 
 1. runs the job on the hosts, with a stall watchdog: a job whose lowest live rank has committed
    no iteration for `stall_timeout_s` (derived from --recover-hang-timeout: the in-job last

@@ -1,11 +1,12 @@
 """Process life cycle of a ULFM run: MPI start, torch.distributed rendezvous, and how a rank leaves.
 
-ULFM-NOTES.md measured two ways a rank's exit hangs every survivor: exiting with a non-zero
-status (never reported as a failure) and calling MPI_Finalize after a failure. So a rank of ours
-leaves only by `os._exit(0)` or by SIGKILL to itself, and never calls MPI_Finalize: whether any
-rank of the job saw a failure is not something a rank can know without asking the dead, and
-under `--with-ft ulfm` an exit without Finalize is an ordinary departure. Failure status goes to
-the rank's status file and log, never to the exit code.
+Two ways a rank's exit hangs every survivor were measured (docs/ulfm-behaviour.md, "How a rank
+may leave"): exiting with a non-zero status (never reported as a failure) and calling
+MPI_Finalize after a failure. So a rank of ours leaves only by `os._exit(0)` or by SIGKILL to
+itself, and never calls MPI_Finalize: whether any rank of the job saw a failure is not something
+a rank can know without asking the dead, and under `--with-ft ulfm` an exit without Finalize is
+an ordinary departure. Failure status goes to the rank's status file and log, never to the exit
+code.
 
 Nothing here runs on import; `init_distributed()` installs the exit discipline.
 """
@@ -72,7 +73,8 @@ def write_progress(iteration: int) -> None:
 
 # gloo reports a peer that died, or a collective that outlived its timeout, only through the
 # text of a RuntimeError: these are the forms it takes (a closed socket is seen 17-37 ms after
-# the peer's SIGKILL, ULFM-NOTES.md; a timeout after the group's timeout).
+# the peer's SIGKILL: docs/ulfm-behaviour.md, "gloo beside ULFM in the same job"; a timeout after
+# the group's timeout).
 _PEER_LOSS_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                        "Timed out waiting", "timed out")
 
@@ -137,7 +139,8 @@ def configure_hang_detection(timeout_s: float) -> None:
     longer than the timeout without MPI calls keeps answering, declares a peer that stopped
     answering failed; the runtime then kills it and ULFM reports it like a crash. (Without the
     thread a long compute is a false positive; with it MPI_Finalize can hang, which a ULFM run of
-    ours never calls: ULFM-NOTES.md.) Works across hosts: the heartbeats are MPI messages.
+    ours never calls: docs/ulfm-behaviour.md, "Frozen ranks and Open MPI's failure detector".)
+    Works across hosts: the heartbeats are MPI messages.
     Settings given explicitly to mpirun (--mca) win over these. The detector thread's start-up
     race in Open MPI is defused by `init_mpi` (see `_ignore_early_heartbeats`).
     """

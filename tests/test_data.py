@@ -10,9 +10,9 @@ What is checked:
   Megatron-LM stores them), with each tokenizer type; 1 and 2 workers write identical bytes.
 - The demo builder is deterministic for a seed and its GPT-2 files work with both the
   GPT2BPETokenizer and HuggingFaceTokenizer paths.
-- MicrobatchSource: DESIGN.md's id -> sample mapping (main stream partitions the training
-  samples; reserve ids come after it), bitwise-equal microbatches across independent builds, a
-  cache hit, and concurrent builders; Megatron's batch layout; mock data.
+- MicrobatchSource: the id -> sample mapping of docs/design.md, "Exact semantics" (main stream
+  partitions the training samples; reserve ids come after it), bitwise-equal microbatches across
+  independent builds, a cache hit, and concurrent builders; Megatron's batch layout; mock data.
 - Bad input stops with a ValueError (RuntimeError for building after torch.distributed is up).
 """
 

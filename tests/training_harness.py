@@ -1,11 +1,12 @@
 """Shared by the end-to-end training tests: run pretrain_gpt_recover.py bounded, read what the
 ranks wrote, and compare a run with its failure-free reference.
 
-"Exact" (DESIGN.md) is checked two ways, both against the failure-free run of the same command:
-the loss of every iteration within EXACT_LOSS_RTOL relative, and every surviving rank's final
-parameters within EXACT_PARAM_RTOL (max abs difference over the tensor, relative to the
-reference tensor's max abs). Measured on the tiny test GPTs at lr 3e-3 with clipping: ~1e-8 for
-both; a lost or doubled microbatch gradient moves them by far more (the negative controls).
+"Exact" (docs/design.md, "Exact semantics") is checked two ways, both against the failure-free
+run of the same command: the loss of every iteration within EXACT_LOSS_RTOL relative, and every
+surviving rank's final parameters within EXACT_PARAM_RTOL (max abs difference over the tensor,
+relative to the reference tensor's max abs). Measured on the tiny test GPTs at lr 3e-3 with
+clipping: ~1e-8 for both; a lost or doubled microbatch gradient moves them by far more (the
+negative controls).
 """
 
 import json

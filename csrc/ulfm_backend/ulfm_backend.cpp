@@ -1,5 +1,6 @@
-// ProcessGroupULFM implementation. See ulfm_backend.hpp for the contract; ULFM-NOTES.md in the
-// design folder for the measured MPI behaviour every branch below is written against.
+// ProcessGroupULFM implementation. See ulfm_backend.hpp for the contract, and
+// docs/ulfm-behaviour.md for the measured MPI behaviour every branch below is written against
+// ("Revoke and shrink", "Outcomes are not uniform").
 #include "ulfm_backend.hpp"
 
 #include <ATen/ATen.h>

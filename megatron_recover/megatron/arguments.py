@@ -34,7 +34,7 @@ from megatron_recover.megatron.config import (
 )
 from megatron_recover.policy.rampup import GlobalBatches
 
-# The tokenizers that load offline from files the user names (DESIGN.md, issue 4).
+# The tokenizers that load offline from files the user names (tokenizer.py: nothing is downloaded).
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 # Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).

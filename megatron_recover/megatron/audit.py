@@ -3,7 +3,7 @@
 The committed side comes from the gradient ledger (layer 2) as the commit lane summed it: which
 (iteration, id) gradients the reduced buckets held and the sum of the checksums of the batches the
 schedule consumed. The expected side is computed here without the policy: from the microbatch ids
-an iteration has by definition (DESIGN.md, "Exact semantics") and from megatron's `GPTDataset`,
+an iteration has by definition (docs/design.md, "Exact semantics") and from megatron's `GPTDataset`,
 indexed directly rather than through `MicrobatchSource`.
 
   exact      ids 0..B_t-1 of the iteration, each exactly once, and their dataset checksums;
@@ -33,7 +33,7 @@ class LedgerAudit:
     dataset: megatron's training-split dataset (`MicrobatchSource.dataset`), indexed by sample.
     The sample arithmetic (iteration t's global batch is the GBS_t samples after those consumed
     before it; reserve id B+j is samples main_samples + j*mbs onwards, main_samples being the
-    training split's size) is DESIGN.md's, written out again on purpose.
+    training split's size) is docs/design.md's ("Exact semantics"), written out again on purpose.
     rampup_batch_size: --rampup-batch-size START INCREMENT SAMPLES, or None.
     """
 

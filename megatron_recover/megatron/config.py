@@ -460,7 +460,8 @@ class TrainConfig:
     @property
     def b(self) -> int:
         """B: microbatches per iteration over all data-parallel ranks, GBS // mbs, after any
-        ramp-up; a microbatch id names one data-parallel rank's micro-batch (DESIGN.md)."""
+        ramp-up; a microbatch id names one data-parallel rank's micro-batch (docs/design.md,
+        "Exact semantics")."""
         return self.global_batch_size // self.micro_batch_size
 
     @property

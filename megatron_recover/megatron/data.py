@@ -1,4 +1,5 @@
-"""Microbatches by id: megatron-core's GPTDataset addressed as DESIGN.md's "Exact semantics" say.
+"""Microbatches by id: megatron-core's GPTDataset addressed as docs/design.md, "Exact semantics",
+says.
 
 Contract of `MicrobatchSource(config)`:
 - Iteration t (1..train_iters) uses the training split's samples [(t-1)*GBS, t*GBS), the range

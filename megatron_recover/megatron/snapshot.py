@@ -2,9 +2,10 @@
 
 Open MPI's runtime ends the whole job when a node (its daemon) is lost, and nothing can be saved
 at that point (ranks on the mpirun node get no signal, the others are killed 0.2-0.3 s after a
-SIGTERM: ../shared/probes/nodes/README.md). So every --recover-snapshot-interval iterations a
-rank copies its complete training state at the iteration boundary and a helper thread writes the
-copy into node-local shared memory (--recover-snapshot-dir, /dev/shm by default):
+SIGTERM: docs/node-loss.md, "What the surviving ranks receive"). So every
+--recover-snapshot-interval iterations a rank copies its complete training state at the
+iteration boundary and a helper thread writes the copy into node-local shared memory
+(--recover-snapshot-dir, /dev/shm by default):
 
   DIR/iter_NNNNNNN/mp_rank_TT_PPP[_shard_SS]-replica_RRRR.pt
 

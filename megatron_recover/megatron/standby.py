@@ -104,7 +104,8 @@ class Pool:
 
     def wait_for_call(self) -> dict | None:
         """(standby) The next call-up, or None once dismissed or when every process that could
-        call is dead. Polls: under 1% of a core (ULFM-NOTES.md's standby probe)."""
+        call is dead. Polls: under 1% of a core (docs/ulfm-behaviour.md, "Adding ranks: standby
+        replicas")."""
         start, cpu = time.monotonic(), time.process_time()
         try:
             return self._wait()

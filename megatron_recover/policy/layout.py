@@ -1,7 +1,7 @@
 """Roles, the run's policy configuration, and the static policy's steady-state layout.
 
 A layout is what a replica needs to know before an iteration starts: G_cur, R_cur and which live
-replica plays which role. Microbatch ids follow from it (section "Exact semantics" of DESIGN.md):
+replica plays which role. Microbatch ids follow from it (docs/design.md, "Exact semantics"):
 the majors, in replica order, take the contiguous ranges [i*G_cur, (i+1)*G_cur) and the minor takes
 the remainder [n_maj*G_cur, B). Those ranges are *slots*; slot i < n_maj belongs to the i-th major,
 slot n_maj to the minor. In exact mode a spare shadows a slot: it runs that slot's ids so that it

@@ -8,8 +8,8 @@ batch, so the sizes, and where each iteration's samples start, follow from the a
 every replica computes the same schedule at launch without exchanging a message.
 
 `ramp_up` gives the sizes of the ramp phase; `GlobalBatches` answers, for any iteration, its size
-and its first sample (DESIGN.md, "Exact semantics": iteration t's global batch is the sample range
-[consumed before t, consumed before t + size of t)).
+and its first sample (docs/design.md, "Exact semantics": iteration t's global batch is the sample
+range [consumed before t, consumed before t + size of t)).
 """
 
 from __future__ import annotations
