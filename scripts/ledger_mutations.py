@@ -32,7 +32,7 @@ SPARE_THEN_BLOCKING = ("  - {iteration: 1, replica: 0, local_rank: 0, location: 
                        "  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}\n"
                        "  - {iteration: 2, replica: 5, local_rank: 0, "
                        "location: during-extension}\n")
-TRAINER = "megatron_recover/megatron/trainer.py"
+TRAINER = "megatron_recover/recovery/trainer.py"
 DATA = "megatron_recover/megatron/data.py"
 GRADIENTS = "megatron_recover/recovery/gradients.py"
 SNAPSHOT = ("        bucket.snapshot.copy_(grad)\n"

@@ -3,7 +3,7 @@
 import json
 
 from megatron_recover.megatron.report import RecoverLog
-from megatron_recover.megatron.trainer import StepReport
+from megatron_recover.recovery import StepReport
 
 
 def report(iteration):

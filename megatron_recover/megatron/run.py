@@ -42,8 +42,9 @@ from megatron_recover.megatron.gpt import (
 from megatron_recover.megatron.progress import Progress
 from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.megatron.report import RecoverLog
-from megatron_recover.megatron.trainer import ResilientTrainer, TrainerParts
+from megatron_recover.megatron.adapter import build_trainer
 from megatron_recover.megatron import checkpoint, dist_checkpoint, snapshot, standby
+from megatron_recover.recovery import ResilientTrainer
 from megatron_recover.policy import (
     ADAPTIVE,
     EXACT,
@@ -247,8 +248,7 @@ def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
         return
     state = recovery_state(trainer, iteration)
     checkpoint.save(cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer, setup.scheduler,
-                    setup.checkpoint_position,
-                    setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
+                    setup.checkpoint_position, _replica_control_group(cfg, setup),
                     setup.local_rank)
 
 
@@ -464,24 +464,27 @@ def _resilient_trainer(cfg, setup: RankSetup, dataset, policy, replica: int,
                        replica_of_rank: dict[int, int], wants_exit) -> ResilientTrainer:
     from megatron.core import parallel_state
 
-    trainer = ResilientTrainer(TrainerParts(
-        model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
-        group=setup.group, policy=policy,
-        replica_group=setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None,
-        shard_group=setup.shard_group, per_token_loss=cfg.model.calculate_per_token_loss,
+    trainer = build_trainer(
+        ddp_model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
+        micro_batch_size=cfg.micro_batch_size, run_pass=setup.micro_pass.run,
+        replica_group=_replica_control_group(cfg, setup), shard_group=setup.shard_group,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
+        group=setup.group, policy=policy, per_token_loss=cfg.model.calculate_per_token_loss,
         computes_loss=parallel_state.is_pipeline_last_stage(),
-        replica=replica, replica_of_rank=replica_of_rank,
-        run_pass=setup.micro_pass.run, faults=setup.micro_pass.faults,
+        replica=replica, replica_of_rank=replica_of_rank, faults=setup.micro_pass.faults,
         audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
                           micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
                           policy=cfg.recover.policy, mode=cfg.recover.mode,
                           rampup_batch_size=cfg.rampup_batch_size),
-        restore=cfg.recover.restore, wants_exit=wants_exit),
-        micro_batch_size=cfg.micro_batch_size)
+        restore=cfg.recover.restore, wants_exit=wants_exit)
     _install_calculator(cfg, trainer)
     return trainer
+
+
+def _replica_control_group(cfg, setup: RankSetup):
+    """The replica's torch group for the trainer's verdict exchange; None for one-rank replicas."""
+    return setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None
 
 
 def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
@@ -653,7 +656,7 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         if progress.stopping(iteration, report.exit_requested, saved, save):
             break
         if pool is not None and iteration < cfg.train_iters:
-            _grow_back(trainer, setup, pool, iteration)
+            _grow_back(cfg, trainer, setup, pool, iteration)
     else:
         progress.end_of_training(iteration)
     if pool is not None:
@@ -739,7 +742,7 @@ def _join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> 
             "digests": state_digests(setup)}
 
 
-def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
+def _grow_back(cfg, trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
                iteration: int) -> None:
     """(training ranks, after `iteration`) Call idle standbys into the vacant replica ids
     (standby.py, steps 1-4); the outcome is reported with the next iteration."""
@@ -756,7 +759,7 @@ def _grow_back(trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
     pool.send(message)
     assignment, grown, ok, candidates = pool.assemble(message, member=True,
                                                       position=setup.local_rank)
-    group, replica_group = setup.group, trainer.p.replica_group
+    group, replica_group = setup.group, _replica_control_group(cfg, setup)
     lost = []
     if ok and assignment:
         settled = standby.adopt(group, grown, replica_group, w_init, assignment)
@@ -805,7 +808,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
     standby_faults.idle()
     w_init = cfg.num_replicas
     # The replica's own ranks, to combine the positions' outcomes (standby.settle).
-    replica_group = setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None
+    replica_group = _replica_control_group(cfg, setup)
     group = setup.group
     while True:
         message = pool.wait_for_call()

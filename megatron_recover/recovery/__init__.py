@@ -1,7 +1,12 @@
-"""Layer 2: in-step recovery of gradient reductions (snapshots, stale buckets, rewind) and the
-gradient ledger that records which microbatch gradients every bucket holds."""
+"""Layer 2: in-step recovery. The round protocol (`trainer.ResilientTrainer`) over typed
+interfaces (`interfaces.py`), epoch-tagged gradient snapshots with rewind (`gradients.py`), the
+gradient ledger that records which microbatch gradients every bucket holds (`ledger.py`), and
+the codecs of the commit lane and the replica verdict (`lane.py`)."""
 
 from megatron_recover.recovery.gradients import GradientRecovery
+from megatron_recover.recovery.lane import CommitLane, LaneHead, Verdict, VerdictCodec
 from megatron_recover.recovery.ledger import Entry, LaneLayout, LaneTotals, Ledger
+from megatron_recover.recovery.trainer import ResilientTrainer, StepReport, TrainerParts
 
-__all__ = ["Entry", "GradientRecovery", "LaneLayout", "LaneTotals", "Ledger"]
+__all__ = ["CommitLane", "Entry", "GradientRecovery", "LaneHead", "LaneLayout", "LaneTotals",
+           "Ledger", "ResilientTrainer", "StepReport", "TrainerParts", "Verdict", "VerdictCodec"]

@@ -1,27 +1,28 @@
 """The resilient training step: first pass, reduce, agree, restore or extend, commit, step.
 
-One `ResilientTrainer.train_step(t)` per iteration, on every rank, drives the three layers:
+One `ResilientTrainer.train_step(t)` per iteration, on every rank, drives the three layers over
+the interfaces of `interfaces.py` (megatron's DDP, schedule and optimizer behind the adapter of
+`megatron_recover.megatron.adapter`; fakes in the unit tier):
 
-  1. The policy says which microbatch ids this replica runs; `run_pass` runs them through
-     megatron's schedule (pipeline flush and intra-replica syncs included), then every bucket's
-     ulfm all-reduce is posted (layer 2 snapshots each bucket first; a spare zeroes its bucket
-     after the snapshot). With --overlap-grad-reduce the first pass posts each bucket from the
-     backward of its last microbatch, as megatron would, except the buckets megatron syncs
-     inside the replica after backward (layer 2 posts those after the schedule); extension
-     passes and blocking restores stay deferred.
-  2. The commit lane — this replica's loss sum and the gradient ledger its buckets sent (which
-     microbatch gradients they hold, with checksums of the batches; layer 2) — is all-reduced on
-     the same group, then a consensus gives every survivor the same failure record. The census
-     says whether each survivor's reductions all succeeded under the current epoch. The summed
-     ledger is checked against the failure-free iteration (`audit.LedgerAudit`), not against
-     the policy's plan.
-  3. One verdict per replica: every intra-replica position (TP x PP rank) has its own
-     cross-replica group, and the groups may learn of a dead replica in different rounds. The
-     ranks of a replica exchange their records (an all-reduce on the intra-replica group): the
+  1. The policy says which microbatch ids this replica runs; the pass runner runs them (pipeline
+     flush and intra-replica syncs included), then every bucket's ulfm all-reduce is posted
+     (layer 2 snapshots each bucket first; a spare zeroes its bucket after the snapshot). With
+     --overlap-grad-reduce the first pass posts each bucket from the backward of its last
+     microbatch, as megatron would, except the buckets synced inside the replica after backward
+     (posted after the pass); extension passes and blocking restores stay deferred.
+  2. The commit lane (`lane.CommitLane`) — this replica's loss sum and the gradient ledger its
+     buckets sent (which microbatch gradients they hold, with checksums of the batches) — is
+     all-reduced on the same group, then a consensus gives every survivor the same failure
+     record. The census says whether each survivor's reductions all succeeded under the current
+     epoch. The summed ledger is checked by the audit against the failure-free iteration, not
+     against the policy's plan.
+  3. One verdict per replica (`lane.VerdictCodec`): every intra-replica position (TP x PP rank)
+     has its own cross-replica group, and the groups may learn of a dead replica in different
+     rounds. The ranks of a replica exchange their views on the replica's control group: the
      dead replicas are the union, and the round commits only if no position saw a failure. Each
      position's record is agreed by all replicas, so every live replica reaches the same verdict;
-     the invariant holds only if it holds at every position.
-     A rank whose replica lost a member fails in this exchange and leaves (the replica gate).
+     the invariant holds only if it holds at every position. A rank whose replica lost a member
+     fails in this exchange and leaves (the replica gate).
   4. Otherwise the new dead replicas go to the policy: a promotion or a drop means a blocking
      restore (rewind every bucket, reduce again under the new membership); a boundary means a
      non-blocking one (empty the buckets, run the extension pass, add the snapshots back, reduce).
@@ -29,37 +30,39 @@ One `ResilientTrainer.train_step(t)` per iteration, on every rank, drives the th
   5. Commit: the policy installs the next layout; the adaptive policy rescales the summed gradient
      to its committed count; the optimizer steps.
 
-With --calculate-per-token-loss the schedule leaves each microbatch's loss a sum over its loss
-tokens and megatron's own per-token division is skipped (`gpt._finalize_keeping_token_sums`); the
+With per-token loss the pass runner leaves each microbatch's loss a sum over its loss tokens; the
 commit lane also sums the loss tokens of the microbatches in the sent ledger, and the committed
 gradient is divided once by that count: all B microbatches' tokens under the static policy, the
 committed microbatches' under drop-and-go.
 
-With --overlap-param-gather (distributed-optimizer instances) megatron dispatches each bucket
-group's parameter all-gather from the forward pre-hooks of the next pass, lazily, per pass. A
-shard that runs no microbatch in a pass (an extension pass can give it none) would then never
-join the all-gather its peers started. Here every shard dispatches all of them right after the
-optimizer step, in the same order; the forward pre-hooks only wait for them, so the all-gather
-still overlaps the next forward, and every shard waits for its own before the next step
-(`gather_parameters()` before a checkpoint and at the end).
+With overlapped parameter gathers (distributed-optimizer instances) every shard dispatches all of
+them right after the optimizer step, in the same order (`GradientBuffers.dispatch_param_gather`):
+a shard that runs no microbatch in a pass then still joins the all-gathers its peers started.
 
 Every decision is a function of agreed records, so all survivors take the same branch.
 """
+
+from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_recover.collective import ULFMGroup
-from megatron_recover.megatron import hooks
-from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.policy import ADAPTIVE, RESERVE, WorkloadPolicy
-from megatron_recover.recovery import GradientRecovery, LaneLayout
-
-LANE_HEAD = 3  # the commit lane: loss sum, loss tokens, exit request; then the ledger
+from megatron_recover.recovery.gradients import GradientRecovery
+from megatron_recover.recovery.interfaces import (
+    Audit,
+    ControlGroup,
+    FaultPoints,
+    GradientBuffers,
+    OptimizerStep,
+    PassRunner,
+)
+from megatron_recover.recovery.ledger import LaneLayout
+from megatron_recover.recovery.lane import CommitLane, LaneHead, Verdict, VerdictCodec
 
 
 @dataclass
@@ -82,54 +85,49 @@ class StepReport:
     extension_rounds: int
     buckets: int
     events: list[dict] = field(default_factory=list)
-    loss_tokens: int | None = None  # --calculate-per-token-loss: the committed loss tokens
+    loss_tokens: int | None = None  # per-token loss: the committed loss tokens
     own_contributions: int = 0  # microbatch gradients this rank's buckets sent to the commit
     g_cur: int = 0  # the layout's microbatches per major replica when the iteration began
-    exit_requested: bool = False  # some rank asked to stop after this iteration (--exit-*)
+    exit_requested: bool = False  # some rank asked to stop after this iteration
     # The first round's cross-replica reductions, from the ulfm worker's timestamps: how long
-    # some reduction was running, how much of that before megatron's schedule returned (hidden
-    # under backward), and this rank's snapshot and gradient-buffer bytes.
+    # some reduction was running, how much of that before the pass returned (hidden under
+    # backward), and this rank's snapshot and gradient-buffer bytes.
     reduction: dict = field(default_factory=dict)
 
 
 @dataclass
 class TrainerParts:
-    """What the trainer drives. `run_pass(iteration, ids, losses, tokens)` runs forward/backward
-    of `ids` through megatron's schedule (finalize included), adding each id's loss to `losses`
-    and its loss-token count to `tokens` (on the last pipeline stage).
-    `faults.at(location, iteration)` and `faults.arm_iteration(group, iteration, bucket)` are the
-    failure simulator's points (a no-op object when there is no schedule)."""
+    """What the trainer drives (see `interfaces.py` for each contract)."""
 
-    model: object  # megatron DistributedDataParallel
-    replica_group: object | None  # the intra-replica (TP x PP) torch group; None: one rank
-    computes_loss: bool  # False on pipeline stages before the last: they see no losses
-    optimizer: object
-    scheduler: object | None
-    group: ULFMGroup
+    buffers: GradientBuffers
+    run_pass: PassRunner
+    optimizer: OptimizerStep
+    group: ULFMGroup  # this position's cross-replica group
     policy: WorkloadPolicy
-    replica: int
-    replica_of_rank: dict[int, int]
-    run_pass: Callable[[int, list[int], dict[int, float], dict[int, int]], None]
-    faults: object
-    audit: LedgerAudit
-    restore: bool = True  # False: the --recover-no-restore negative control
+    replica: int  # this rank's replica id
+    replica_of_rank: dict[int, int]  # world rank -> replica id, for the group's members
+    faults: FaultPoints
+    audit: Audit
+    computes_loss: bool = True  # False on pipeline stages before the last: they see no losses
+    # The replica's ranks (TP x PP, x its shards with instances) for the verdict; None: one rank.
+    replica_control: ControlGroup | None = None
     # Distributed-optimizer instances (HSDP): the replica's data-parallel ranks at this rank's
-    # TP x PP position. They split the replica's microbatches and reduce-scatter its buckets.
+    # TP x PP position. They split the replica's microbatches and reduce-scatter its buckets:
+    # `shard_group` is the torch group the buckets reduce-scatter on, `shard_control` the
+    # control group of the same ranks.
     shard_group: object | None = None
+    shard_control: ControlGroup | None = None
+    restore: bool = True  # False: the --recover-no-restore negative control
     per_token_loss: bool = False  # --calculate-per-token-loss
-    overlap_grad_reduce: bool = False  # --overlap-grad-reduce: post first-pass buckets in backward
-    # Parameters megatron syncs in place inside the replica after backward (finalize_model_grads):
-    # with overlap, their buckets are posted after the schedule.
-    synced_inside_replica: frozenset = frozenset()
-    # Whether this rank asks to stop after the iteration (--exit-duration-in-mins, a signal with
-    # --exit-signal-handler); the request rides in the commit lane, so all survivors agree.
+    overlap_grad_reduce: bool = False  # post first-pass buckets during backward
+    # Whether this rank asks to stop after the iteration; the request rides in the commit lane,
+    # so all survivors agree.
     wants_exit: Callable[[], bool] = lambda: False
 
 
 class ResilientTrainer:
-    def __init__(self, parts: TrainerParts, micro_batch_size: int):
+    def __init__(self, parts: TrainerParts):
         self.p = parts
-        self.micro_batch_size = micro_batch_size
         self.dead_replicas: set[int] = set()
         # Events between iterations (a join), reported with the next committed iteration.
         self.pending_events: list[dict] = []
@@ -139,28 +137,20 @@ class ResilientTrainer:
         self._iteration = 0
         self._extended = False  # an extension pass ran in the iteration in progress
         self._schedule_end = 0.0  # when the first pass's schedule returned (reduction timing)
+        self._own_contributions = 0
         config = parts.policy.config
-        self.lane_layout = LaneLayout(config.b, reserve=config.mode == RESERVE
-                                      and config.policy != ADAPTIVE)
-        buckets = [bucket for group in parts.model.bucket_groups for bucket in group.buckets]
-        deferred = [bucket.grad_data for bucket in buckets
-                    if parts.overlap_grad_reduce and bucket.params & parts.synced_inside_replica]
-        self.recovery = GradientRecovery(parts.group, [bucket.grad_data for bucket in buckets],
+        self.lane = CommitLane(LaneLayout(config.b, reserve=config.mode == RESERVE
+                                          and config.policy != ADAPTIVE))
+        self.verdicts = VerdictCodec(config.w_init)
+        self.recovery = GradientRecovery(parts.group, parts.buffers.buckets(),
                                          before_first_reduce=self._before_reduce,
                                          after_first_post=self._after_post,
-                                         shard_group=parts.shard_group, deferred=deferred)
-        if parts.shard_group is None:
+                                         shard_group=parts.shard_group,
+                                         deferred=parts.buffers.deferred())
+        if parts.shard_control is None:
             self._shard, self._shards = 0, 1
         else:
-            self._shard = dist.get_rank(parts.shard_group)
-            self._shards = dist.get_world_size(parts.shard_group)
-        hooks.install(parts.group.process_group, self.recovery)
-        # Megatron's flag for a parameter all-gather dispatched by the optimizer step: the
-        # forward pre-hooks then only wait, and do not dispatch the next bucket group's.
-        self._overlap_param_gather = parts.model.use_forward_hook
-        if self._overlap_param_gather:
-            parts.model.overlap_param_gather_with_optimizer_step = True
-            self._dispatch_param_gather()
+            self._shard, self._shards = parts.shard_control.rank, parts.shard_control.size
 
     @property
     def shard(self) -> tuple[int, int]:
@@ -168,19 +158,10 @@ class ResilientTrainer:
         distributed-optimizer instances."""
         return self._shard, self._shards
 
-    def _dispatch_param_gather(self) -> None:
-        """Post every bucket group's parameter all-gather inside the instance (asynchronous)."""
-        self.p.model.start_param_sync(force_dispatch=True)
-
     def gather_parameters(self) -> None:
         """Wait for this rank's parameter all-gathers: the model's parameters are then the ones
-        the last step produced on every shard (nothing to do without --overlap-param-gather)."""
-        if not self._overlap_param_gather:
-            return
-        for bucket_group in self.p.model.bucket_groups:
-            if bucket_group.param_gather_handle is not None:
-                bucket_group.param_gather_handle.wait()
-                bucket_group.param_gather_handle = None
+        the last step produced on every shard (nothing to do without overlapped gathers)."""
+        self.p.buffers.wait_param_gather()
 
     def _before_reduce(self) -> None:
         self.p.faults.at("before-reduce", self._iteration)
@@ -196,13 +177,12 @@ class ResilientTrainer:
         # Overlapped, the first bucket posted is in flight while backward still runs.
         p.faults.arm_iteration(p.group, iteration, bucket_index=1 if p.overlap_grad_reduce else 2)
         state = p.policy.begin(iteration)
-        hooks.set_loss_divisor(state.b)  # B of this iteration (a ramp-up changes it)
         work = p.policy.work(p.replica)
         losses: dict[int, float] = {}
         tokens: dict[int, int] = {}
-        # As Megatron-LM's train_step: the optimizer left param.grad aliasing the grad buffer;
-        # without dropping it, backward would add each first microbatch's gradient twice.
-        p.model.zero_grad_buffer()
+        # As Megatron-LM's train_step: without dropping the grads the optimizer left aliasing
+        # the buffers, backward would add each first microbatch's gradient twice.
+        p.buffers.zero()
         p.optimizer.zero_grad()
         self.recovery.begin_iteration()
         self._extended = False
@@ -223,19 +203,20 @@ class ResilientTrainer:
                      and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
             agreed = p.group.consensus([ok]).wait()
             totals, problems = None, []
-            if not agreed.failed_ranks and agreed.census[0] == agreed.size:
+            round_ok = not agreed.failed_ranks and agreed.census[0] == agreed.size
+            summed = self.lane.decode_head(lane)
+            if round_ok:
                 # This position's round succeeded everywhere: its lane is the committed ledger.
-                totals = self.lane_layout.decode(lane[LANE_HEAD:])
+                totals = self.lane.decode_ledger(lane)
                 # Only the last pipeline stage saw the loss tokens.
-                counted = int(lane[1]) if p.per_token_loss and p.computes_loss else None
+                counted = summed.tokens if p.per_token_loss and p.computes_loss else None
                 problems = p.audit.problems(iteration, totals, self._divisor(), counted)
-            verdict = self._replica_verdict(agreed, lane, bool(problems))
-            dead, commit = verdict.dead, verdict.commit
-            if commit:
+            verdict = self._replica_verdict(agreed, summed, not round_ok, bool(problems))
+            if verdict.commit:
                 self._last_progress = time.time()
                 break
             detected = time.time()
-            new_dead = sorted(dead - self.dead_replicas)
+            new_dead = sorted(verdict.dead - self.dead_replicas)
             if new_dead:
                 self.dead_replicas.update(new_dead)
                 decision = p.policy.on_failure(new_dead)
@@ -285,22 +266,24 @@ class ResilientTrainer:
                  count: int) -> tuple[torch.Tensor, list[dict]]:
         """An evaluation between iterations: the live replicas split the ids 0..count-1
         (replica i of W runs i, i + W, ...; a replica's shards every S-th of those), and
-        `run_ids(ids)` returns this rank's slot vector (evaluation.py). The vectors are summed
-        over the replicas' ulfm group; a failure anywhere makes every survivor drop the dead
-        replicas from the policy's layout (as an iteration boundary would) and evaluate again
-        on the new split. Returns the summed vector, on every rank of every live replica, and
-        the failure events."""
+        `run_ids(ids)` returns this rank's float64 slot vector. The vectors are summed over the
+        replicas' ulfm group; a failure anywhere makes every survivor drop the dead replicas
+        from the policy's layout (as an iteration boundary would) and evaluate again on the new
+        split. Returns the summed vector, on every rank of every live replica, and the failure
+        events."""
         p = self.p
         events = []
+        nothing = LaneHead(0.0, 0, False)
         while True:
             live = sorted(p.policy.layout.replicas)
             values = run_ids(self._mine(range(live.index(p.replica), count, len(live))))
-            if p.shard_group is not None:
-                dist.all_reduce(values, group=p.shard_group)  # the shards split the replica's
+            if p.shard_control is not None:
+                p.shard_control.sum(values)  # the shards split the replica's ids
             record = p.group.allreduce(values).wait()
             ok = int(not record.has_failure and record.epoch == p.group.epoch)
             agreed = p.group.consensus([ok]).wait()
-            verdict = self._replica_verdict(agreed, torch.zeros(LANE_HEAD), ledger_bad=False)
+            round_ok = not agreed.failed_ranks and agreed.census[0] == agreed.size
+            verdict = self._replica_verdict(agreed, nothing, not round_ok, ledger_bad=False)
             if verdict.commit:
                 self._last_progress = time.time()
                 break
@@ -311,15 +294,15 @@ class ResilientTrainer:
                 events.append({"event": "failure", "replicas": new_dead,
                                "ranks": list(agreed.failed_ranks), "epoch": agreed.epoch,
                                "detected": time.time(), "during": "evaluation"})
-        if p.replica_group is not None:
+        if p.replica_control is not None:
             # Only the last pipeline stage ran the loss: the others hold zeros.
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=p.replica_group)
+            p.replica_control.max(values)
         return values, events
 
     def _reduction_timing(self, schedule_end: float) -> dict:
         """The first round's reductions: the time some reduction was running, and the part of
-        it before `schedule_end` (megatron's schedule had not returned: hidden under backward
-        with --overlap-grad-reduce), in ms; snapshot and gradient-buffer bytes."""
+        it before `schedule_end` (the pass had not returned: hidden under backward with an
+        overlapped reduction), in ms; snapshot and gradient-buffer bytes."""
         busy = hidden = 0.0
         reach = float("-inf")
         for start, end in sorted(self.recovery.intervals):  # the union of the intervals
@@ -344,62 +327,45 @@ class ResilientTrainer:
 
     def _lane(self, iteration: int, losses: dict[int, float],
               tokens: dict[int, int]) -> torch.Tensor:
-        """[loss sum, loss tokens, exit request, ledger] of what this rank's buckets sent to
-        their reductions;
-        with distributed-optimizer shards, summed over the replica's shards (the union of their
-        ledgers, as the reduce-scatter summed their gradients).
-
-        The sums are over the ids in the sent ledger, so the logged loss is the loss of the
-        gradients that were reduced (each id's loss is on the last pipeline stage that ran it),
-        and the token count is that of the microbatches the committed gradient holds.
-        """
+        """This rank's commit lane: the loss sum and loss tokens of the ids in its sent ledger
+        (so the logged loss is the loss of the gradients that were reduced; each id's loss is on
+        the last pipeline stage that ran it), its exit request, and the ledger; with
+        distributed-optimizer shards, summed over the replica's shards (the union of their
+        ledgers, as the reduce-scatter summed their gradients)."""
         sent, consistent = self.recovery.sent_ledger()
         self._own_contributions = 0 if sent is None else sum(sent.entries.values())
         loss_sum, token_sum = 0.0, 0
         if sent is not None and self.p.computes_loss:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
             token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
-        head = [loss_sum, token_sum, float(self.p.wants_exit())]
-        lane = torch.cat([torch.tensor(head, dtype=torch.float64),
-                          self.lane_layout.encode(sent, iteration, poison=int(not consistent))])
-        if self.p.shard_group is not None:
-            dist.all_reduce(lane, group=self.p.shard_group)  # intra-replica, as the reduce-scatter
+        head = LaneHead(loss_sum, token_sum, self.p.wants_exit())
+        lane = self.lane.encode(head, sent, iteration, poison=int(not consistent))
+        if self.p.shard_control is not None:
+            self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane
 
-    def _replica_verdict(self, agreed, lane, ledger_bad: bool) -> "_Verdict":
-        """The round's outcome for this replica, equal on all of its ranks.
-
-        Without pipeline stages every position holds the loss; with them only the last stage
-        does, and the others report 0, so the maximum is the replica's loss sum (and token count).
-        """
+    def _replica_verdict(self, agreed, summed: LaneHead, failed: bool,
+                         ledger_bad: bool) -> Verdict:
+        """The round's outcome for this replica, equal on all of its ranks: this position's
+        view (`agreed` record, the summed lane's head, whether its round failed and whether its
+        audit found a problem), combined with the replica's other positions."""
         p = self.p
-        w_init = p.policy.config.w_init
-        verdict = torch.zeros(w_init + 5, dtype=torch.float64)
-        for rank in agreed.failed_ranks:
-            verdict[p.replica_of_rank[rank]] = 1.0
-        verdict[w_init] = float(bool(agreed.failed_ranks) or agreed.census[0] != agreed.size)
-        verdict[w_init + 1] = lane[0]
-        verdict[w_init + 2] = float(ledger_bad)
-        verdict[w_init + 3] = lane[1]
-        verdict[w_init + 4] = lane[2]
-        if p.replica_group is not None:
-            # A peer that died makes this raise; the exit hook then takes this rank down too.
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=p.replica_group)
-        return _Verdict(dead={r for r in range(w_init) if verdict[r] > 0},
-                        commit=bool(verdict[w_init] == 0), loss_sum=float(verdict[w_init + 1]),
-                        tokens=int(verdict[w_init + 3]),
-                        invariant_ok=bool(verdict[w_init + 2] == 0),
-                        exit_requested=bool(verdict[w_init + 4] > 0))
+        dead = {p.replica_of_rank[rank] for rank in agreed.failed_ranks}
+        vector = self.verdicts.encode(dead, failed, summed, ledger_bad)
+        if p.replica_control is not None:
+            # A peer that died makes this raise; the rank then leaves with its replica.
+            p.replica_control.max(vector)
+        return self.verdicts.decode(vector)
 
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float],
              tokens: dict[int, int], overlap: bool = False) -> None:
-        """Run `ids` (possibly none: every rank still joins the reductions) through the schedule,
-        then post every bucket's reduction not posted during its backward (`overlap`)."""
+        """Run `ids` (possibly none: every rank still joins the reductions) through the pass
+        runner, then post every bucket's reduction not posted during its backward (`overlap`)."""
         if ids:
             if overlap:
                 self.recovery.start_overlap()
             try:
-                self.p.run_pass(iteration, ids, losses, tokens)
+                self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens)
             finally:
                 self.recovery.stop_overlap()
         self._schedule_end = time.time()  # what reduce_all posts now was not under backward
@@ -421,7 +387,7 @@ class ResilientTrainer:
 
     def _extension_pass(self, iteration: int, work, losses: dict[int, float],
                         tokens: dict[int, int]) -> None:
-        """Run the extension ids on empty buckets (so the schedule's intra-replica syncs see only
+        """Run the extension ids on empty buckets (so the pass's intra-replica syncs see only
         the new gradients), then add back what this replica already counts, then reduce."""
         self.recovery.begin_pass()
         self._extended = True
@@ -431,21 +397,17 @@ class ResilientTrainer:
             self.recovery.zero()
         self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
-        # A shard may get none of its instance's extension ids: megatron's schedule cannot run
-        # zero microbatches, and the shard has nothing to add but still joins the reductions.
+        # A shard may get none of its instance's extension ids: a pass cannot run zero
+        # microbatches, and the shard has nothing to add but still joins the reductions.
         mine = self._mine(extension)
         if mine:
-            if self.p.overlap_grad_reduce:
-                # Megatron counts each parameter's gradient-ready hooks per pass to know when a
-                # bucket is complete; start this pass's count from zero (posting stays ours).
-                for bucket_group in self.p.model.bucket_groups:
-                    bucket_group.reset()
-            self.p.run_pass(iteration, mine, losses, tokens)
+            self.p.buffers.new_pass()
+            self.p.run_pass(iteration, mine, self.p.policy.state.b, losses, tokens)
         if self.p.restore and counted_before > 0:
             self.recovery.add_snapshots()
         self.recovery.reduce_all()
 
-    def _commit(self, iteration, totals, problems, verdict: "_Verdict", agreed, start,
+    def _commit(self, iteration, totals, problems, verdict: Verdict, agreed, start,
                 events) -> StepReport:
         p = self.p
         b = p.policy.state.b
@@ -456,20 +418,16 @@ class ResilientTrainer:
             # megatron-core's finalize_model_grads does (nothing when every token was masked).
             divisor = verdict.tokens
             if divisor > 0:
-                p.model.scale_gradients(1.0 / divisor)
+                p.buffers.scale(1.0 / divisor)
         elif result.divisor != b:
-            # Losses were divided by B in the schedule; drop-and-go divides by what it committed.
-            p.model.scale_gradients(b / result.divisor)
+            # Losses were divided by B in the pass; drop-and-go divides by what it committed.
+            p.buffers.scale(b / result.divisor)
         p.faults.at("optimizer-step", iteration)
         self.gather_parameters()  # the step writes this shard into the gathered buffers
         # Every survivor holds the same reduced gradient, so the loss scaler's found-inf decision
-        # (taken on the intra-replica group) and its new scale are the same on all of them.
-        update_successful, grad_norm, _ = p.optimizer.step()
-        if update_successful and p.scheduler is not None:
-            # As Megatron-LM: a skipped step consumed its samples but does not move the lr.
-            p.scheduler.step(increment=b * self.micro_batch_size)  # this iteration's batch
-        if self._overlap_param_gather:
-            self._dispatch_param_gather()  # waited for by the next forward's pre-hooks
+        # (taken inside the replica) and its new scale are the same on all of them.
+        update_successful, grad_norm = p.optimizer.step(microbatches=b)
+        p.buffers.dispatch_param_gather()  # waited for by the next forward
         for event in events:
             event["committed"] = time.time()
         return StepReport(
@@ -479,22 +437,10 @@ class ResilientTrainer:
             ledger_checksum=totals.checksum, invariant_ok=verdict.invariant_ok,
             ledger_problems=problems,
             grad_norm=None if grad_norm is None else float(grad_norm),
-            loss_scale=float(p.optimizer.get_loss_scale()), skipped=not update_successful,
+            loss_scale=p.optimizer.loss_scale(), skipped=not update_successful,
             iteration_ms=(time.perf_counter() - start) * 1e3,
             extension_rounds=len(result.extension_rounds),
             buckets=len(self.recovery.grads), events=events,
             loss_tokens=verdict.tokens if p.per_token_loss else None,
             own_contributions=self._own_contributions,
             exit_requested=verdict.exit_requested)
-
-
-@dataclass
-class _Verdict:
-    """A round's outcome for one replica: the same on all of its ranks."""
-
-    dead: set[int]  # replicas any position saw fail
-    commit: bool  # no position saw a failure: the round commits
-    loss_sum: float  # the replica's loss sum (the last pipeline stage's)
-    tokens: int  # the loss tokens of the microbatches in the committed ledger
-    invariant_ok: bool  # the ledger invariant held at every position
-    exit_requested: bool = False  # some rank of some replica asked to stop after this iteration

@@ -1,0 +1,135 @@
+"""Megatron-core behind the round protocol's interfaces (`megatron_recover.recovery.interfaces`).
+
+`build_trainer` is what the entry point calls: it wraps megatron's DistributedDataParallel (the
+gradient buckets), the micro-pass runner (megatron's schedule), the optimizer with its
+learning-rate scheduler and the replica's torch groups, routes the patched bucket-group hooks to
+the trainer's gradient recovery (`hooks.install`), and returns the protocol's
+`ResilientTrainer`. Nothing of the protocol is here: only how megatron is driven.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_recover.megatron import hooks
+from megatron_recover.recovery import ResilientTrainer, TrainerParts
+
+
+class DDPBuffers:
+    """megatron-core DDP's gradient buffers as `GradientBuffers`.
+
+    `synced_inside_replica`: the parameters finalize_model_grads syncs inside the replica after
+    backward; with `overlap_grad_reduce` their buckets are deferred to after the pass."""
+
+    def __init__(self, ddp_model, overlap_grad_reduce: bool,
+                 synced_inside_replica: frozenset = frozenset()):
+        self.model = ddp_model
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self._buckets = [bucket for group in ddp_model.bucket_groups for bucket in group.buckets]
+        self._deferred = [bucket.grad_data for bucket in self._buckets
+                          if overlap_grad_reduce and bucket.params & synced_inside_replica]
+        # megatron's flag for a parameter all-gather dispatched by the optimizer step: the
+        # forward pre-hooks then only wait, and do not dispatch the next bucket group's.
+        self.overlap_param_gather = ddp_model.use_forward_hook
+        if self.overlap_param_gather:
+            ddp_model.overlap_param_gather_with_optimizer_step = True
+
+    def buckets(self) -> list[torch.Tensor]:
+        return [bucket.grad_data for bucket in self._buckets]
+
+    def deferred(self) -> list[torch.Tensor]:
+        return list(self._deferred)
+
+    def zero(self) -> None:
+        self.model.zero_grad_buffer()
+
+    def scale(self, factor: float) -> None:
+        self.model.scale_gradients(factor)
+
+    def new_pass(self) -> None:
+        if self.overlap_grad_reduce:
+            # megatron counts each parameter's gradient-ready hooks per pass to know when a
+            # bucket is complete; start this pass's count from zero (posting stays ours).
+            for bucket_group in self.model.bucket_groups:
+                bucket_group.reset()
+
+    def dispatch_param_gather(self) -> None:
+        if self.overlap_param_gather:
+            self.model.start_param_sync(force_dispatch=True)
+
+    def wait_param_gather(self) -> None:
+        if not self.overlap_param_gather:
+            return
+        for bucket_group in self.model.bucket_groups:
+            if bucket_group.param_gather_handle is not None:
+                bucket_group.param_gather_handle.wait()
+                bucket_group.param_gather_handle = None
+
+
+class MegatronOptimizer:
+    """megatron-core's optimizer and its OptimizerParamScheduler as `OptimizerStep`."""
+
+    def __init__(self, optimizer, scheduler, micro_batch_size: int):
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.micro_batch_size = micro_batch_size
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self, microbatches: int) -> tuple[bool, float | None]:
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful and self.scheduler is not None:
+            # As Megatron-LM: a skipped step consumed its samples but does not move the lr.
+            self.scheduler.step(increment=microbatches * self.micro_batch_size)
+        return update_successful, grad_norm
+
+    def loss_scale(self) -> float:
+        return float(self.optimizer.get_loss_scale())
+
+
+class TorchControl:
+    """A torch.distributed group (gloo: CPU tensors) as a `ControlGroup`."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)
+
+    def max(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+
+
+class SchedulePass:
+    """The micro-pass runner (`data.MicroPass.run`) as a `PassRunner`: the divisor goes to the
+    patched schedules' loss hook."""
+
+    def __init__(self, run):
+        self._run = run
+
+    def __call__(self, iteration, ids, divisor, losses, tokens) -> None:
+        hooks.set_loss_divisor(divisor)
+        self._run(iteration, ids, losses, tokens)
+
+
+def build_trainer(*, ddp_model, optimizer, scheduler, micro_batch_size: int, run_pass,
+                  replica_group, shard_group, overlap_grad_reduce: bool,
+                  synced_inside_replica: frozenset, **parts) -> ResilientTrainer:
+    """The trainer of this rank over megatron's objects; `parts` are the remaining
+    `TrainerParts` fields (group, policy, replica, replica_of_rank, faults, audit, ...).
+    `replica_group`: the replica's torch group, None when the replica is one rank."""
+    buffers = DDPBuffers(ddp_model, overlap_grad_reduce, synced_inside_replica)
+    trainer = ResilientTrainer(TrainerParts(
+        buffers=buffers, run_pass=SchedulePass(run_pass),
+        optimizer=MegatronOptimizer(optimizer, scheduler, micro_batch_size),
+        replica_control=None if replica_group is None else TorchControl(replica_group),
+        shard_group=shard_group,
+        shard_control=None if shard_group is None else TorchControl(shard_group),
+        overlap_grad_reduce=overlap_grad_reduce, **parts))
+    hooks.install(trainer.p.group.process_group, trainer.recovery)
+    buffers.dispatch_param_gather()  # the first forward's pre-hooks wait for it
+    return trainer

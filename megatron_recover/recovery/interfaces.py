@@ -1,0 +1,100 @@
+"""What the round protocol (`trainer.ResilientTrainer`) drives, as typed interfaces.
+
+The protocol knows nothing of megatron: `megatron_recover.megatron.adapter` implements these
+over megatron-core's DDP, schedules and optimizer, and the unit tier (`megatron_recover.testing`)
+implements them in one process. Each method says what the protocol relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megatron_recover.recovery.ledger import LaneTotals
+
+
+class GradientBuffers(Protocol):
+    """The model's gradient buckets: contiguous tensors the backward accumulates into."""
+
+    def buckets(self) -> list[torch.Tensor]:
+        """Every bucket, in the order all members reduce them (the same on every rank of a
+        position, across replicas)."""
+
+    def deferred(self) -> list[torch.Tensor]:
+        """The buckets synced in place inside the replica after backward (with an overlapped
+        reduction they are posted after the pass); a subset of `buckets()`."""
+
+    def zero(self) -> None:
+        """A new iteration: every bucket zero and no parameter's .grad aliasing a bucket (as
+        Megatron-LM's train_step zeroes the DDP buffer and the optimizer's grads)."""
+
+    def scale(self, factor: float) -> None:
+        """Multiply every bucket by `factor` (the reduced gradient, before the step)."""
+
+    def new_pass(self) -> None:
+        """A further pass begins in the same iteration: forget which buckets the last one found
+        complete (an overlapped pass counts each parameter's ready hooks from zero)."""
+
+    def dispatch_param_gather(self) -> None:
+        """After a step: post the parameter all-gathers inside the replica (asynchronous; no-op
+        without overlapped parameter gathers)."""
+
+    def wait_param_gather(self) -> None:
+        """Wait for those all-gathers: parameters then hold the last step's values."""
+
+
+class PassRunner(Protocol):
+    def __call__(self, iteration: int, ids: list[int], divisor: int,
+                 losses: dict[int, float], tokens: dict[int, int]) -> None:
+        """Forward and backward of microbatches `ids` (not empty) of `iteration`, each loss
+        divided by `divisor` (the iteration's B), accumulated into the buckets; registers each
+        consumed microbatch in the recovery's ledger; adds each id's loss to `losses` and its
+        loss tokens to `tokens` where this rank sees losses. Raises for a rank-local error."""
+
+
+class OptimizerStep(Protocol):
+    def zero_grad(self) -> None:
+        """Drop gradients the optimizer holds outside the buckets."""
+
+    def step(self, microbatches: int) -> tuple[bool, float | None]:
+        """Step on the reduced buckets; the learning-rate schedule advances by `microbatches`
+        microbatches only when the update was applied. Returns (applied, grad norm)."""
+
+    def loss_scale(self) -> float:
+        """The loss scale after the step (1.0 without fp16 scaling)."""
+
+
+class ControlGroup(Protocol):
+    """CPU float64 collectives among the ranks of one replica (control data, never model data).
+    Raises when a peer died: the caller's rank then leaves with its replica (the replica gate)."""
+
+    rank: int
+    size: int
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        """In-place element-wise sum over the group's ranks."""
+
+    def max(self, tensor: torch.Tensor) -> None:
+        """In-place element-wise maximum over the group's ranks."""
+
+
+class Audit(Protocol):
+    """The per-iteration invariant, computed without the policy."""
+
+    def problems(self, iteration: int, totals: LaneTotals, divisor: int,
+                 tokens: int | None = None) -> list[str]:
+        """What is wrong with the summed ledger `totals` (empty: the invariant holds)."""
+
+    def committed(self, totals: LaneTotals) -> None:
+        """The iteration committed with `totals`."""
+
+
+class FaultPoints(Protocol):
+    """The failure simulator's points (a no-op object when a run has no schedule)."""
+
+    def at(self, location: str, iteration: int) -> None:
+        """A named point of the round was reached (may kill or stall this rank)."""
+
+    def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
+        """Arm the group's native points for `iteration` (the k-th bucket's reduce)."""
