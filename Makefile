@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test test-long bench bench-restart bench-scale bench-grow-back bench-node-loss goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-node-loss goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -40,6 +40,11 @@ build: $(BACKEND)
 # CI's suite; the checks marked `long` (several minutes each) run in `make test-long`.
 test: build
 	$(PYTEST) -m "not long" tests
+
+# The unit tier alone (tests/unit: the protocol core in one process, codecs, mutations, the
+# import rules): under a minute, no MPI job.
+test-unit: setup
+	$(PYTEST) -m unit tests/unit
 
 test-long: build
 	$(PYTEST) -m long tests

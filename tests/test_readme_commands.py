@@ -47,10 +47,12 @@ COMMANDS = {
                                     "--steps 4 --kill-step 2"),
     "make test": ("skip", "this suite itself"),
     "make test-long": ("skip", "this suite's checks marked long"),
+    "make test-unit": ("skip", "the unit tier, which this suite runs itself"),
     "make setup": ("run", "make setup"),
     "make build": ("run", "make build"),
     "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
-    "make mutations": ("skip", "tests/test_ledger_mutations.py runs it"),
+    "make mutations": ("skip", "tests/test_ledger_mutations.py runs its data-path mutation end to "
+                               "end, tests/unit/test_mutations.py the others in process"),
     "make fault-campaign N=30 SEED=1": ("run", "make fault-campaign N=1 SEED=5 "
                                                "OUT={tmp}/campaign"),
     "make fault-campaign": ("skip", "the target of the command above"),

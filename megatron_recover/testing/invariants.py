@@ -16,6 +16,8 @@ from megatron_recover.testing.lockstep import (
     Setup,
     expected_gradient,
     failure_free_gradient,
+    microbatch,
+    sample_range,
 )
 
 # Points every live replica reaches in every iteration (the others need a restore or an
@@ -52,6 +54,14 @@ def check_run(setup: Setup, runs: dict, world) -> list[int]:
             assert report.contributions == totals.count
             if setup.policy == STATIC:
                 assert totals.count == b, f"iteration {t} committed {totals.count}, B = {b}"
+            held = [(k, n) for k, n in enumerate(totals.main_counts) if n]
+            held += [(k, 1) for k in totals.reserve]
+            loss = sum(n * microbatch(audit.dataset, sample_range(audit, t, k))[2]
+                       for k, n in held)
+            divisor = b if setup.policy == STATIC else totals.count
+            assert report.loss == loss / divisor, (
+                f"rank {rank} iteration {t}: logged loss {report.loss}, the committed "
+                f"microbatches' losses over {divisor} give {loss / divisor}")
             expected = expected_gradient(setup, audit, t, totals)
             assert torch.equal(grad, expected), (
                 f"rank {rank} iteration {t}: the stepped gradient is not the sum of the "
