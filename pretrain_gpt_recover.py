@@ -48,6 +48,8 @@ def main() -> None:
             run_id=os.environ.get("MEGATRON_RECOVER_RUN_ID"))
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
+    if cfg.recover.enabled:
+        runtime.set_program_errors(cfg.recover.program_errors)
     if ctx.rank == 0:
         import megatron.core
 

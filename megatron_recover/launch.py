@@ -112,6 +112,15 @@ class RunResult:
         return not self.timed_out and "completed" in states and "error" not in states
 
 
+def program_error(statuses: dict[int, dict]) -> tuple[int, dict] | None:
+    """(rank, status) of the rank whose program error ended the job (megatron_recover.failures:
+    it stops its Open MPI daemon instead of leaving), or None."""
+    for rank, status in sorted(statuses.items()):
+        if status.get("state") == "error" and status.get("kind") == "program":
+            return rank, status
+    return None
+
+
 def read_statuses(status_dir: Path) -> dict[int, dict]:
     statuses = {}
     for path in sorted(Path(status_dir).glob("rank-*.json")):

@@ -3,7 +3,8 @@
 
 `-n N -- program ...` runs one mpirun and judges it by the ranks' status files (launch.py's
 docstring); `--hostfile H` hands the job to relaunch.run_job. Exit status 0 when the run
-succeeded, 1 when it failed, 2 for a command line to fix.
+succeeded, 1 when it failed, 2 for a command line to fix, 3 (failures.PROGRAM_ERROR_EXIT) when a
+program error ended it (docs/failures.md).
 """
 
 import argparse
@@ -12,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_recover import relaunch
-from megatron_recover.launch import LaunchConfig, launch
+from megatron_recover import failures, relaunch
+from megatron_recover.launch import LaunchConfig, launch, program_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,19 @@ def run(args: argparse.Namespace) -> int:
           f"{' (timed out)' if result.timed_out else ''}; {basis}")
     if args.status_dir is None and succeeded:
         shutil.rmtree(status_dir, ignore_errors=True)
-    return 0 if succeeded else 1
+    return 0 if succeeded else _failed(result.statuses)
+
+
+def _failed(statuses: dict[int, dict]) -> int:
+    """The exit status of a failed run: PROGRAM_ERROR_EXIT, saying where, after a program
+    error; 1 otherwise."""
+    ended = program_error(statuses)
+    if ended is None:
+        return 1
+    rank, status = ended
+    print(f"megatron-recover launch: a program error on rank {rank} ended the job "
+          f"{failures.describe(status)}: {status['error'].strip().splitlines()[-1]}")
+    return failures.PROGRAM_ERROR_EXIT
 
 
 def _run_on_hosts(args: argparse.Namespace, command: list[str]) -> int:
@@ -93,4 +106,4 @@ def _run_on_hosts(args: argparse.Namespace, command: list[str]) -> int:
     succeeded = attempts[-1].succeeded
     print(f"megatron-recover launch: run {'succeeded' if succeeded else 'FAILED'} after "
           f"{len(attempts)} attempt(s); status files in {status_root}")
-    return 0 if succeeded else 1
+    return 0 if succeeded else _failed(attempts[-1].statuses)

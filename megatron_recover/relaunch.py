@@ -39,6 +39,7 @@ from megatron_recover.launch import (
     RunningJob,
     default_snapshot_dir,
     kill_ranks,
+    program_error,
     read_statuses,
 )
 
@@ -324,6 +325,11 @@ def run_job(cfg: JobConfig, on_line=None, echo: bool = False, on_start=None,
         log(f"megatron-recover launch: {attempt.summary()}")
         if attempt.succeeded:
             remove_snapshots(run_id, hosts + [h for a in attempts for h in a.hosts], cfg)
+            return attempts
+        if program_error(attempt.statuses) is not None:
+            # It ended the job itself (stopping its daemon, which looks like a lost host), and
+            # it would recur on any relaunch.
+            log("megatron-recover launch: a program error ended the job: not relaunched")
             return attempts
         if not attempt.lost and not attempt.stalled:
             log("megatron-recover launch: the job failed without a lost host: not relaunched")

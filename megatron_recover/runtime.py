@@ -71,22 +71,39 @@ def write_progress(iteration: int) -> None:
     os.replace(tmp, progress)
 
 
-# gloo reports a peer that died, or a collective that outlived its timeout, only through the
-# text of a RuntimeError: these are the forms it takes (a closed socket is seen 17-37 ms after
-# the peer's SIGKILL: docs/ulfm-behaviour.md, "gloo beside ULFM in the same job"; a timeout after
-# the group's timeout).
-_PEER_LOSS_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                       "Timed out waiting", "timed out")
+# How long an error that names no cause waits for MPI's failure detector to report a failed
+# replica peer before it counts as a program error: the detector reports a SIGKILLed peer within
+# 10-50 ms (docs/ulfm-behaviour.md), gloo's own error follows it within 17-37 ms.
+PEER_CONFIRM_S = 5.0
 
 
-def leaves_with_replica(exc: BaseException) -> bool:
-    """Whether `exc` means this rank's replica is gone or stuck: an intra-replica collective
-    failed because a peer died or hung, or a cross-replica wait outlived the hang bound."""
-    from megatron_recover.collective.records import CollectiveTimeout
+def set_program_errors(policy: str) -> None:
+    """--recover-program-errors: what a program error (failures.PROGRAM) does on this rank from
+    now on: `abort` ends the job, `survive` leaves as a failed rank. Unset (stock runs, start-up):
+    every error takes the rank down as it always did."""
+    _state["program_errors"] = policy
 
-    if isinstance(exc, CollectiveTimeout):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOSS_MESSAGES)
+
+def set_replica_peers(replica_ranks: list[int]) -> None:
+    """The MPI ranks of this rank's replica: a failure MPI reports among them explains an error
+    of an intra-replica collective (the exit hook asks)."""
+    me = _mpi().COMM_WORLD.Get_rank()
+    _state["replica_peers"] = {r for r in replica_ranks if r != me}
+
+
+def _replica_peer_failed(wait_s: float) -> bool:
+    """Whether MPI reports a peer of this rank's replica failed, polling up to `wait_s`."""
+    peers = _state.get("replica_peers") or set()
+    if not peers:
+        return False
+    world = _mpi().COMM_WORLD
+    deadline = time.monotonic() + wait_s
+    while True:
+        if failed_ranks(world) & peers:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 def failed_ranks(comm) -> set[int]:
@@ -176,17 +193,59 @@ def write_to_terminal(text: str) -> None:
 
 
 def _die_on_uncaught(exc_type, exc, tb) -> None:
+    """The exit hook: classify the error (`failures`), then leave as a failed rank (SIGKILL: the
+    survivors absorb it) or, for a program error under --recover, end the whole job."""
+    from megatron_recover import failures  # torch is loaded by now; not before MPI starts
+
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     try:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    write_to_terminal(f"megatron-recover: rank {_state['rank']} stops on an error:\n{text}")
+    kind = failures.classify(exc)
+    if kind == failures.PROGRAM and _replica_peer_failed(PEER_CONFIRM_S):
+        kind = failures.PEER_LOST  # this rank's replica is gone: the error is its consequence
+    place = failures.where()
+    if kind == failures.PROGRAM and _state.get("program_errors") == failures.ABORT:
+        write_to_terminal(
+            f"megatron-recover: rank {_state['rank']} ends the job: a program error "
+            f"{failures.describe(place)}. It would recur on every replica that runs this "
+            "microbatch, so no survivor runs it again (--recover-program-errors survive treats "
+            f"it as a failure of this rank):\n{text}")
+        sys.stdout.flush()
+        write_status("error", error=text[-4000:], kind=kind, **place)
+        _end_children()
+        _end_job()
+    write_to_terminal(f"megatron-recover: rank {_state['rank']} stops on an error ({kind}):\n"
+                      f"{text}")
     sys.stdout.flush()
-    # A lost or hung peer is the replica gate at work (this rank's replica is gone), not a bug.
-    write_status("left" if leaves_with_replica(exc) else "error", error=text[-4000:])
+    # A lost peer is the replica gate at work and a device fault a failure of this rank: the
+    # survivors absorb both, as they absorb a program error with --recover-program-errors
+    # survive. Without --recover (a stock run stops on any failure) it stays an error.
+    absorbed = kind != failures.PROGRAM or _state.get("program_errors") == failures.SURVIVE
+    write_status("left" if absorbed else "error", error=text[-4000:], kind=kind, **place)
     _end_children()
     # A signal death is what ULFM detects; a non-zero exit would leave the peers waiting.
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# After SIGTERM to this rank's Open MPI daemon, how long before SIGKILL to it, then to the rank.
+END_JOB_WAIT_S = 10.0
+
+
+def _end_job() -> None:
+    """End the whole job while this rank stays alive (so no survivor takes over its
+    microbatches): SIGTERM, then SIGKILL, to this rank's parent, its Open MPI daemon (mpirun
+    itself on mpirun's node). Open MPI 5 ends the whole job when it loses a daemon
+    (docs/node-loss.md). Not MPI_Abort: under ULFM it kills the caller alone, and the
+    survivors absorb that as a failure (docs/failures.md). Never returns."""
+    daemon = os.getppid()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(daemon, sig)
+        except ProcessLookupError:
+            break
+        time.sleep(END_JOB_WAIT_S)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_recover import failures
 from megatron_recover.megatron import hooks
 from megatron_recover.recovery import ResilientTrainer, TrainerParts
 
@@ -105,15 +106,18 @@ class TorchControl:
 
 
 class SchedulePass:
-    """The micro-pass runner (`data.MicroPass.run`) as a `PassRunner`: the divisor goes to the
-    patched schedules' loss hook."""
+    """The micro-pass runner (`gpt.MicrobatchPass.run`) as a `PassRunner`: the divisor goes to
+    the patched schedules' loss hook; what the rank runs goes to `failures.note` (an error's
+    report names its iteration and microbatch)."""
 
     def __init__(self, run):
         self._run = run
 
     def __call__(self, iteration, ids, divisor, losses, tokens) -> None:
         hooks.set_loss_divisor(divisor)
+        failures.note(iteration)  # the forward step notes each microbatch it consumes
         self._run(iteration, ids, losses, tokens)
+        failures.note(iteration)
 
 
 def build_trainer(*, ddp_model, optimizer, scheduler, micro_batch_size: int, run_pass,

@@ -239,6 +239,12 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="where the snapshots go: a node-local directory, for this job only "
                         "(default under megatron-recover launch: /dev/shm/megatron-recover-"
                         "RUN_ID)")
+    g.add_argument("--recover-program-errors", choices=["abort", "survive"],
+                   help="abort (default): an error of the program or the data on any rank (not "
+                        "a lost peer or a device fault) ends the job with the traceback, the "
+                        "iteration and the microbatch id, since it would recur on every replica "
+                        "that runs that microbatch; survive: the rank leaves as a failed one and "
+                        "the survivors absorb it (docs/failures.md)")
     g.add_argument("--recover-no-restore", action="store_true",
                    help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
                         "(shows what gradient restoration buys; breaks the trajectory)")
@@ -662,7 +668,7 @@ def _recover(ns) -> list[str]:
     given = [flag for flag in ("--recover-policy", "--recover-mode", "--recover-failure-schedule",
                                "--recover-log", "--recover-hang-timeout",
                                "--recover-standby-replicas", "--recover-snapshot-interval",
-                               "--recover-snapshot-dir")
+                               "--recover-snapshot-dir", "--recover-program-errors")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
     if ns.recover_no_restore:
         given.append("--recover-no-restore")
@@ -931,6 +937,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             hang_timeout_s=(DEFAULT_HANG_TIMEOUT_S if ns.recover_hang_timeout is None
                             else ns.recover_hang_timeout),
             restore=not ns.recover_no_restore,
+            program_errors=ns.recover_program_errors or "abort",
             cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo"),
             standby_replicas=ns.recover_standby_replicas or 0,
             snapshot_interval=ns.recover_snapshot_interval or 0,

@@ -320,6 +320,9 @@ class RecoverConfig:
     """--recover-hang-timeout: seconds after which a frozen rank is declared failed (0: off)."""
     restore: bool = True
     """False with --recover-no-restore (a diagnostic negative control)."""
+    program_errors: str = "abort"
+    """--recover-program-errors: "abort" (default; a program error ends the job) or "survive"
+    (it takes only its rank down); see megatron_recover/failures.py."""
     cross_replica_backend: str = "gloo"
     """--cross-replica-backend: the data-parallel group's backend ("ulfm" with --recover)."""
     standby_replicas: int = 0

@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from megatron_recover import failures
 from megatron_recover.megatron import hooks
 from megatron_recover.megatron.data import batch_checksum
 from megatron_recover.megatron.norms import Norm
@@ -187,6 +188,7 @@ class MicrobatchPass:
     def _forward_step(self, iteration, data_iterator, model):
         batch = next(data_iterator)
         microbatch_id = batch["microbatch_id"]
+        failures.note(batch["iteration"], microbatch_id)
         hooks.register_microbatch(batch["iteration"], microbatch_id, batch_checksum(
             batch["tokens"], batch["labels"], batch["loss_mask"]))
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),

@@ -339,10 +339,12 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
         group, replica_of_rank = _cross_replica_groups(
             dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
-    if hang_s and par.ranks_per_replica > 1:
+    if par.ranks_per_replica > 1:
         # MPI ranks: a standby's torch world starts past the training ranks.
-        runtime.start_replica_gate(collective.world_ranks(
-            dist.get_process_group_ranks(replica_group)), hang_s / 4)
+        replica_ranks = collective.world_ranks(dist.get_process_group_ranks(replica_group))
+        runtime.set_replica_peers(replica_ranks)  # the exit hook asks MPI about them
+        if hang_s:
+            runtime.start_replica_gate(replica_ranks, hang_s / 4)
     groups = process_groups(group.process_group if group else None, instances)
     ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg), groups)
     # With instances the optimizer takes the same groups (a standby instance's megatron state

@@ -1,0 +1,91 @@
+"""What an error raised on a rank means for the job: one classification, used by the exit hook
+(`runtime`) on every thread of every rank. docs/failures.md says the same for users.
+
+  lost peer   `CollectiveTimeout` (a ulfm wait outlived the hang bound), torch.distributed's own
+              error types (`DistError`: DistBackendError, DistNetworkError, DistStoreError),
+              or any error raised while MPI's failure detector reports a peer of this rank's
+              replica failed (the runtime asks MPI; gloo says so only in its message text, which
+              is never read). The replica is gone anyway: the rank leaves (SIGKILL, status
+              `left`) and the survivors absorb the replica in-step.
+  device      a fault of this rank's device raised into Python: `torch.AcceleratorError` (how
+              CUDA errors such as an illegal address, an ECC or an Xid error reach Python) or
+              `DeviceFault` (the failure schedule's `device-error` action). The same microbatch
+              gives the same gradient on a healthy device: the rank leaves as a failed one and
+              the survivors absorb it in-step.
+  program     anything else: an error of the program or of the data (a bug in a layer, a sample
+              that breaks the tokenizer, a shape mismatch, an out-of-memory at one batch shape).
+              It recurs on every replica that runs the same microbatch, so taking the rank down
+              would make the survivors rerun it and fall one after another: under `--recover`
+              the rank ends the whole job at once, with the traceback, the iteration and the
+              microbatch id, by stopping its Open MPI daemon (MPI_Abort kills the caller alone
+              under ULFM, and the survivors would absorb that); `megatron-recover launch` then
+              exits with PROGRAM_ERROR_EXIT and does not relaunch.
+
+`--recover-program-errors survive` treats program errors as failures of the rank instead (for a
+job that knows its errors are not deterministic).
+"""
+
+from __future__ import annotations
+
+from megatron_recover.collective.records import CollectiveTimeout
+
+PEER_LOST = "lost peer"
+DEVICE = "device"
+PROGRAM = "program"
+KINDS = (PEER_LOST, DEVICE, PROGRAM)
+
+ABORT, SURVIVE = "abort", "survive"  # --recover-program-errors
+PROGRAM_ERROR_EXIT = 3  # megatron-recover launch's exit status when a program error ended the job
+
+_where: dict = {}  # the iteration and microbatch this rank is running (`note`)
+
+
+class DeviceFault(RuntimeError):
+    """A device fault raised into Python by our own code (the failure schedule's
+    `device-error` action raises it as torch raises torch.AcceleratorError)."""
+
+
+def _kind_of(exc: BaseException) -> str | None:
+    import torch  # not at import: the launcher's command line reads this module too
+    import torch.distributed as dist
+
+    if isinstance(exc, CollectiveTimeout) or isinstance(exc, dist.DistError):
+        return PEER_LOST
+    accelerator_error = getattr(torch, "AcceleratorError", DeviceFault)
+    if isinstance(exc, (DeviceFault, accelerator_error)):
+        return DEVICE
+    return None
+
+
+def classify(exc: BaseException, peer_failed: bool = False) -> str:
+    """The kind of `exc` (or of an exception it was raised from); `peer_failed`: MPI reports a
+    peer of this rank's replica failed."""
+    seen = set()
+    cause = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        kind = _kind_of(cause)
+        if kind is not None:
+            return kind
+        cause = cause.__cause__ or cause.__context__
+    return PEER_LOST if peer_failed else PROGRAM
+
+
+def note(iteration: int | None, microbatch_id: int | None = None) -> None:
+    """This rank now runs `microbatch_id` of `iteration` (None: between microbatches)."""
+    _where["iteration"] = iteration
+    _where["microbatch_id"] = microbatch_id
+
+
+def where() -> dict:
+    """{"iteration", "microbatch_id"} of the last `note` (values None when unknown)."""
+    return {"iteration": _where.get("iteration"), "microbatch_id": _where.get("microbatch_id")}
+
+
+def describe(place: dict) -> str:
+    """`where()` in words."""
+    if place["iteration"] is None:
+        return "outside the training iterations"
+    if place["microbatch_id"] is None:
+        return f"in iteration {place['iteration']}, outside a microbatch's forward and backward"
+    return f"in iteration {place['iteration']}, microbatch {place['microbatch_id']}"
