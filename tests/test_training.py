@@ -1,13 +1,23 @@
 """End-to-end: pretrain_gpt_recover.py under mpirun --with-ft ulfm loses replicas and keeps the
-failure-free loss curve (exact mode); negative controls show the test can fail.
+failure-free loss curve (exact mode); negative controls show the test can fail. Errors raised
+into Python are classified (docs/failures.md): a device fault is survived in-step like a lost
+peer, a program error ends the job, unless --recover-program-errors survive.
 
 Run: `make test`. CPU only (megatron-core under the CPU emulation), 5 oversubscribed ranks, each
 run under a hard timeout. Dropout is on; the model has at least 3 gradient buckets, so failures
 land in partially reduced iterations.
 """
 
+import json
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
+from megatron_recover.failures import PROGRAM_ERROR_EXIT
+from megatron_recover.launch import program_error, read_statuses, run_bounded
+from tests.mpirun_harness import ENTRY
 from tests.training_harness import (
     EXACT_LOSS_RTOL,
     STABLE_LR,
@@ -79,3 +89,72 @@ def test_negative_controls_deviate(tmp_path, reference, control):
     if control == "no-restore":
         # The ledger sees it too: buckets reduced again while holding a cross-replica sum.
         assert not all(r["invariant_ok"] for r in run.records)
+
+
+# docs/failures.md: a device fault is survived in-step, like a lost peer; a program error ends
+# the job (the same microbatch would fail on every replica that reran it).
+DEVICE_AND_PEER = """entries:
+  - {iteration: 4, replica: 2, local_rank: 0, location: backward, action: device-error}
+  - {iteration: 7, replica: 4, local_rank: 0, location: during-reduce}
+"""
+PROGRAM_ERROR = """entries:
+  - {iteration: 4, replica: 2, local_rank: 0, location: backward, action: raise}
+"""
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_device_error_and_a_lost_peer_are_survived_in_step(tmp_path, reference):
+    run = train(tmp_path, "device", [], DEVICE_AND_PEER)
+    records, statuses = run.records, run.result.statuses
+    assert sorted((m["rank"], m["iteration"], m["location"], m["action"]) for m in run.markers
+                  ) == [(2, 4, "backward", "device-error"), (4, 7, "during-reduce", "kill")]
+    assert statuses[2]["state"] == "left" and statuses[2]["kind"] == "device", statuses[2]
+    assert "DeviceFault" in statuses[2]["error"]
+    assert (statuses[2]["iteration"], statuses[2]["microbatch_id"]) == (4, 8)
+    failed = [(r["iteration"], e["replicas"]) for r in records for e in r["events"]
+              if e["event"] == "failure"]
+    assert failed == [(4, [2]), (7, [4])]
+    assert_ledger_held(records, 20)
+    assert_exact(run, reference, "device error and lost peer")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_program_error_ends_the_job_with_its_iteration_and_microbatch(tmp_path):
+    """Through `megatron-recover launch`, as a user runs it: exit status 3, and the summary
+    names the rank, the iteration and the microbatch."""
+    run_dir = tmp_path / "program"
+    run_dir.mkdir()
+    (run_dir / "schedule.yaml").write_text(PROGRAM_ERROR)
+    log = run_dir / "log.jsonl"
+    command = [str(Path(sys.executable).parent / "megatron-recover"), "launch", "-n",
+               str(REPLICAS), "--status-dir", str(run_dir / "status"), "--", *ENTRY, *MODEL,
+               "--recover", "--recover-log", str(log),
+               "--recover-failure-schedule", str(run_dir / "schedule.yaml")]
+    returncode, output, _ = run_bounded(command, dict(os.environ), TIMEOUT_S)
+    assert returncode == PROGRAM_ERROR_EXIT, (returncode, output[-4000:])
+    # Replica 2 runs ids 8-11 of the failure-free layout (B = 20, 4 per replica).
+    assert "rank 2 ends the job: a program error in iteration 4, microbatch 8" in output, (
+        output[-4000:])
+    assert "InjectedError: failure schedule: a program error at backward of iteration 4" in output
+    assert ("a program error on rank 2 ended the job in iteration 4, microbatch 8: "
+            "megatron_recover.faults.schedule.InjectedError") in output, output[-2000:]
+    statuses = read_statuses(run_dir / "status")
+    rank, status = program_error(statuses)
+    assert (rank, status["iteration"], status["microbatch_id"]) == (2, 4, 8), status
+    # Nobody else stopped on its own: no survivor reran the microbatch, no replica was lost.
+    assert all(s["state"] == "running" for r, s in statuses.items() if r != 2), statuses
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert not [e for r in records for e in r["events"]]
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_program_errors_survive_when_asked(tmp_path, reference):
+    run = train(tmp_path, "survive", ["--recover-program-errors", "survive"], PROGRAM_ERROR)
+    status = run.result.statuses[2]
+    assert (status["state"], status["kind"]) == ("left", "program"), status
+    failed = [(r["iteration"], e["replicas"]) for r in run.records for e in r["events"]
+              if e["event"] == "failure"]
+    assert failed == [(4, [2])]
+    assert_ledger_held(run.records, 20)
+    assert_exact(run, reference, "program error, --recover-program-errors survive")

@@ -2,8 +2,11 @@
 
 A schedule is YAML with a top-level `entries` list of {iteration, replica, local_rank, location},
 optionally with `action`: `kill` (default: SIGKILL, a crash), `stop` (SIGSTOP: a frozen process,
-which the hang detector must turn into a failure) or `stall` (compute for `seconds` without any
-communication: a healthy slow rank that must not be declared failed).
+which the hang detector must turn into a failure), `stall` (compute for `seconds` without any
+communication: a healthy slow rank that must not be declared failed), `raise` (a Python error
+of the program, `InjectedError`, which must end the job: docs/failures.md) or `device-error`
+(a device fault raised into Python, `failures.DeviceFault`, which the survivors must absorb);
+`raise` and `device-error` happen on the main thread, so not at the native points.
 Locations, in the order an iteration reaches them:
   pre-forward       before the first forward of the iteration
   backward          after the first microbatch's forward, before its backward finishes
@@ -61,6 +64,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_recover.failures import DeviceFault
 from megatron_recover.faults.injection import read_markers, write_marker
 
 LOCATIONS = ("pre-forward", "backward", "before-reduce", "after-post", "during-reduce",
@@ -77,8 +81,13 @@ JOIN_LOCATIONS = ("join-transfer",)
 STANDBY_LOCATIONS = ("idle", "join-transfer")
 
 
-ACTIONS = ("kill", "stop", "stall")
+ACTIONS = ("kill", "stop", "stall", "raise", "device-error")
+RAISED = ("raise", "device-error")  # actions that raise on the main thread
 NATIVE_LOCATIONS = {"during-reduce": "reduce", "during-consensus": "consensus"}
+
+
+class InjectedError(Exception):
+    """The failure schedule's `raise` action: stands for a bug of the program or the data."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,11 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
         if entry.action == "stall" and entry.location in NATIVE_LOCATIONS:
             raise ValueError(f"{path}: entry {i}: a stall happens between operations, not "
                              f"inside {entry.location}")
+        if entry.action in RAISED and (entry.location in NATIVE_LOCATIONS
+                                       or entry.location in JOIN_LOCATIONS):
+            raise ValueError(f"{path}: entry {i}: action {entry.action} raises on the main "
+                             f"thread, which is not where {entry.location} happens: use a "
+                             "Python-side location (pre-forward, backward, optimizer-step, ...)")
         if entry.location not in LOCATIONS:
             raise ValueError(f"{path}: entry {i}: location '{entry.location}' is not one of "
                              f"{', '.join(LOCATIONS)}")
@@ -269,6 +283,12 @@ class ScheduledFaults:
             while time.monotonic() < end:  # busy, like a long kernel: no communication at all
                 pass
             return
+        if entry.action == "raise":
+            raise InjectedError(f"failure schedule: a program error at {location} of "
+                                f"iteration {iteration}")
+        if entry.action == "device-error":
+            raise DeviceFault(f"failure schedule: a device fault at {location} of iteration "
+                              f"{iteration}")
         os.kill(os.getpid(), signal.SIGSTOP if entry.action == "stop" else signal.SIGKILL)
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:
