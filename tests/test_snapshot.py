@@ -17,8 +17,7 @@ def files(directory):
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
-def test_the_writer_keeps_the_newest_complete_snapshot_until_the_next_is(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot, "rng_states", lambda: {"torch": torch.get_rng_state()})
+def test_the_writer_keeps_the_newest_complete_snapshot_until_the_next_is(tmp_path):
     writer = snapshot.Snapshots(tmp_path, 2, (0, 0), replica=3, replicas_here=[1, 3])
     # Replica 1 writes this node's copy while it lives, then replica 3.
     assert not writer.due(2, [0, 1, 3]) and writer.due(2, [0, 3]) and not writer.due(3, [3])
@@ -44,8 +43,7 @@ def test_the_writer_keeps_the_newest_complete_snapshot_until_the_next_is(tmp_pat
     assert len(files(tmp_path)) == 3
 
 
-def test_a_slow_write_is_torn_until_it_completes(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot, "rng_states", lambda: {})
+def test_a_slow_write_is_torn_until_it_completes(tmp_path):
     paused = []
     writer = snapshot.Snapshots(tmp_path, 2, (1, 0, 1), replica=0, slow_writes={4: 0.5},
                                 on_pause=paused.append)

@@ -1,7 +1,7 @@
 """Checkpoints that can be written after failures and resumed on fewer replicas.
 
 Layout (Megatron's torch format): SAVE/iter_NNNNNNN/mp_rank_TT_PPP.pt holds one intra-replica
-position's model, optimizer and scheduler state plus the recovery state (B, W_init, G_init,
+position's complete training state (`state.capture`: model, optimizer, scheduler, RNGs) plus the recovery state (B, W_init, G_init,
 policy, mode, the policy layout, data position, reserve pointer); with distributed-optimizer
 shards, each shard of the position writes mp_rank_TT_PPP_shard_SS.pt with its own part of the
 optimizer state. SAVE/iter_NNNNNNN/recover_state.json repeats the recovery state for people;
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from megatron_recover.megatron import state as training_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -62,61 +64,13 @@ def _position_file(directory: Path, iteration: int, position: tuple[int, ...]) -
     return _iteration_dir(directory, iteration) / f"{position_name(position)}.pt"
 
 
-def _distributed_optimizers(optimizer) -> list:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [opt for opt in chained if isinstance(opt, DistributedOptimizer)]
-
-
-def parameter_state(optimizer) -> list[dict]:
-    """Per distributed optimizer, this shard's main parameters and Adam moments, by parameter."""
-    return [{opt._param_name(param): {k: v.detach().clone() for k, v in
-                                      opt._get_main_param_and_optimizer_states(param).items()}
-             for param in opt.model_param_group_index_map}
-            for opt in _distributed_optimizers(optimizer)]
-
-
-def _load_parameter_state(optimizer, saved: list[dict]) -> None:
-    optimizers = _distributed_optimizers(optimizer)
-    if len(saved) != len(optimizers):
-        raise ValueError("--load: the checkpoint holds no distributed-optimizer state for this "
-                         "run (written without --use-distributed-optimizer, or before such "
-                         "checkpoints held it): resume with the optimizer set-up it was "
-                         "written with")
-    with torch.no_grad():  # the main parameters are leaves that require grad
-        for opt, state in zip(optimizers, saved):
-            # DistributedOptimizer.load_state_dict (without Apex/TE) gives every parameter's
-            # state one shared `step` tensor, which torch's Adam then increments once per
-            # parameter per step: the bias correction runs ahead. One tensor each.
-            for param_state in opt.optimizer.state.values():
-                param_state["step"] = param_state["step"].clone()
-            for param in opt.model_param_group_index_map:
-                opt._set_main_param_and_optimizer_states(param, state[opt._param_name(param)])
-
-
-def training_state(ddp_model, optimizer, scheduler) -> dict:
-    """This rank's model, optimizer (loss scaler and, with the distributed optimizer, this
-    shard's main parameters and Adam moments) and scheduler state, as torch.save writes it."""
-    return {"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
-            "parameter_state": parameter_state(optimizer), "scheduler": scheduler.state_dict()}
-
-
-def load_training_state(saved: dict, ddp_model, optimizer, scheduler) -> None:
-    """Install what `training_state` returned (on another rank of the same position)."""
-    ddp_model.module.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    _load_parameter_state(optimizer, saved.get("parameter_state", []))
-    scheduler.load_state_dict(saved["scheduler"])
-
-
 def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
          position: tuple[int, ...], replica_group, local_rank: int) -> None:
     """Write this rank's position; call on every rank of the writing replica only."""
     path = _position_file(directory, state.iteration, position)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({**training_state(ddp_model, optimizer, scheduler), "recovery": state}, tmp)
+    torch.save({**training_state.capture(ddp_model, optimizer, scheduler), "recovery": state}, tmp)
     os.replace(tmp, path)
     if replica_group is not None:
         dist.barrier(group=replica_group)  # every position of this replica is on disk
@@ -149,5 +103,5 @@ def load(directory: Path, ddp_model, optimizer, scheduler,
                          "tensor and pipeline parallel sizes and distributed-optimizer shards?")
     # Our own files: they hold the policy layout, a plain dataclass, besides tensors.
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    load_training_state(saved, ddp_model, optimizer, scheduler)
+    training_state.restore(saved, ddp_model, optimizer, scheduler)
     return saved["recovery"]

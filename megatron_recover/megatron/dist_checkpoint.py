@@ -18,13 +18,12 @@ script passes the same `--save`/`--load` on every launch). Rank 0 prints one lin
 load with its wall-clock span, which scripts/run_restart_baseline.py reads.
 """
 
-import random
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
+
+from megatron_recover.megatron import state as training_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a complete checkpoint
@@ -69,14 +68,17 @@ def check_loadable(directory) -> None:
                          "checkpoints written by stock runs, --recover runs from --recover ones")
 
 
+# Megatron-LM's names for the generators of `state.capture_rng` in its checkpoints' rng_state.
+_MEGATRON_RNG_NAMES = {"random": "random_rng_state", "numpy": "np_rng_state",
+                       "torch": "torch_rng_state", "cuda": "cuda_rng_state",
+                       "tracker": "rng_tracker_states"}
+
+
 def _rng_state():
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(),
-             "cuda_rng_state": torch.cuda.get_rng_state(),
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {_MEGATRON_RNG_NAMES[k]: v for k, v in training_state.capture_rng().items()}
     shape = (parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_tensor_model_parallel_world_size())
     offset = (parallel_state.get_pipeline_model_parallel_rank(),
@@ -86,14 +88,7 @@ def _rng_state():
 
 
 def _set_rng_state(saved) -> None:
-    from megatron.core import tensor_parallel
-
-    state = saved[0]
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    training_state.restore_rng({k: saved[0][name] for k, name in _MEGATRON_RNG_NAMES.items()})
 
 
 def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: bool) -> dict:

@@ -8,7 +8,6 @@ Both train the same model on the same microbatch ids, so a failure-free --recove
 run give the same losses up to floating-point reassociation.
 """
 
-import hashlib
 import shutil
 import socket
 import time
@@ -44,6 +43,7 @@ from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.megatron.report import RecoverLog
 from megatron_recover.megatron.adapter import build_trainer
 from megatron_recover.megatron import checkpoint, dist_checkpoint, snapshot, standby
+from megatron_recover.megatron import state as training_state
 from megatron_recover.recovery import ResilientTrainer
 from megatron_recover.policy import (
     ADAPTIVE,
@@ -256,14 +256,6 @@ def marker_path(cfg) -> Path:
     """Where victims of the failure schedule leave their markers: beside the recovery log."""
     base = cfg.recover.log or cfg.recover.failure_schedule
     return Path(base).with_suffix(".markers.jsonl")
-
-
-def parameter_digest(model) -> str:
-    """sha256 over this rank's parameters: survivors of one position must agree bitwise."""
-    digest = hashlib.sha256()
-    for param in model.parameters():
-        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def save_parameters(model, path: Path) -> None:
@@ -652,7 +644,7 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
             save()
         if snapshots is not None and snapshots.due(iteration, trainer.p.policy.layout.replicas):
             trainer.gather_parameters()
-            snapshots.take(iteration, {**checkpoint.training_state(
+            snapshots.take(iteration, {**training_state.capture(
                 setup.ddp_model, setup.optimizer, setup.scheduler),
                 "recovery": recovery_state(trainer, iteration)})
         if progress.stopping(iteration, report.exit_requested, saved, save):
@@ -697,50 +689,21 @@ def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapsho
 
 
 def state_digests(setup: RankSetup) -> dict:
-    """What a joiner must hold exactly as its donor: parameters, optimizer state, loss scale."""
-    return {"params": parameter_digest(unwrap(setup.ddp_model)),
-            "optimizer": optimizer_digest(setup.optimizer),
-            "loss_scale": float(setup.optimizer.get_loss_scale())}
-
-
-def optimizer_digest(optimizer) -> str:
-    """sha256 over megatron's optimizer state_dict (Adam moments, main parameters, scaler) and,
-    with the distributed optimizer, this shard's main parameters and Adam moments (its
-    state_dict holds neither)."""
-    digest = hashlib.sha256()
-
-    def walk(value):
-        if isinstance(value, torch.Tensor):
-            digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-        elif isinstance(value, dict):
-            for key in sorted(value, key=str):
-                digest.update(str(key).encode())
-                walk(value[key])
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-        else:
-            digest.update(repr(value).encode())
-
-    walk(optimizer.state_dict())
-    walk(checkpoint.parameter_state(optimizer))
-    return digest.hexdigest()
+    """What a joiner must hold exactly as its donor (`state.digests`)."""
+    return training_state.digests(unwrap(setup.ddp_model), setup.optimizer)
 
 
 def _join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> dict:
-    """Everything a joiner needs to continue after `iteration` as a live replica does."""
-    from megatron.core import tensor_parallel
-
+    """Everything a joiner needs to continue after `iteration` as a live replica does: the
+    complete training state (`state.capture`) and the recovery layer's."""
     trainer.gather_parameters()
     policy = trainer.p.policy
     return {"iteration": iteration, "position": setup.checkpoint_position,
-            **checkpoint.training_state(setup.ddp_model, setup.optimizer, setup.scheduler),
+            **training_state.capture(setup.ddp_model, setup.optimizer, setup.scheduler),
             "layout": policy.layout, "last_committed": policy.last_committed,
             "reserve_next": policy.reserve_next, "dead_replicas": sorted(trainer.dead_replicas),
             "replica_of_rank": dict(trainer.p.replica_of_rank),
             "committed_reserve": sorted(trainer.p.audit.committed_reserve),
-            "rng": {"cpu": torch.get_rng_state(),
-                    "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
             "digests": state_digests(setup)}
 
 
@@ -774,7 +737,7 @@ def _grow_back(cfg, trainer: ResilientTrainer, setup: RankSetup, pool: standby.P
     if not (ok and assignment):
         _abandon_join(trainer, event, lost)
         return
-    blob = standby.state_blob(_join_state(trainer, setup, iteration))
+    blob = training_state.to_bytes(_join_state(trainer, setup, iteration))
     trainer.p.faults.arm_join(group, iteration)
     _, alive, lost_here = standby.transfer(group, assignment, blob)
     lost += lost_here  # since the adoption: every position learns of them in `settle`
@@ -804,8 +767,6 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
                       pool: standby.Pool) -> tuple[ResilientTrainer, int, dict] | None:
     """(standby) Wait for a call, join, take the state: (trainer, first iteration to run, the
     join as this rank saw it); None when dismissed or when nobody is left to call."""
-    from megatron.core import tensor_parallel
-
     standby_faults = _standby_faults(cfg, ctx)
     standby_faults.idle()
     w_init = cfg.num_replicas
@@ -833,7 +794,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         blob, alive, lost_here = standby.transfer(group, assignment, None)
         lost += lost_here
         break
-    state = standby.from_blob(blob)
+    state = training_state.from_bytes(blob)
     received = time.time()
     if state["position"] != setup.checkpoint_position:
         raise RuntimeError(f"standby join: the state received is of position "
@@ -844,9 +805,7 @@ def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
         runtime.leave("join abandoned: the state did not reach every position of this replica")
     lost += standby.drop_members(group, settled.dropped)
     setup.replica_index = assignment[pool.rank]
-    checkpoint.load_training_state(state, setup.ddp_model, setup.optimizer, setup.scheduler)
-    torch.set_rng_state(state["rng"]["cpu"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
+    training_state.restore(state, setup.ddp_model, setup.optimizer, setup.scheduler)
     faults = _faults(cfg, ctx, setup)  # the schedule's points of the replica id it took
     setup.micro_pass.faults = progress.eval_pass.faults = faults
     _optimizer_fault_points(faults, setup.optimizer, setup.ddp_model)

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, standby
+from megatron_recover.megatron import checkpoint
+from megatron_recover.megatron import state as training_state
 
 _FILE = re.compile(r"^(mp_rank_\d+_\d+(?:_shard_\d+)?)-replica_\d+\.pt$")
 
@@ -52,30 +53,6 @@ def _cloned(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_cloned(v) for v in value)
     return value
-
-
-def rng_states() -> dict:
-    import random
-
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    return {"random": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-
-
-def set_rng_states(states: dict) -> None:
-    import random
-
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    random.setstate(states["random"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    torch.cuda.set_rng_state(states["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
 def _iteration_dir(directory: Path, iteration: int) -> Path:
@@ -138,11 +115,11 @@ class Snapshots:
                 and bool(here) and min(here) == self.replica)
 
     def take(self, iteration: int, state: dict) -> None:
-        """Snapshot `state` (what `checkpoint.training_state` returns plus the recovery state)
+        """Snapshot `state` (what `state.capture` returns plus the recovery state)
         as of the end of `iteration`; blocks only for the copy (and a write still running)."""
         start = time.perf_counter()
         self.wait()
-        copy = {**_cloned(state), "rng": rng_states(), "iteration": iteration}
+        copy = {**_cloned(state), "iteration": iteration}
         self.copy_s.append(time.perf_counter() - start)
         self._writer = threading.Thread(target=self._write, args=(iteration, copy),
                                         name="snapshot-writer", daemon=True)
@@ -268,11 +245,10 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
         if blob is None:
             blob = torch.empty(int(size[0]), dtype=torch.uint8)
         _broadcast(group, blob, donor)
-        saved = standby.from_blob(blob)
+        saved = training_state.from_bytes(blob)
     if saved["iteration"] != iteration:
         raise RuntimeError(f"snapshot {local} holds iteration {saved['iteration']}")
-    checkpoint.load_training_state(saved, ddp_model, optimizer, scheduler)
-    set_rng_states(saved["rng"])
+    training_state.restore(saved, ddp_model, optimizer, scheduler)
     # Every rank has its state: the lowest rank of each node removes the other iterations there
     # (later ones belong to the run that ended and are written again; older ones are not needed).
     dist.barrier()

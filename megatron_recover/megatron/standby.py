@@ -42,7 +42,6 @@ try again at the next boundary. An idle standby leaves when the survivors dismis
 of training, or when every process that could call it is dead (checked every LIVENESS_S).
 """
 
-import io
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -256,18 +255,6 @@ def drop_members(group, ranks: list[int]) -> list[int]:
     while any(r in group.members for r in ranks):
         lost += group.consensus([1]).wait().failed_ranks
     return sorted(lost)
-
-
-def state_blob(state: dict) -> torch.Tensor:
-    """`state` (tensors and plain objects) as a uint8 tensor for a broadcast."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def from_blob(blob: torch.Tensor) -> dict:
-    # Our own bytes, from a rank of the same job: they hold the policy layout besides tensors.
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=False)
 
 
 def transfer(group, assignment: dict[int, int], blob: torch.Tensor | None) -> tuple[
