@@ -48,8 +48,6 @@ def main() -> None:
             run_id=os.environ.get("MEGATRON_RECOVER_RUN_ID"))
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
-    if cfg.recover.enabled:
-        runtime.set_program_errors(cfg.recover.program_errors)
     if ctx.rank == 0:
         import megatron.core
 
@@ -67,7 +65,7 @@ def main() -> None:
         enable_cpu_emulation()
 
     from megatron_recover import collective
-    from megatron_recover.megatron import run
+    from megatron_recover.megatron import run, state
 
     try:
         if cfg.recover.cross_replica_backend == "ulfm":
@@ -87,7 +85,7 @@ def main() -> None:
         # Test and benchmark harnesses compare final parameters across runs.
         run.save_parameters(trained.model, Path(status_dir) / f"rank-{ctx.rank}.params.pt")
     runtime.finish(finalize=cfg.recover.cross_replica_backend != "ulfm",
-                   param_digest=run.parameter_digest(trained.model),
+                   param_digest=state.parameter_digest(trained.model),
                    loss_scale=trained.loss_scale, skipped_iterations=trained.skipped_iterations,
                    **({} if trained.joined is None else {"joined": trained.joined}),
                    **({} if trained.snapshots is None else {"snapshots": trained.snapshots}))

@@ -57,9 +57,9 @@ def _kind_of(exc: BaseException) -> str | None:
     return None
 
 
-def classify(exc: BaseException, peer_failed: bool = False) -> str:
-    """The kind of `exc` (or of an exception it was raised from); `peer_failed`: MPI reports a
-    peer of this rank's replica failed."""
+def classify(exc: BaseException, peer_failed=lambda: False) -> str:
+    """The kind of `exc` (or of an exception it was raised from). `peer_failed()`, asked only
+    when no typed kind is found: whether MPI reports a peer of this rank's replica failed."""
     seen = set()
     cause = exc
     while cause is not None and id(cause) not in seen:
@@ -68,7 +68,7 @@ def classify(exc: BaseException, peer_failed: bool = False) -> str:
         if kind is not None:
             return kind
         cause = cause.__cause__ or cause.__context__
-    return PEER_LOST if peer_failed else PROGRAM
+    return PEER_LOST if peer_failed() else PROGRAM
 
 
 def note(iteration: int | None, microbatch_id: int | None = None) -> None:

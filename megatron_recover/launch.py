@@ -116,7 +116,7 @@ def program_error(statuses: dict[int, dict]) -> tuple[int, dict] | None:
     """(rank, status) of the rank whose program error ended the job (megatron_recover.failures:
     it stops its Open MPI daemon instead of leaving), or None."""
     for rank, status in sorted(statuses.items()):
-        if status.get("state") == "error" and status.get("kind") == "program":
+        if status.get("ended_job"):
             return rank, status
     return None
 

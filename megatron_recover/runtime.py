@@ -202,10 +202,12 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    kind = failures.classify(exc)
-    if kind == failures.PROGRAM and _replica_peer_failed(PEER_CONFIRM_S):
-        kind = failures.PEER_LOST  # this rank's replica is gone: the error is its consequence
-    place = failures.where()
+    try:
+        kind = failures.classify(exc, lambda: _replica_peer_failed(PEER_CONFIRM_S))
+        place = failures.where()
+    except BaseException as error:  # noqa: BLE001 - whatever happens, the rank must go
+        kind, place = failures.PEER_LOST, {"iteration": None, "microbatch_id": None}
+        text += f"\n(classifying it failed too: {error!r})"
     if kind == failures.PROGRAM and _state.get("program_errors") == failures.ABORT:
         write_to_terminal(
             f"megatron-recover: rank {_state['rank']} ends the job: a program error "
@@ -213,7 +215,7 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
             "microbatch, so no survivor runs it again (--recover-program-errors survive treats "
             f"it as a failure of this rank):\n{text}")
         sys.stdout.flush()
-        write_status("error", error=text[-4000:], kind=kind, **place)
+        write_status("error", error=text[-4000:], kind=kind, ended_job=True, **place)
         _end_children()
         _end_job()
     write_to_terminal(f"megatron-recover: rank {_state['rank']} stops on an error ({kind}):\n"
@@ -233,14 +235,35 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
 END_JOB_WAIT_S = 10.0
 
 
+def _open_mpi_daemon() -> int | None:
+    """The nearest ancestor that is Open MPI's daemon on this node (prted, or prterun/mpirun on
+    mpirun's node): ranks may be started through a wrapper script."""
+    pid = os.getppid()
+    for _ in range(8):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        if name in ("prted", "prterun", "mpirun", "mpiexec", "orted"):
+            return pid
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
+        if pid <= 1:
+            return None
+    return None
+
+
 def _end_job() -> None:
     """End the whole job while this rank stays alive (so no survivor takes over its
-    microbatches): SIGTERM, then SIGKILL, to this rank's parent, its Open MPI daemon (mpirun
-    itself on mpirun's node). Open MPI 5 ends the whole job when it loses a daemon
-    (docs/node-loss.md). Not MPI_Abort: under ULFM it kills the caller alone, and the
-    survivors absorb that as a failure (docs/failures.md). Never returns."""
-    daemon = os.getppid()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    microbatches): SIGTERM, then SIGKILL, to this node's Open MPI daemon (mpirun itself on
+    mpirun's node). Open MPI 5 ends the whole job when it loses a daemon (docs/node-loss.md).
+    Not MPI_Abort: under ULFM it kills the caller alone, and the survivors absorb that as a
+    failure (docs/failures.md). Never returns."""
+    daemon = _open_mpi_daemon()
+    if daemon is None:
+        write_to_terminal(f"megatron-recover: rank {_state['rank']} found no Open MPI daemon "
+                          "among its ancestors: it cannot end the job, it only leaves\n")
+    for sig in (signal.SIGTERM, signal.SIGKILL) if daemon is not None else ():
         try:
             os.kill(daemon, sig)
         except ProcessLookupError:

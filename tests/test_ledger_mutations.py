@@ -21,7 +21,8 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mutation", [m for m in MUTATIONS if m.path == DATA], ids=lambda m: m.name.split(" (")[0])
+@pytest.mark.parametrize("mutation", [m for m in MUTATIONS if m.path == DATA],
+                         ids=lambda m: m.name.split(" (")[0])
 def test_mutation_is_caught_by_the_ledger(tmp_path, mutation):
     outcome = run(mutation, tmp_path)
     assert not outcome["timed_out"]

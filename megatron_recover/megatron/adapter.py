@@ -91,7 +91,8 @@ class MegatronOptimizer:
 
 
 class TorchControl:
-    """A torch.distributed group (gloo: CPU tensors) as a `ControlGroup`."""
+    """A torch.distributed group as a `ControlGroup` (the tensors are CPU float64: the group
+    must be a gloo one; megatron's own groups are, on CPU only)."""
 
     def __init__(self, group):
         self.group = group

@@ -1,7 +1,8 @@
 """Checkpoints that can be written after failures and resumed on fewer replicas.
 
 Layout (Megatron's torch format): SAVE/iter_NNNNNNN/mp_rank_TT_PPP.pt holds one intra-replica
-position's complete training state (`state.capture`: model, optimizer, scheduler, RNGs) plus the recovery state (B, W_init, G_init,
+position's complete training state (`state.capture`: model, optimizer, scheduler, random
+number generators) plus the recovery state (B, W_init, G_init,
 policy, mode, the policy layout, data position, reserve pointer); with distributed-optimizer
 shards, each shard of the position writes mp_rank_TT_PPP_shard_SS.pt with its own part of the
 optimizer state. SAVE/iter_NNNNNNN/recover_state.json repeats the recovery state for people;

@@ -54,7 +54,7 @@ def finish_grad_sync(bucket_group) -> None:
     """Nothing: see start_grad_sync. Nor is the bucket group's parameter all-gather marked as
     not dispatched, as megatron does after every pass: with --overlap-param-gather the trainer
     dispatches it once per iteration, after the optimizer step, on every shard of an instance
-    (`DDPBuffers.dispatch_param_gather` in adapter.py), so that neither an extension pass nor a shard
+    (`adapter.DDPBuffers.dispatch_param_gather`), so that neither an extension pass nor a shard
     that runs no microbatch issues an all-gather its peers do not."""
 
 

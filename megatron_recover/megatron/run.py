@@ -600,6 +600,9 @@ def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
     else:
         trainer, start = _trainer(cfg, ctx, setup, dataset, wants_exit=progress.exits.requested)
     progress.trainer = trainer
+    # From the first iteration on (not during start-up, a resume or a standby's wait, when a
+    # world-wide gloo collective can fail for a peer outside this replica): docs/failures.md.
+    runtime.set_program_errors(cfg.recover.program_errors)
     skipped = []
     log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None, last_written=start - 1)
     # Committed iterations whose records this rank has not seen written. Writers can die after a

@@ -87,7 +87,8 @@ def restore(saved: dict, ddp_model, optimizer, scheduler) -> None:
     optimizer.load_state_dict(saved["optimizer"])
     _load_parameter_state(optimizer, saved.get("parameter_state", []))
     scheduler.load_state_dict(saved["scheduler"])
-    restore_rng(saved["rng"])
+    if "rng" in saved:  # --recover checkpoints written before they held the generators do not
+        restore_rng(saved["rng"])
 
 
 def to_bytes(state: dict) -> torch.Tensor:

@@ -26,8 +26,8 @@ class GradientBuffers(Protocol):
         reduction they are posted after the pass); a subset of `buckets()`."""
 
     def zero(self) -> None:
-        """A new iteration: every bucket zero and no parameter's .grad aliasing a bucket (as
-        Megatron-LM's train_step zeroes the DDP buffer and the optimizer's grads)."""
+        """A new iteration: every bucket zero (Megatron-LM's train_step zeroes the DDP buffer,
+        then the optimizer's grads: `OptimizerStep.zero_grad`)."""
 
     def scale(self, factor: float) -> None:
         """Multiply every bucket by `factor` (the reduced gradient, before the step)."""
@@ -66,8 +66,10 @@ class OptimizerStep(Protocol):
 
 
 class ControlGroup(Protocol):
-    """CPU float64 collectives among the ranks of one replica (control data, never model data).
-    Raises when a peer died: the caller's rank then leaves with its replica (the replica gate)."""
+    """Float64 collectives among the ranks of one replica (control data, never model data).
+    Raises when a peer died: the caller's rank then leaves with its replica (the replica gate).
+    Today the adapter runs them on the replica's megatron groups (gloo on CPU); a GPU run
+    needs CPU groups of their own for them."""
 
     rank: int
     size: int

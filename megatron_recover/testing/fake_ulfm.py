@@ -19,7 +19,10 @@ the MPI underneath:
     wait for it in (they could never be matched), as a mismatched MPI call would.
 
 Operations run when posted, on the calling thread (a rendezvous of the members); `Work.wait()`
-returns the record. A member is killed by raising `RankKilled` on its thread at the armed point:
+returns the record. Two simplifications follow, and what they cannot show is left to the mpi
+tier: no operation is ever in flight when a named point of the trainer fires (a kill at
+`after-post` lands after the first reduction completed everywhere), and every consensus starts a
+fresh matching order, where MPI would keep matching operations on the same communicator. A member is killed by raising `RankKilled` on its thread at the armed point:
 the thread ends, as the process would. Every wait is bounded (`timeout_s`): a protocol bug that
 would hang a job raises `FakeHang` instead.
 """

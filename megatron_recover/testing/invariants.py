@@ -47,7 +47,12 @@ def check_run(setup: Setup, runs: dict, world) -> list[int]:
         assert [r.iteration for r in run.reports] == list(range(1, setup.iterations + 1)), (
             f"rank {rank} committed iterations {[r.iteration for r in run.reports]}")
         audit = run.replica.audit
-        for report, grad in zip(run.reports, run.replica.optimizer.stepped):
+        stepped = run.replica.optimizer.stepped
+        assert len(stepped) == len(run.reports), (rank, len(stepped), len(run.reports))
+        # Every pass divided its losses by B, every step advanced the schedule by B.
+        assert set(run.replica.run_pass.divisors) <= {b}, run.replica.run_pass.divisors
+        assert set(run.replica.optimizer.microbatches) == {b}, run.replica.optimizer.microbatches
+        for report, grad in zip(run.reports, stepped):
             t = report.iteration
             assert report.invariant_ok, f"rank {rank} iteration {t}: {report.ledger_problems}"
             totals = audit.totals[t]

@@ -140,6 +140,7 @@ class FakeOptimizer:
         self.buffers = buffers
         self.params = torch.zeros(sum(BUCKETS), dtype=torch.float64)
         self.stepped: list[torch.Tensor] = []  # the gradient of each step, in order
+        self.microbatches: list[int] = []  # what each step advanced the schedule by
 
     def zero_grad(self):
         pass
@@ -147,6 +148,7 @@ class FakeOptimizer:
     def step(self, microbatches):
         grad = torch.cat(self.buffers.grads).clone()
         self.stepped.append(grad)
+        self.microbatches.append(microbatches)
         self.params.sub_(LEARNING_RATE * grad)
         return True, float(grad.norm())
 

@@ -43,8 +43,82 @@ def test_an_error_raised_from_a_typed_one_takes_its_kind():
 
 def test_an_untyped_error_is_a_lost_peer_when_mpi_reports_one():
     error = RuntimeError("Connection closed by peer")
-    assert failures.classify(error, peer_failed=True) == failures.PEER_LOST
-    assert failures.classify(ValueError("x"), peer_failed=True) == failures.PEER_LOST
+    assert failures.classify(error, lambda: True) == failures.PEER_LOST
+    assert failures.classify(ValueError("x"), lambda: True) == failures.PEER_LOST
+    asked = []
+    assert failures.classify(failures.DeviceFault("x"), lambda: asked.append(1)) == (
+        failures.DEVICE)
+    assert not asked  # MPI is asked only when no typed kind is found
+
+
+class Left(BaseException):
+    """Stands for the SIGKILL or the end of the job: the hook never returns."""
+
+
+@pytest.fixture
+def hook(monkeypatch):
+    """runtime's exit hook with its ways out recorded instead of taken."""
+    from megatron_recover import runtime
+
+    seen = {"status": None, "ended_job": False, "terminal": []}
+
+    def kill(pid, sig):
+        raise Left("SIGKILL")
+
+    def end_job():
+        seen["ended_job"] = True
+        raise Left("job ended")
+
+    monkeypatch.setattr(runtime, "write_status", lambda state, **f: seen.update(
+        status={"state": state, **f}))
+    monkeypatch.setattr(runtime, "write_to_terminal", seen["terminal"].append)
+    monkeypatch.setattr(runtime, "_end_children", lambda: None)
+    monkeypatch.setattr(runtime, "_end_job", end_job)
+    monkeypatch.setattr(runtime.os, "kill", kill)
+    monkeypatch.setattr(runtime, "_replica_peer_failed", lambda wait_s: seen.get("peer", False))
+    monkeypatch.setitem(runtime._state, "program_errors", None)
+
+    def die(error, policy=None, peer=False):
+        runtime._state["program_errors"] = policy
+        seen["peer"] = peer
+        seen["ended_job"] = False
+        with pytest.raises(Left):
+            runtime._die_on_uncaught(type(error), error, None)
+        return seen
+    return die
+
+
+def test_a_program_error_under_recover_ends_the_job_with_its_place(hook):
+    failures.note(4, 8)
+    seen = hook(ValueError("a bad sample"), policy=failures.ABORT)
+    assert seen["ended_job"]
+    assert seen["status"]["state"] == "error" and seen["status"]["ended_job"] is True
+    assert (seen["status"]["iteration"], seen["status"]["microbatch_id"]) == (4, 8)
+    assert "a program error in iteration 4, microbatch 8" in seen["terminal"][0]
+
+
+def test_what_leaves_the_rank_instead(hook):
+    failures.note(4, 8)
+    cases = [(ValueError("x"), failures.SURVIVE, False, "left"),  # asked to survive
+             (ValueError("x"), None, False, "error"),  # stock run: stops as before
+             (dist.DistBackendError("a peer died"), failures.ABORT, False, "left"),
+             (RuntimeError("Connection closed by peer"), failures.ABORT, True, "left"),
+             (failures.DeviceFault("x"), failures.ABORT, False, "left")]
+    for error, policy, peer, state in cases:
+        seen = hook(error, policy=policy, peer=peer)
+        assert not seen["ended_job"], error
+        assert seen["status"]["state"] == state, (error, seen["status"])
+        assert "ended_job" not in seen["status"]
+
+
+def test_a_failing_classification_still_takes_the_rank_down(hook, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("MPI is gone")
+
+    monkeypatch.setattr(failures, "classify", broken)
+    seen = hook(ValueError("x"), policy=failures.ABORT)
+    assert not seen["ended_job"]
+    assert seen["status"]["state"] == "left" and seen["status"]["kind"] == failures.PEER_LOST
 
 
 def test_the_place_is_described():

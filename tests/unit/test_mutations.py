@@ -73,6 +73,9 @@ def test_the_ledger_catches_a_layer2_mutation(monkeypatch, mutation):
     check_run(setup, runs, world)  # unmutated: every invariant holds
     mutate(monkeypatch, mutation.path, mutation.old, mutation.new)
     runs, world = run_lockstep(setup, timeout_s=30)
+    # The run itself went on: no rank hung or raised, every survivor committed every iteration.
+    assert not [run.error for run in runs.values() if run.error], runs
+    assert all(len(run.reports) == setup.iterations for run in runs.values() if not run.killed)
     bad = [(rank, r.iteration, r.ledger_problems) for rank, run in runs.items()
            for r in run.reports if not r.invariant_ok]
     assert bad, f"{mutation.name}: not caught"
@@ -99,6 +102,8 @@ def test_a_codec_mutation_is_caught(monkeypatch, name, path, old, new, setup):
     check_run(setup, runs, world)
     mutate(monkeypatch, path, old, new)
     runs, world = run_lockstep(setup, timeout_s=30)
-    with pytest.raises(AssertionError) as caught:
+    assert not [run.error for run in runs.values() if run.error]  # it ran, then deviated
+    expected = "logged loss|gradient|invariant|ids missing"
+    with pytest.raises(AssertionError, match=expected) as caught:
         check_run(setup, runs, world)
     print(f"CAUGHT {name}: {str(caught.value).splitlines()[0]}")
