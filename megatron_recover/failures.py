@@ -5,8 +5,9 @@
               error types (`DistError`: DistBackendError, DistNetworkError, DistStoreError),
               or any error raised while MPI's failure detector reports a peer of this rank's
               replica failed (the runtime asks MPI; gloo says so only in its message text, which
-              is never read). The replica is gone anyway: the rank leaves (SIGKILL, status
-              `left`) and the survivors absorb the replica in-step.
+              is never read), or EIO/EPIPE on a write (mpirun is gone: the job is being torn
+              down). The replica is gone anyway: the rank leaves (SIGKILL, status `left`) and
+              the survivors absorb the replica in-step.
   device      a fault of this rank's device raised into Python: `torch.AcceleratorError` (how
               CUDA errors such as an illegal address, an ECC or an Xid error reach Python) or
               `DeviceFault` (the failure schedule's `device-error` action). The same microbatch
@@ -26,6 +27,8 @@ job that knows its errors are not deterministic).
 """
 
 from __future__ import annotations
+
+import errno
 
 from megatron_recover.collective.records import CollectiveTimeout
 
@@ -50,6 +53,10 @@ def _kind_of(exc: BaseException) -> str | None:
     import torch.distributed as dist
 
     if isinstance(exc, CollectiveTimeout) or isinstance(exc, dist.DistError):
+        return PEER_LOST
+    if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EPIPE):
+        # The rank's terminal is gone: mpirun died (a lost node tears the job down, and the
+        # ranks on mpirun's node then fail to write: docs/node-loss.md). Nothing to end.
         return PEER_LOST
     accelerator_error = getattr(torch, "AcceleratorError", DeviceFault)
     if isinstance(exc, (DeviceFault, accelerator_error)):

@@ -216,7 +216,9 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
     except BaseException as error:  # noqa: BLE001 - whatever happens, the rank must go
         kind, place = failures.PEER_LOST, {"iteration": None, "microbatch_id": None}
         text += f"\n(classifying it failed too: {error!r})"
-    if kind == failures.PROGRAM and _state.get("program_errors") == failures.ABORT:
+    daemon = _open_mpi_daemon() if kind == failures.PROGRAM else None
+    if (kind == failures.PROGRAM and _state.get("program_errors") == failures.ABORT
+            and daemon is not None):  # none: mpirun is gone, the job is being torn down
         write_to_terminal(
             f"megatron-recover: rank {_state['rank']} ends the job: a program error "
             f"{failures.describe(place)}. It would recur on every replica that runs this "
@@ -225,7 +227,7 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
         sys.stdout.flush()
         write_status("error", error=text[-4000:], kind=kind, ended_job=True, **place)
         _end_children()
-        _end_job()
+        _end_job(daemon)
     write_to_terminal(f"megatron-recover: rank {_state['rank']} stops on an error ({kind}):\n"
                       f"{text}")
     sys.stdout.flush()
@@ -261,17 +263,13 @@ def _open_mpi_daemon() -> int | None:
     return None
 
 
-def _end_job() -> None:
+def _end_job(daemon: int) -> None:
     """End the whole job while this rank stays alive (so no survivor takes over its
-    microbatches): SIGTERM, then SIGKILL, to this node's Open MPI daemon (mpirun itself on
-    mpirun's node). Open MPI 5 ends the whole job when it loses a daemon (docs/node-loss.md).
-    Not MPI_Abort: under ULFM it kills the caller alone, and the survivors absorb that as a
-    failure (docs/failures.md). Never returns."""
-    daemon = _open_mpi_daemon()
-    if daemon is None:
-        write_to_terminal(f"megatron-recover: rank {_state['rank']} found no Open MPI daemon "
-                          "among its ancestors: it cannot end the job, it only leaves\n")
-    for sig in (signal.SIGTERM, signal.SIGKILL) if daemon is not None else ():
+    microbatches): SIGTERM, then SIGKILL, to `daemon`, this node's Open MPI daemon (mpirun
+    itself on mpirun's node). Open MPI 5 ends the whole job when it loses a daemon
+    (docs/node-loss.md). Not MPI_Abort: under ULFM it kills the caller alone, and the
+    survivors absorb that as a failure (docs/failures.md). Never returns."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.kill(daemon, sig)
         except ProcessLookupError:

@@ -4,6 +4,8 @@ docs/failures.md), and the failure schedule's actions that raise.
 Run: .venv/bin/python -m pytest tests/unit/test_failures.py   (no MPI; seconds)
 """
 
+import errno
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +28,10 @@ pytestmark = pytest.mark.unit
     (torch.cuda.OutOfMemoryError("at this batch shape"), failures.PROGRAM),
     # gloo's only report of a dead peer: its text is not read.
     (RuntimeError("Connection closed by peer [127.0.0.1]:1234"), failures.PROGRAM),
+    # mpirun is gone (the job is being torn down): writing to the terminal fails.
+    (OSError(errno.EIO, "Input/output error"), failures.PEER_LOST),
+    (BrokenPipeError(errno.EPIPE, "Broken pipe"), failures.PEER_LOST),
+    (FileNotFoundError(errno.ENOENT, "no such file"), failures.PROGRAM),
 ])
 def test_typed_errors_are_classified(error, kind):
     assert failures.classify(error) == kind
@@ -65,8 +71,8 @@ def hook(monkeypatch):
     def kill(pid, sig):
         raise Left("SIGKILL")
 
-    def end_job():
-        seen["ended_job"] = True
+    def end_job(daemon):
+        seen["ended_job"] = daemon
         raise Left("job ended")
 
     monkeypatch.setattr(runtime, "write_status", lambda state, **f: seen.update(
@@ -74,6 +80,7 @@ def hook(monkeypatch):
     monkeypatch.setattr(runtime, "write_to_terminal", seen["terminal"].append)
     monkeypatch.setattr(runtime, "_end_children", lambda: None)
     monkeypatch.setattr(runtime, "_end_job", end_job)
+    monkeypatch.setattr(runtime, "_open_mpi_daemon", lambda: seen.get("daemon", 4242))
     monkeypatch.setattr(runtime.os, "kill", kill)
     monkeypatch.setattr(runtime, "_replica_peer_failed", lambda wait_s: seen.get("peer", False))
     monkeypatch.setitem(runtime._state, "program_errors", None)
@@ -109,6 +116,17 @@ def test_what_leaves_the_rank_instead(hook):
         assert not seen["ended_job"], error
         assert seen["status"]["state"] == state, (error, seen["status"])
         assert "ended_job" not in seen["status"]
+
+
+def test_a_program_error_while_mpirun_is_gone_only_leaves(hook, monkeypatch):
+    """No Open MPI daemon among the ancestors: the job is being torn down (a lost node); the
+    rank must not report that it ended the job (the relauncher would then not relaunch)."""
+    from megatron_recover import runtime
+
+    monkeypatch.setattr(runtime, "_open_mpi_daemon", lambda: None)
+    seen = hook(ValueError("x"), policy=failures.ABORT)
+    assert not seen["ended_job"]
+    assert "ended_job" not in seen["status"]
 
 
 def test_a_failing_classification_still_takes_the_rank_down(hook, monkeypatch):
