@@ -228,7 +228,7 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
         write_status("error", error=text[-4000:], kind=kind, ended_job=True, **place)
         _end_children()
         _end_job(daemon)
-    write_to_terminal(f"megatron-recover: rank {_state['rank']} stops on an error ({kind}):\n"
+    write_to_terminal(f"megatron-recover: rank {_state['rank']} stops on an error: {kind}\n"
                       f"{text}")
     sys.stdout.flush()
     # A lost peer is the replica gate at work and a device fault a failure of this rank: the

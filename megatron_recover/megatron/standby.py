@@ -271,9 +271,14 @@ def transfer(group, assignment: dict[int, int], blob: torch.Tensor | None) -> tu
         record = group.broadcast(size, donor).wait()
         received = None
         if not record.has_failure:
-            received = blob if blob is not None else torch.empty(int(size[0]), dtype=torch.uint8)
-            # Survivors receive their own copy back: one broadcast, whoever the donor is.
-            scratch = received.clone() if blob is not None else received
+            # Every member receives into a buffer of the donor's size: survivors' own blobs may
+            # be of other sizes (their generators' states pickle to other lengths), and a
+            # smaller buffer would be overrun. Survivors keep their own state.
+            if group.members[group.rank] == donor:
+                scratch = blob  # the source: a broadcast does not write into it
+            else:
+                scratch = torch.empty(int(size[0]), dtype=torch.uint8)
+            received = blob if blob is not None else scratch
             record = group.broadcast(scratch, donor).wait()
         ok = int(not record.has_failure)
         agreed = group.consensus([ok]).wait()
