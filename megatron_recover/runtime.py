@@ -211,7 +211,10 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
     except (OSError, ValueError):
         pass
     try:
-        kind = failures.classify(exc, lambda: _replica_peer_failed(PEER_CONFIRM_S))
+        # Only a --recover run in training acts on the kind; a stock run stops on any failure
+        # and must not wait for MPI first (its peers then see this rank die promptly).
+        recovering = _state.get("program_errors") is not None
+        kind = failures.classify(exc, lambda: recovering and _replica_peer_failed(PEER_CONFIRM_S))
         place = failures.where()
     except BaseException as error:  # noqa: BLE001 - whatever happens, the rank must go
         kind, place = failures.PEER_LOST, {"iteration": None, "microbatch_id": None}
