@@ -219,9 +219,9 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
     except BaseException as error:  # noqa: BLE001 - whatever happens, the rank must go
         kind, place = failures.PEER_LOST, {"iteration": None, "microbatch_id": None}
         text += f"\n(classifying it failed too: {error!r})"
-    daemon = _open_mpi_daemon() if kind == failures.PROGRAM else None
-    if (kind == failures.PROGRAM and _state.get("program_errors") == failures.ABORT
-            and daemon is not None):  # none: mpirun is gone, the job is being torn down
+    ends_job = kind == failures.PROGRAM and _state.get("program_errors") == failures.ABORT
+    daemon = _open_mpi_daemon() if ends_job else None
+    if daemon is not None:  # none: mpirun is gone, the job is being torn down
         write_to_terminal(
             f"megatron-recover: rank {_state['rank']} ends the job: a program error "
             f"{failures.describe(place)}. It would recur on every replica that runs this "
