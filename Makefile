@@ -37,7 +37,9 @@ $(BACKEND): $(VENV)/.package-stamp build/mpicc-path $(wildcard csrc/ulfm_backend
 
 build: $(BACKEND)
 
-# CI's suite; the checks marked `long` (several minutes each) run in `make test-long`.
+# CI's suite: the unit tier and one end-to-end run per layer and shape (README, "The two
+# commands"); the checks marked `long` run in `make test-long`, and the two together are the
+# whole suite.
 test: build
 	$(PYTEST) -m "not long" tests
 

@@ -144,7 +144,9 @@ def test_llama3_script_refusals_say_why(tmp_path):
         assert len(lines) == 1 and flag[0] in lines[0] and reason in lines[0], (flag, lines)
 
 
+@pytest.mark.long
 @pytest.mark.mpi
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_llama3_argument_list_trains_under_recover_with_a_failure(tmp_path):
     args = [*LLAMA3_MODEL, *LLAMA3_TRAINING, *LLAMA3_PARALLEL]
@@ -215,6 +217,7 @@ def test_gpt3_script_ramp_up_with_train_iters_is_refused_as_megatron_does(tmp_pa
 
 
 @pytest.mark.mpi
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_gpt3_argument_list_trains_under_recover(tmp_path, corpus):
     run = run_training(tmp_path / "run", 4, gpt3_argv(tmp_path, corpus), timeout_s=240)

@@ -21,7 +21,7 @@ from tests.training_harness import (
     param_rdiff,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--eval-iters", "0",
@@ -88,6 +88,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.long
 @pytest.mark.timeout(4 * TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):

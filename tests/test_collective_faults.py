@@ -73,7 +73,9 @@ def check_survivors(run, members: list[int], victims: set[int], hit_is_consensus
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-@pytest.mark.parametrize("case", list(CASES))
+# `make test` runs the 4-rank cases, `make test-long` the 8-rank ones too.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.long] if CASES[c][0] > 4
+                                               else []) for c in CASES])
 def test_fault_case(tmp_path, case):
     num_ranks, scenario, specs = CASES[case]
     run = run_worker(tmp_path, "collective_worker.py", num_ranks, [scenario, *specs], TIMEOUT_S)

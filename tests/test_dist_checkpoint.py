@@ -14,7 +14,7 @@ from megatron_recover.launch import LaunchConfig, launch
 from megatron_recover.megatron import dist_checkpoint
 from tests.mpirun_harness import ENTRY
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 RANKS = 4
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

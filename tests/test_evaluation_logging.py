@@ -29,7 +29,7 @@ from megatron_recover.launch import LaunchConfig, launch
 from tests.mpirun_harness import ENTRY
 from tests.training_harness import EXACT_RTOL, STABLE_LR, run_training
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 REPLICAS = 4
@@ -79,6 +79,7 @@ def plain_loss(tmp_path, params) -> float:
     return plain["loss"]
 
 
+@pytest.mark.long
 def test_stock_evaluation_equals_a_plain_forward(tmp_path):
     """Without --recover the data-parallel ranks split the microbatches (gloo all-reduce)."""
     result = launch(LaunchConfig(2, [*ENTRY, *MODEL, *EVALUATED], tmp_path / "stock" / "status",
@@ -184,6 +185,7 @@ def digests(result) -> set[str]:
     return {s["param_digest"] for s in result.statuses.values() if s["state"] == "completed"}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_exit_flags_stop_every_survivor_at_the_same_iteration_and_save(tmp_path):
     # --exit-interval, with a replica lost before the stop; then a relaunch resumes.

@@ -23,7 +23,7 @@ from tests.training_harness import (
     param_rdiff,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 HANG_S = 3.0
 TIMEOUT_S = 240
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -101,6 +101,7 @@ def test_frozen_ranks_are_declared_failed(tmp_path, capsys):
     assert_same_curve(records, reference, tmp_path, (0, 3))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_frozen_rank_takes_its_replica_down(tmp_path, capsys):
     """TP=2 x DP=2: local rank 1 of replica 1 freezes; its peer, blocked in a TP collective,
@@ -120,6 +121,7 @@ def test_frozen_rank_takes_its_replica_down(tmp_path, capsys):
     assert_same_curve(records, reference, tmp_path, (0, 1))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_long_compute_and_oversubscribed_startup_are_not_failures(tmp_path):
     """8 ranks on this machine's cores; replica 5 computes 3x the bound without communicating."""

@@ -26,7 +26,7 @@ from tests.training_harness import (
     run_training,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 300
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--eval-iters", "0",
@@ -53,6 +53,7 @@ def failures(records):
     return [e for r in records for e in r["events"] if e["event"] == "failure"]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_spare_extension_ids_survive_a_blocking_restore(tmp_path):
     reference = run_training(tmp_path / "reference", 7, SPARE_JOB, timeout_s=TIMEOUT_S)
@@ -68,6 +69,7 @@ def test_spare_extension_ids_survive_a_blocking_restore(tmp_path):
     assert_exact(run, reference, "spare's extension ids, then a blocking restore")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_hsdp_extension_with_fewer_ids_than_shards(tmp_path):
     reference = run_training(tmp_path / "reference", 6, HSDP_JOB, timeout_s=TIMEOUT_S)

@@ -16,7 +16,7 @@ import torch
 
 from tests.training_harness import STABLE_LR, assert_exact, assert_ledger_held, run_training
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 ITERATIONS = 4
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -33,6 +33,7 @@ JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--recompute-num-layers", "1", "--decoupled-lr", "6e-3", "--decoupled-min-lr", "1e-3"]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 def test_llama_style_model_options_exact_with_a_failure(tmp_path):
     reference = run_training(tmp_path / "reference", 4, JOB, None, TIMEOUT_S)

@@ -31,7 +31,7 @@ from tests.mpirun_harness import ENTRY
 from tests.test_checkpoint import JOB as SMALL_GPT
 from tests.training_harness import EXACT_LOSS_RTOL, EXACT_PARAM_RTOL, loss_rdiff, param_rdiff
 
-pytestmark = [pytest.mark.mpi,
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e, pytest.mark.root,
               pytest.mark.skipif(unavailable_reason() is not None,
                                  reason=unavailable_reason() or "")]
 ITERATIONS = 10
@@ -217,6 +217,7 @@ def assert_lost_inside_an_iteration(job: Job) -> None:
     assert job.killed_at - job.markers[0]["time"] < LOSS_STALL_S
 
 
+@pytest.mark.long
 @pytest.mark.timeout(TIMEOUT_S + 120)
 def test_rank_on_a_remote_node_dies_in_step(shared_dir, reference, figures):
     """No relaunch: ULFM survives a rank's death on nodeC (replica 4) in-step, exactly."""
@@ -245,7 +246,8 @@ LOSSES = {"whole node": ("kill_node", unreachable), "daemon only": ("kill_daemon
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
-@pytest.mark.parametrize("loss", ["whole node", "daemon only"])
+@pytest.mark.parametrize("loss", ["whole node",
+                                  pytest.param("daemon only", marks=pytest.mark.long)])
 def test_node_loss_relaunches_from_snapshots(shared_dir, reference, figures, loss):
     method, reason = LOSSES[loss]
     with FakeNodes(["nodeB", "nodeC"]) as nodes:
@@ -257,6 +259,7 @@ def test_node_loss_relaunches_from_snapshots(shared_dir, reference, figures, los
     assert_equals_reference(job, reference, loss, figures)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
 def test_a_silent_node_loss_ends_within_the_bound(shared_dir, reference, figures):
     """nodeC's link goes down, then its processes die: no connection closes and its ssh
@@ -275,6 +278,7 @@ def test_a_silent_node_loss_ends_within_the_bound(shared_dir, reference, figures
     assert_equals_reference(job, reference, "silent", figures)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
 def test_a_spare_host_restores_the_replica_count(shared_dir, reference, figures):
     with FakeNodes(["nodeB", "nodeC", "nodeD"]) as nodes:
@@ -288,6 +292,7 @@ def test_a_spare_host_restores_the_replica_count(shared_dir, reference, figures)
     assert_equals_reference(job, reference, "whole node, spare host", figures)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
 def test_a_snapshot_torn_by_the_loss_is_never_loaded(shared_dir, reference, figures):
     """Every writer of iteration 6's snapshot pauses halfway; nodeC is lost meanwhile: the

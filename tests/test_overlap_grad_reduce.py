@@ -29,7 +29,7 @@ from tests.training_harness import (
     run_training,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 ITERATIONS = 4
 GBS = 8
@@ -69,10 +69,10 @@ def digests(run):
 
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
-# For time, `make test` kills under DP alone; the pipeline and instance layouts run in
-# `make test-long`.
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.long] if i else [])
-                                    for i, name in enumerate(LAYOUTS)])
+# `make test-long`: `make test` keeps the deferred kill below, and the unit tier posts buckets in
+# overlapped order (tests/unit/test_protocol.py).
+@pytest.mark.long
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_kill_while_reductions_overlap_backward(tmp_path, layout):
     args, (replica, local_rank), survivors, live, stages = LAYOUTS[layout]
     deferred = train(tmp_path, "deferred", args)

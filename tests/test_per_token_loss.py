@@ -27,7 +27,7 @@ from tests.training_harness import (
     run_training,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e, pytest.mark.long]
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 REPLICAS = 5

@@ -25,7 +25,7 @@ from tests.training_harness import (
     run_training,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 ITERATIONS = 8
 GBS = 16
@@ -143,10 +143,13 @@ def test_failures_within_the_precisions_tolerance(tmp_path, measured, precision)
 
 
 @pytest.mark.timeout(6 * TIMEOUT_S)
-# `make test` runs bf16 and fp16 once each, the other layout of each in `make test-long`.
+# `make test` runs bf16 here and fp16 in the overflow test below; the other layouts run in
+# `make test-long`.
 @pytest.mark.parametrize("layout,precision", [
-    pytest.param("tp2xdp2", "bf16", marks=pytest.mark.long), ("tp2xdp2", "fp16"),
-    ("do-2x2", "bf16-grad-reduce"), pytest.param("do-2x2", "fp16", marks=pytest.mark.long)])
+    pytest.param("tp2xdp2", "bf16", marks=pytest.mark.long),
+    pytest.param("tp2xdp2", "fp16", marks=pytest.mark.long),
+    ("do-2x2", "bf16-grad-reduce"),
+    pytest.param("do-2x2", "fp16", marks=pytest.mark.long)])
 def test_model_parallel_and_sharded_layouts(tmp_path, measured, layout, precision):
     m = measured(precision)
     args = [*m.args, *LAYOUTS[layout]]

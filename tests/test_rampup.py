@@ -92,7 +92,9 @@ def reference(tmp_path_factory):
                         timeout_s=TIMEOUT_S)
 
 
+@pytest.mark.long
 @pytest.mark.mpi
+@pytest.mark.e2e
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, reference, figures):
     batches = expected_batches()
@@ -129,7 +131,9 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, reference, figur
                    f"parameters {params:.2e}")
 
 
+@pytest.mark.long
 @pytest.mark.mpi
+@pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_ramp_up_resumes_from_a_checkpoint_written_after_a_failure(tmp_path, reference,
                                                                      figures):

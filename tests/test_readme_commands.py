@@ -38,7 +38,7 @@ SCALE = [("-np 8", "-np 2"), ("--global-batch-size 32", "--global-batch-size 4")
 # README command -> ("run", what to run, scaled), ("long", the same, run by `make test-long`
 # rather than `make test`) or ("skip", why it does not run here).
 COMMANDS = {
-    "make demo": ("run", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
+    "make demo": ("long", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
                          "--out {tmp}/demo"),
     "make demo-bf16": ("long", ".venv/bin/python scripts/demo.py --replicas 4 --iterations 6 "
                                "--precision bf16 --out {tmp}/demo-bf16"),
@@ -53,7 +53,7 @@ COMMANDS = {
     "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
     "make mutations": ("skip", "tests/test_ledger_mutations.py runs its data-path mutation end to "
                                "end, tests/unit/test_mutations.py the others in process"),
-    "make fault-campaign N=30 SEED=1": ("run", "make fault-campaign N=1 SEED=5 "
+    "make fault-campaign N=30 SEED=1": ("long", "make fault-campaign N=1 SEED=5 "
                                                "OUT={tmp}/campaign"),
     "make fault-campaign": ("skip", "the target of the command above"),
     "make bench": ("long", ".venv/bin/python scripts/bench_collective.py --reps-scale 0.05"),
@@ -62,7 +62,7 @@ COMMANDS = {
     "make goodput": ("run", ".venv/bin/megatron-recover goodput --gpus 1000,4000 --runs 1 "
                             "--days 2 --plot {tmp}/ettr.png --json"),
     "megatron-recover goodput": ("skip", "the name of the commands below"),
-    "megatron-recover goodput --validate --json": ("run", ".venv/bin/megatron-recover goodput "
+    "megatron-recover goodput --validate --json": ("long", ".venv/bin/megatron-recover goodput "
                                                           "--validate --json"),
     "megatron-recover goodput --validate": ("skip", "as --validate --json above"),
     "scripts/bench_vs_restart.py --json": ("skip", "as make bench-restart"),

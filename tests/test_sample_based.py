@@ -10,7 +10,7 @@ import pytest
 
 from tests.training_harness import STABLE_LR, assert_exact, assert_ledger_held, run_training
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 GBS = 8
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -32,6 +32,7 @@ def train(tmp_path, name, schedule_args, schedule=None):
     return run_training(tmp_path / name, 4, [*MODEL, *schedule_args], schedule, TIMEOUT_S)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_schedule_in_samples_equals_schedule_in_iterations(tmp_path):
     by_iterations = train(tmp_path, "iterations", ITERATION_BASED)
@@ -42,6 +43,7 @@ def test_schedule_in_samples_equals_schedule_in_iterations(tmp_path):
     assert statuses[0][0]["param_digest"] == statuses[1][0]["param_digest"]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_sample_based_run_with_failures_is_exact(tmp_path):
     # 53 samples: 6 whole global batches of 8 (Megatron-LM's update_train_iters) from a training

@@ -21,7 +21,7 @@ from tests.training_harness import (
     EXACT_PARAM_RTOL,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 300
 REPLICAS = 4
 STANDBYS = 2
@@ -66,6 +66,7 @@ def assert_exact_everywhere(run, reference, ranks: list[int]) -> None:
     assert len(set(digests.values())) == 1, digests
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_idle_standbys_leave_at_the_end(reference):
     """No failure: nobody is called, both standbys are dismissed and record it."""
@@ -80,6 +81,7 @@ def test_idle_standbys_leave_at_the_end(reference):
     assert_ledger_held(reference.records, B)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_two_standbys_replace_two_lost_replicas(tmp_path, reference):
     """Iteration 2: replica 1 dies inside a bucket's all-reduce (a policy boundary); standby
@@ -138,6 +140,7 @@ standbys:
     assert_exact_everywhere(run, reference, [2, 3, 4])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_joiner_dies_in_the_transfer(tmp_path, reference):
     """Standby rank 4, called for replica 1 after iteration 2, dies entering the state
@@ -160,6 +163,7 @@ standbys:
     assert_exact_everywhere(run, reference, [0, 2, 3, 5])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_standbys_leave_when_every_training_replica_dies(tmp_path):
     """All four training replicas die in iteration 3: nobody is left to call the standbys, and
@@ -222,6 +226,7 @@ def replace_replica_0(tmp_path, args: list[str], share: int):
     return run
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_a_standby_replaces_a_tensor_parallel_replica(tmp_path):
     """TP=2: each standby rank receives its own tensor-parallel shard."""
@@ -229,6 +234,7 @@ def test_a_standby_replaces_a_tensor_parallel_replica(tmp_path):
     assert run.result.statuses[2]["param_digest"] != run.result.statuses[3]["param_digest"]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_a_standby_replaces_a_distributed_optimizer_instance(tmp_path):
     """2 distributed-optimizer instances of 2 shards: each standby rank receives the optimizer

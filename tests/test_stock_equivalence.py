@@ -16,7 +16,7 @@ import megatron.core
 from megatron_recover.launch import LaunchConfig, launch
 from tests.mpirun_harness import ENTRY
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

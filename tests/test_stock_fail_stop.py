@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import run_restart_baseline as baseline  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--eval-iters", "0", "--seq-length", "32", "--max-position-embeddings", "32",
@@ -24,6 +24,7 @@ JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--log-interval", "1"]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_stock_job_over_ulfm_fails_stop_and_restarts(tmp_path):
     cfg = baseline.BaselineConfig(ranks=4, job=JOB, train_iters=6, save_interval=2,

@@ -27,7 +27,7 @@ from tests.training_harness import (
     run_training,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 300
 REPLICAS = 5
 ITERATIONS = 10
@@ -77,7 +77,8 @@ def test_exact_mode_keeps_the_loss_curve(tmp_path, reference):
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-@pytest.mark.parametrize("control", ["no-restore", "adaptive"])
+@pytest.mark.parametrize("control", ["no-restore",
+                                     pytest.param("adaptive", marks=pytest.mark.long)])
 def test_negative_controls_deviate(tmp_path, reference, control):
     """Same schedule without gradient restoration, or with drop-and-go: the curve must move."""
     extra = ["--recover-no-restore"] if control == "no-restore" else ["--recover-policy",
@@ -148,6 +149,7 @@ def test_a_program_error_ends_the_job_with_its_iteration_and_microbatch(tmp_path
     assert not [e for r in records for e in r["events"]]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_program_errors_survive_when_asked(tmp_path, reference):
     run = train(tmp_path, "survive", ["--recover-program-errors", "survive"], PROGRAM_ERROR)

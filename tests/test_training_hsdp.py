@@ -30,7 +30,7 @@ from tests.training_harness import (
     run_training,
 )
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 300
 ITERATIONS = 5
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -79,6 +79,7 @@ def test_kill_inside_reduce_extension_pass(tmp_path, reference):
     assert_exact(run, reference, "HSDP 2x2, kill inside reduce")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_kill_inside_extension_pass(tmp_path, reference):
     # 3 instances x 2 shards: instance 2 dies inside a reduce, then instance 1 inside the
@@ -114,6 +115,7 @@ def test_distributed_optimizer_alone_is_one_instance_per_replica(tmp_path, refer
     assert_exact(run, reference, "distributed optimizer alone, 3 replicas, kill inside reduce")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_blocking_restore_matches_plain_data_parallel(tmp_path):
     # The adaptive policy drops instance 1's microbatches: rewind every bucket to its
@@ -134,6 +136,7 @@ def test_blocking_restore_matches_plain_data_parallel(tmp_path):
     assert diff <= EXACT_LOSS_RTOL
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_overlap_param_gather_with_an_idle_shard_and_a_failure(tmp_path):
     # GBS 6 over 3 instances: one microbatch per shard. Iteration 3: instance 2 dies inside a
@@ -162,6 +165,7 @@ def test_overlap_param_gather_with_an_idle_shard_and_a_failure(tmp_path):
     assert_exact(run, reference, "HSDP 3x2 --overlap-param-gather, idle shard and failures")
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_stock_overlap_param_gather_gives_the_same_parameters(tmp_path):
     # Megatron's path: the last step's parameters reach the other shards only in a next forward,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.training_harness import STABLE_LR, assert_exact, assert_ledger_held, run_training
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 ITERATIONS = 5
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -25,6 +25,12 @@ LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
 # Megatron's rank order: with TP=2 replica 1 is world ranks 2, 3; with PP=2 it is ranks 1, 3.
 REPLICA1 = {"tp2": {0: 2, 1: 3}, "pp2": {0: 1, 1: 3}}
 SCENARIOS = [(0, "during-reduce"), (1, "during-consensus"), (1, "optimizer-step")]
+# `make test` runs one scenario per layout; `make test-long` the other four.
+IN_MAKE_TEST = {("tp2", 0, "during-reduce"), ("pp2", 1, "during-consensus")}
+CASES = [pytest.param(layout, local_rank, location, id=f"{layout}-{local_rank}-{location}",
+                      marks=[] if (layout, local_rank, location) in IN_MAKE_TEST
+                      else [pytest.mark.long])
+         for layout in LAYOUTS for local_rank, location in SCENARIOS]
 
 
 def train(tmp_path, layout, schedule=None):
@@ -37,8 +43,7 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
-@pytest.mark.parametrize("local_rank, location", SCENARIOS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, local_rank, location", CASES)
 def test_replica_leaves_as_a_unit(tmp_path, references, layout, local_rank, location):
     schedule = (f"entries:\n  - {{iteration: 3, replica: 1, local_rank: {local_rank}, "
                 f"location: {location}}}\n")

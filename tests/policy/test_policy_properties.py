@@ -13,6 +13,7 @@ spares, or the contributors a spare can replace.
 
 import collections
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -305,7 +306,7 @@ MINIMUMS = {
 
 
 def _run_static(mode, max_examples, tally):
-    counter = tally.setdefault(f"static/{mode}", collections.Counter())
+    counter = tally.setdefault(f"static/{mode}/{max_examples}", collections.Counter())
 
     @settings(max_examples=max_examples, **SETTINGS)
     @given(w_init=w_inits, g_init=g_inits, iterations=st.integers(1, 6), data=st.data())
@@ -321,18 +322,27 @@ def _run_static(mode, max_examples, tally):
     return counter
 
 
-def test_static_exact_properties(scenario_tally):
-    counter = _run_static("exact", 5000, scenario_tally)
+# The minimums above are for FULL_CASES generated cases; `make test` runs a fifth of them (each
+# minimum scaled alike), `make test-long` the full count.
+FULL_CASES = 5000
+CASES = [pytest.param(FULL_CASES // 5, id="ci"),
+         pytest.param(FULL_CASES, id="full", marks=pytest.mark.long)]
+
+
+@pytest.mark.parametrize("cases", CASES)
+def test_static_exact_properties(scenario_tally, cases):
+    counter = _run_static("exact", cases, scenario_tally)
     for name, minimum in MINIMUMS.items():
-        assert counter[name] >= minimum, (name, counter)
+        assert counter[name] >= minimum * cases // FULL_CASES, (name, counter)
 
 
-def test_static_reserve_properties(scenario_tally):
-    counter = _run_static("reserve", 4000, scenario_tally)
+@pytest.mark.parametrize("cases", CASES)
+def test_static_reserve_properties(scenario_tally, cases):
+    counter = _run_static("reserve", cases * 4 // 5, scenario_tally)
     # Fewer cases than the exact-mode run: scale its minimums down accordingly.
     minimums = dict(MINIMUMS, reserve_ids_committed=150)
     for name, minimum in minimums.items():
-        assert counter[name] >= minimum * 4000 // 5000, (name, counter)
+        assert counter[name] >= minimum * cases * 4 // 5 // FULL_CASES, (name, counter)
 
 
 def test_adaptive_properties(scenario_tally):
