@@ -39,7 +39,9 @@ class LedgerAudit:
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int,
                  main_samples: int, policy: str, mode: str,
-                 rampup_batch_size: tuple[int, int, int] | None = None):
+                 rampup_batch_size: tuple[int, int, int] | None = None,
+                 committed_reserve=()):
+        """`committed_reserve`: reserve ids a run being continued (a standby's join) committed."""
         from megatron.core.num_microbatches_calculator import (
             ConstantNumMicroBatchesCalculator,
             RampupBatchsizeNumMicroBatchesCalculator,
@@ -52,7 +54,7 @@ class LedgerAudit:
         self.policy = policy
         self.mode = mode
         self._checksums: dict[tuple[int, int], tuple[int, int]] = {}  # -> (checksum, tokens)
-        self._committed_reserve: set[int] = set()
+        self._committed_reserve: set[int] = set(committed_reserve)
         # Data-parallel size 1: only the global batch sizes are read, not per-rank counts.
         common = (global_batch_size, micro_batch_size, 1, False, -1)
         self._calculator = (ConstantNumMicroBatchesCalculator(*common) if rampup_batch_size is None
@@ -148,9 +150,6 @@ class LedgerAudit:
     def committed_reserve(self) -> frozenset[int]:
         """Reserve ids committed so far in the run (a joiner continues from a live replica's)."""
         return frozenset(self._committed_reserve)
-
-    def continue_from(self, committed_reserve) -> None:
-        self._committed_reserve = set(committed_reserve)
 
     def committed(self, totals: LaneTotals) -> None:
         """The iteration committed: its reserve ids may not come again."""

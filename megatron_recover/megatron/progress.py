@@ -1,7 +1,7 @@
 """After each iteration, what Megatron-LM's training loop does besides the step, in its order:
 the iteration line and TensorBoard values, an evaluation when one is due, a checkpoint when
-one is due, the exit checks; and the evaluations at the end of training. Shared by the stock and
-the resilient loop (run.py).
+one is due, the exit checks; and the evaluations at the end of training (loop.py runs them for
+both steppers).
 """
 
 import os
@@ -19,7 +19,9 @@ from megatron_recover.megatron.report import IntervalStats, failure_lines, model
 from megatron_recover.megatron.writers import MetricWriters, training_scalars, validation_scalars
 
 if TYPE_CHECKING:
+    from megatron_recover.megatron.gpt import MicrobatchPass
     from megatron_recover.megatron.rank_setup import RankSetup
+    from megatron_recover.recovery import ResilientTrainer
 
 
 class ExitRequests:
@@ -64,16 +66,21 @@ class Progress:
     and the exit checks; evaluations at the end of training. Every rank computes the same
     values; the lowest live rank prints and writes them."""
 
-    def __init__(self, cfg, ctx, setup: "RankSetup", source, vocab_size: int):
+    def __init__(self, cfg, setup: "RankSetup", micro_pass: "MicrobatchPass", source,
+                 vocab_size: int, exits: ExitRequests,
+                 trainer: "ResilientTrainer | None" = None):
+        """`trainer`: the resilient trainer (--recover), None for a stock run."""
         from megatron.core import parallel_state
 
         self.cfg = cfg
         self.setup = setup
+        self.trainer = trainer
         self.stats = IntervalStats()
-        self.exits = ExitRequests(cfg)
+        self.exits = exits
+        # Evaluation runs the training pass's schedule, with the failure schedule's points.
         self.eval_pass = EvalPass(setup.ddp_model, source, cfg.model.seq_length,
-                                  cfg.micro_batch_size, setup.micro_pass.faults,
-                                  setup.micro_pass.forward_backward)
+                                  cfg.micro_batch_size, micro_pass.faults,
+                                  micro_pass.forward_backward)
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         run_id = [f"megatron-recover-{int(time.time())}-{os.getpid()}"]
@@ -82,7 +89,6 @@ class Progress:
         self.writers = MetricWriters(cfg, run_id[0])
         self.flops = (model_flops(cfg.model, mcore_config.padded_vocab_size(cfg, vocab_size), 1)
                       if cfg.logging.log_throughput else None)
-        self.trainer = None  # the resilient trainer (--recover)
 
     def is_writer(self) -> bool:
         """The lowest live rank: position 0 of the lowest live replica (global rank 0 when

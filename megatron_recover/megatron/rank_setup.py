@@ -1,25 +1,24 @@
-"""What one rank built (`RankSetup`): shared by run.py, which builds it, and progress.py, which
-reads it after each iteration; its own module so that neither imports the other."""
+"""What one rank built (`RankSetup`): run.py builds it; the loop, its steppers, the resume and
+the progress output read it. Its own module so that none of them imports run.py."""
 
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megatron_recover import collective
-from megatron_recover.megatron.gpt import MicrobatchPass
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankSetup:
     """What one rank built: megatron's model and optimizer, and its place among the replicas."""
 
     ddp_model: object
     optimizer: object
     scheduler: object
-    micro_pass: MicrobatchPass
     group: collective.ULFMGroup | None  # the cross-replica group of this position (ulfm)
     replica_of_rank: dict[int, int] | None  # world rank -> replica index (its rank in `group`)
     replica_group: object  # this replica's ranks: TP x PP (x its shards, with instances)
+    control_group: object | None  # `replica_group` for the verdict exchange; None: one rank
     shard_group: object | None  # distributed-optimizer instances: the replica's DP ranks here
     dp_rank: int
     replica_index: int  # the data-parallel rank, or the distributed-optimizer instance
@@ -33,3 +32,10 @@ class RankSetup:
         if self.shard_group is None or dist.get_world_size(self.shard_group) == 1:
             return self.position
         return (*self.position, dist.get_rank(self.shard_group))
+
+    def unwrapped_model(self):
+        """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""
+        from megatron.core.transformer.module import Float16Module
+
+        model = self.ddp_model.module
+        return model.module if isinstance(model, Float16Module) else model

@@ -1,17 +1,19 @@
-"""Assemble and run one rank of pretrain_gpt_recover.py from a TrainConfig.
+"""Assemble one rank of pretrain_gpt_recover.py from a TrainConfig and run it: the start-up
+checks of the failure schedule, megatron's parallel state, GPT model, DDP, optimizer and
+scheduler (`build`), the failure schedule's points, the trainer, and the loop (loop.py) over the
+stepper of the run's mode.
 
-Stock mode (no --recover): Megatron's own data-parallel training on gloo — each data-parallel
-rank runs its contiguous slice of the iteration's microbatch ids, DDP averages the gradients.
-Recover mode: the cross-replica (data-parallel) group is a `ulfm` group, the bucket reductions go
-through layer 2, the policy assigns ids, and `ResilientTrainer` commits each iteration.
-Both train the same model on the same microbatch ids, so a failure-free --recover run and a stock
-run give the same losses up to floating-point reassociation.
+Stock mode (no --recover): Megatron's own data-parallel training on gloo. Recover mode: the
+cross-replica (data-parallel) group is a `ulfm` group, the bucket reductions go through layer 2,
+the policy assigns ids, and `ResilientTrainer` commits each iteration. Both train the same model
+on the same microbatch ids, so a failure-free --recover run and a stock run give the same losses
+up to floating-point reassociation.
 """
 
+import dataclasses
+import functools
 import shutil
 import socket
-import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_recover import collective, runtime
+from megatron_recover.faults.injection import read_markers, write_marker
 from megatron_recover.faults.schedule import (
     NoFaults,
     ScheduledFaults,
@@ -28,8 +31,10 @@ from megatron_recover.faults.schedule import (
     load_slow_snapshot_writes,
     load_standby_entries,
 )
-from megatron_recover.faults.injection import read_markers, write_marker
-from megatron_recover.megatron import mcore_config
+from megatron_recover.megatron import dist_checkpoint, joins, mcore_config, resume, snapshot
+from megatron_recover.megatron import standby
+from megatron_recover.megatron import state as training_state
+from megatron_recover.megatron.adapter import build_trainer
 from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.gpt import (
     MicrobatchPass,
@@ -38,29 +43,20 @@ from megatron_recover.megatron.gpt import (
     synced_inside_replica,
     wrap_ddp,
 )
-from megatron_recover.megatron.progress import Progress
+from megatron_recover.megatron.loop import ResilientStepper, StockStepper, run_loop
+from megatron_recover.megatron.progress import ExitRequests, Progress
 from megatron_recover.megatron.rank_setup import RankSetup
-from megatron_recover.megatron.report import RecoverLog
-from megatron_recover.megatron.adapter import build_trainer
-from megatron_recover.megatron import checkpoint, dist_checkpoint, snapshot, standby
-from megatron_recover.megatron import state as training_state
-from megatron_recover.recovery import ResilientTrainer
 from megatron_recover.policy import (
-    ADAPTIVE,
     EXACT,
     RESERVE,
-    PolicyConfig,
     PolicyNumMicroBatchesCalculator,
     WorkloadPolicy,
-    advance_layout,
 )
-
+from megatron_recover.recovery import ResilientTrainer
 
 # Waits that outlive LAST_RESORT_FACTOR x --recover-hang-timeout make a rank leave; a healthy
 # long compute of a few times the hang timeout stays far below it.
 LAST_RESORT_FACTOR = 10
-# Records of committed iterations a rank keeps until it sees them written (recovery log).
-PENDING_RECORDS = 1000
 
 
 def check_start(cfg) -> None:
@@ -141,42 +137,6 @@ def _optimizer_and_scheduler(cfg, ddp_model, pg_collection):
     return optimizer, scheduler
 
 
-def _stock_step(cfg, ddp_model, optimizer, scheduler, micro_pass, dp_rank, iteration,
-                consumed_samples):
-    """One iteration of plain Megatron data parallelism over the same ids as the policy's:
-    (loss, grad norm, milliseconds, skipped by the fp16 loss scaler?, global batch size).
-
-    As Megatron-LM's training loop, megatron-core's microbatch calculator (installed by
-    `train`) is updated with the samples consumed so far and gives the iteration's count. The
-    loss is the mean over microbatches or, with --calculate-per-token-loss, the global batch's
-    loss sum over its loss tokens, as Megatron-LM reports it."""
-    from megatron.core.num_microbatches_calculator import (
-        get_current_global_batch_size,
-        get_num_microbatches,
-        update_num_microbatches,
-    )
-
-    update_num_microbatches(consumed_samples, consistency_check=True)
-    # Megatron's sampler order: data-parallel rank r's m-th microbatch is slice m * dp + r.
-    dp = cfg.data_parallel_size
-    ids = [m * dp + dp_rank for m in range(get_num_microbatches())]
-    global_batch_size = get_current_global_batch_size()
-    start = time.perf_counter()
-    ddp_model.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses, tokens = {}, {}
-    micro_pass.run(iteration, ids, losses, tokens)
-    update_successful, grad_norm, _ = optimizer.step()
-    if update_successful:  # as Megatron-LM: a step skipped by the fp16 loss scaler keeps the lr
-        scheduler.step(increment=global_batch_size)
-    total = torch.tensor([sum(losses.values()), sum(tokens.values())], dtype=torch.float64)
-    dist.all_reduce(total)
-    divisor = (max(total[1].item(), 1) if cfg.model.calculate_per_token_loss
-               else global_batch_size // cfg.micro_batch_size)
-    return (total[0].item() / divisor, grad_norm,
-            (time.perf_counter() - start) * 1e3, not update_successful, global_batch_size)
-
-
 def microbatch_source(cfg):
     """(MicrobatchSource, tokenizer vocabulary size) for the run's data arguments."""
     from megatron_recover.megatron.data import MicrobatchSource, MicrobatchSourceConfig
@@ -203,55 +163,6 @@ def microbatch_source(cfg):
     return source, tokenizer.vocab_size
 
 
-def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
-    """(policy, replica id of each data-parallel rank) continuing a checkpoint or snapshot on
-    `num_replicas` replicas, keeping B. Original replica ids are reused: the survivors' first."""
-    config = mcore_config.to_policy_config(cfg)
-    if cfg.b != state.b or config.ramp != state.ramp:
-        raise ValueError(f"resuming: the checkpoint or snapshot has B = {state.b} microbatches "
-                         f"per iteration (ramp-up {list(state.ramp)}), this run {cfg.b} (ramp-up "
-                         f"{list(config.ramp)}): keep --global-batch-size, --micro-batch-size "
-                         "and --rampup-batch-size")
-    if (cfg.recover.policy, cfg.recover.mode) != (state.policy, state.mode):
-        raise ValueError(f"resuming: the checkpoint or snapshot ran --recover-policy "
-                         f"{state.policy} --recover-mode {state.mode}; resume with the same")
-    if num_replicas > state.w_init:
-        raise ValueError(f"resuming: {num_replicas} replicas, but the run started with "
-                         f"{state.w_init}; resume with at most that many")
-    live = list(state.live_replicas)
-    spare_ids = [r for r in range(state.w_init) if r not in live]
-    ids = sorted((live + spare_ids)[:num_replicas])
-    layout = state.layout
-    if ids != sorted(live):
-        if state.policy == ADAPTIVE:
-            raise ValueError(f"resuming: the adaptive policy resumes on its {len(live)} live "
-                             f"replicas only, not {num_replicas}")
-        layout = advance_layout(ids, layout.b)
-    config = PolicyConfig(w_init=state.w_init, g_init=state.g_init, policy=state.policy,
-                          mode=state.mode, ramp=state.ramp)
-    return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
-
-
-def recovery_state(trainer, iteration: int) -> checkpoint.RecoveryState:
-    """What the policy needs to continue after `iteration` (checkpoints and snapshots)."""
-    policy = trainer.p.policy
-    return checkpoint.RecoveryState(
-        iteration=iteration, b=policy.config.b, w_init=policy.config.w_init,
-        g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
-        layout=policy.layout, reserve_next=policy.reserve_next,
-        live_replicas=tuple(policy.layout.replicas), ramp=policy.config.ramp)
-
-
-def save_checkpoint(cfg, trainer, setup: "RankSetup", iteration: int) -> None:
-    """The lowest live replica (every rank agrees on it through the policy) writes."""
-    if trainer.p.replica != min(trainer.p.policy.layout.replicas):
-        return
-    state = recovery_state(trainer, iteration)
-    checkpoint.save(cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer, setup.scheduler,
-                    setup.checkpoint_position, _replica_control_group(cfg, setup),
-                    setup.local_rank)
-
-
 def marker_path(cfg) -> Path:
     """Where victims of the failure schedule leave their markers: beside the recovery log."""
     base = cfg.recover.log or cfg.recover.failure_schedule
@@ -276,7 +187,7 @@ def is_standby(cfg, ctx: runtime.DistributedContext) -> bool:
     return ctx.rank >= cfg.parallel.world_size
 
 
-def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> RankSetup:
+def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     """Megatron's parallel state, GPT model, DDP (on ulfm when asked), optimizer and scheduler.
     A standby builds the same over its own replica (its cross-replica group holds only itself
     until it joins)."""
@@ -343,23 +254,27 @@ def build(cfg, ctx: runtime.DistributedContext, microbatch, vocab_size: int) -> 
     # has no group across instances); without, megatron's own, as Megatron-LM builds it.
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model, groups if instances else None)
     tconfig.grad_scale_func = optimizer.scale_loss
-    setup = RankSetup(
-        ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, micro_pass=None,
-        group=group, replica_of_rank=replica_of_rank, replica_group=replica_group,
+    return RankSetup(
+        ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group,
+        replica_of_rank=replica_of_rank, replica_group=replica_group,
+        control_group=replica_group if par.ranks_per_replica > 1 else None,
         shard_group=shard_group, dp_rank=parallel_state.get_data_parallel_rank(),
         replica_index=sorted(dp_group_ranks).index(dist.get_rank()),
         local_rank=dist.get_rank(group=replica_group),
         position=(parallel_state.get_tensor_model_parallel_rank(),
                   parallel_state.get_pipeline_model_parallel_rank()))
+
+
+def _micro_pass(cfg, ctx, setup: RankSetup, microbatch) -> MicrobatchPass:
+    """The forward/backward pass of this rank, with the failure schedule's points of its
+    replica (a standby's: of the replica id it took)."""
+    faults = _faults(cfg, ctx, setup)
+    _optimizer_fault_points(faults, setup.optimizer, setup.ddp_model)
     # Exact mode reseeds dropout per microbatch id; stock Megatron draws in sequence, and so does
     # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
     reseed = cfg.recover.enabled and cfg.recover.mode == EXACT
-    faults = _faults(cfg, ctx, setup)
-    _optimizer_fault_points(faults, optimizer, ddp_model)
-    setup.micro_pass = MicrobatchPass(ddp_model, microbatch, cfg.model.seq_length,
-                                      cfg.micro_batch_size, cfg.seed, faults,
-                                      reseed_per_microbatch=reseed)
-    return setup
+    return MicrobatchPass(setup.ddp_model, microbatch, cfg.model.seq_length,
+                          cfg.micro_batch_size, cfg.seed, faults, reseed_per_microbatch=reseed)
 
 
 def _optimizer_fault_points(faults, optimizer, ddp_model) -> None:
@@ -410,77 +325,6 @@ def _standby_faults(cfg, ctx):
                          torch_world_id(cfg, ctx) - 1, ctx.rank, marker_path(cfg))
 
 
-def _trainer(cfg, ctx, setup: RankSetup, dataset,
-             wants_exit=lambda: False) -> tuple[ResilientTrainer, int]:
-    """The resilient trainer of this rank and the first iteration to run (after a --load)."""
-    policy = WorkloadPolicy(mcore_config.to_policy_config(cfg))
-    replica_ids = list(range(cfg.num_replicas))
-    start = 1
-    state, source = _resume(cfg, ctx, setup)
-    if state is not None:
-        policy, replica_ids = resumed_policy(cfg, state, cfg.num_replicas)
-        start = state.iteration + 1
-        if ctx.rank == 0:
-            print(f"megatron-recover: resumed iteration {state.iteration} from "
-                  f"{source}: replicas {replica_ids} continue the run's "
-                  f"{list(state.live_replicas)}", flush=True)
-    # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
-    replica_of_rank = {rank: replica_ids[dp] for rank, dp in setup.replica_of_rank.items()}
-    trainer = _resilient_trainer(cfg, setup, dataset, policy, replica_ids[setup.replica_index],
-                                 replica_of_rank, wants_exit)
-    return trainer, start
-
-
-def _resume(cfg, ctx, setup: RankSetup) -> tuple[checkpoint.RecoveryState | None, str]:
-    """Load the newest state this job left: in-memory snapshots (after a relaunch) unless the
-    on-disk checkpoint of --load is newer; (None, "") when there is neither."""
-    on_disk = checkpoint.latest_iteration(cfg.checkpoint.load) if cfg.checkpoint.load else None
-    start = time.perf_counter()
-    if cfg.recover.snapshot_interval:
-        state = snapshot.restore(cfg.recover.snapshot_dir, setup.group,
-                                 setup.checkpoint_position, setup.ddp_model, setup.optimizer,
-                                 setup.scheduler, after=on_disk or 0)
-        if state is not None:
-            return state, (f"in-memory snapshots in {cfg.recover.snapshot_dir} "
-                           f"({time.perf_counter() - start:.3f} s)")
-    if on_disk is not None:
-        state = checkpoint.load(cfg.checkpoint.load, setup.ddp_model, setup.optimizer,
-                                setup.scheduler, setup.checkpoint_position)
-        return state, f"{cfg.checkpoint.load} ({time.perf_counter() - start:.3f} s)"
-    if cfg.checkpoint.load and ctx.rank == 0:
-        # As Megatron-LM: a job script passes the same --load on its first launch.
-        print(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
-              f"{checkpoint.TRACKER}): training from scratch", flush=True)
-    return None, ""
-
-
-def _resilient_trainer(cfg, setup: RankSetup, dataset, policy, replica: int,
-                       replica_of_rank: dict[int, int], wants_exit) -> ResilientTrainer:
-    from megatron.core import parallel_state
-
-    trainer = build_trainer(
-        ddp_model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
-        micro_batch_size=cfg.micro_batch_size, run_pass=setup.micro_pass.run,
-        replica_group=_replica_control_group(cfg, setup), shard_group=setup.shard_group,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
-        group=setup.group, policy=policy, per_token_loss=cfg.model.calculate_per_token_loss,
-        computes_loss=parallel_state.is_pipeline_last_stage(),
-        replica=replica, replica_of_rank=replica_of_rank, faults=setup.micro_pass.faults,
-        audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
-                          micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
-                          policy=cfg.recover.policy, mode=cfg.recover.mode,
-                          rampup_batch_size=cfg.rampup_batch_size),
-        restore=cfg.recover.restore, wants_exit=wants_exit)
-    _install_calculator(cfg, trainer)
-    return trainer
-
-
-def _replica_control_group(cfg, setup: RankSetup):
-    """The replica's torch group for the trainer's verdict exchange; None for one-rank replicas."""
-    return setup.replica_group if cfg.parallel.ranks_per_replica > 1 else None
-
-
 def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
     """Make megatron-core's get_num_microbatches() and get_current_global_batch_size() answer
     from this rank's policy (megatron-core has no setter for a calculator of another type)."""
@@ -490,6 +334,33 @@ def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
     num_microbatches_calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR = (
         PolicyNumMicroBatchesCalculator(trainer.p.policy, trainer.p.replica, cfg.micro_batch_size,
                                         shard, shards))
+
+
+def _resilient_trainer(cfg, setup: RankSetup, dataset, micro_pass: MicrobatchPass, policy,
+                       replica: int, replica_of_rank: dict[int, int], wants_exit,
+                       continued: dict | None = None) -> ResilientTrainer:
+    """The resilient trainer of this rank; `continued`: the state a standby joins with."""
+    from megatron.core import parallel_state
+
+    continued = continued or {}
+    trainer = build_trainer(
+        ddp_model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
+        micro_batch_size=cfg.micro_batch_size, run_pass=micro_pass.run,
+        replica_group=setup.control_group, shard_group=setup.shard_group,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
+        group=setup.group, policy=policy, per_token_loss=cfg.model.calculate_per_token_loss,
+        computes_loss=parallel_state.is_pipeline_last_stage(),
+        replica=replica, replica_of_rank=replica_of_rank, faults=micro_pass.faults,
+        audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
+                          micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
+                          policy=cfg.recover.policy, mode=cfg.recover.mode,
+                          rampup_batch_size=cfg.rampup_batch_size,
+                          committed_reserve=continued.get("committed_reserve", ())),
+        restore=cfg.recover.restore, wants_exit=wants_exit,
+        dead_replicas=frozenset(continued.get("dead_replicas", ())))
+    _install_calculator(cfg, trainer)
+    return trainer
 
 
 @dataclass
@@ -506,164 +377,66 @@ class Trained:
 def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trained:
     """Train for cfg.train_iters iterations on `source` (a MicrobatchSource), or until an
     --exit-* flag stops every rank after the same iteration; the lowest live rank prints and
-    logs."""
+    logs. A standby waits here until it is called; one that is dismissed leaves the run from
+    here."""
     # Every rank, standbys too, takes part in opening the pool (an MPI world collective).
     pool = (standby.Pool.open(cfg.parallel.world_size, cfg.parallel.ranks_per_replica)
             if cfg.recover.standby_replicas else None)
-    setup = build(cfg, ctx, source.microbatch, vocab_size)
-    progress = Progress(cfg, ctx, setup, source, vocab_size)
-    joined = snapshots = None
-    try:
-        if cfg.recover.enabled:
-            skipped, joined, snapshots = _train_resilient(cfg, ctx, setup, source.dataset,
-                                                          progress, pool)
-        else:
-            skipped = _train_stock(cfg, ctx, setup, progress)
-    finally:
-        progress.writers.close()
-    return Trained(unwrap(setup.ddp_model), float(setup.optimizer.get_loss_scale()), skipped,
-                   joined, snapshots)
-
-
-def _train_stock(cfg, ctx, setup: RankSetup, progress: Progress) -> list[int]:
-    """Megatron-LM's loop over plain data parallelism, megatron-core's microbatch calculator
-    included; returns the iterations whose step the fp16 loss scaler skipped."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-
-    init_num_microbatches_calculator(ctx.rank, cfg.rampup_batch_size, cfg.global_batch_size,
-                                     cfg.micro_batch_size, cfg.data_parallel_size)
-    skipped = []
-    state = (setup.ddp_model, setup.optimizer, setup.scheduler)
-    start = dist_checkpoint.load(cfg.checkpoint.load, *state) + 1 if cfg.checkpoint.load else 1
-    consumed = cfg.global_batches.first_sample(start)
-    iteration = start - 1
-
-    def save():
-        _gather_parameters(setup.ddp_model)
-        dist_checkpoint.save(cfg.checkpoint.save, iteration, *state)
-
-    for iteration in range(start, cfg.train_iters + 1):
-        loss, grad_norm, ms, was_skipped, global_batch_size = _stock_step(
-            cfg, setup.ddp_model, setup.optimizer, setup.scheduler, setup.micro_pass,
-            setup.dp_rank, iteration, consumed)
-        consumed += global_batch_size
-        if was_skipped:
-            skipped.append(iteration)
-        progress.after_iteration(iteration, loss=loss, skipped=was_skipped, iteration_ms=ms,
-                                 global_batch_size=global_batch_size, grad_norm=grad_norm)
-        if cfg.evaluation.due(iteration):
-            progress.evaluate(iteration)
-        saved = progress.save_due(iteration)
-        if saved:
-            save()
-        request = False
-        if cfg.exit.agreed:  # as Megatron-LM: the maximum over every rank
-            flag = torch.tensor([float(progress.exits.requested())])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            request = bool(flag.item() > 0)
-        if progress.stopping(iteration, request, saved, save):
-            break
-    else:
-        progress.end_of_training(iteration)
-    _gather_parameters(setup.ddp_model)
-    return skipped
-
-
-def _gather_parameters(ddp_model) -> None:
-    """With --overlap-param-gather the last step's parameters reach the other shards only in the
-    next forward; gather them now, as Megatron-LM does before a save and at the end of training
-    (its disable_forward_pre_hook)."""
-    if ddp_model.use_forward_hook:
-        ddp_model.start_param_sync(force_sync=True)
-
-
-def unwrap(ddp_model):
-    """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""
-    from megatron.core.transformer.module import Float16Module
-
-    model = ddp_model.module
-    return model.module if isinstance(model, Float16Module) else model
-
-
-def _train_resilient(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
-                     pool: standby.Pool | None) -> tuple[list[int], dict | None, dict | None]:
-    """The resilient loop; returns the iterations whose step the fp16 loss scaler skipped, on a
-    standby that joined, its join, and on a snapshot writer, its copy and write seconds. A
-    standby waits here until it is called; one that is dismissed leaves the run from here."""
-    joined = None
+    setup = build(cfg, ctx, vocab_size)
+    exits = ExitRequests(cfg)
+    if not cfg.recover.enabled:
+        micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch)
+        progress = Progress(cfg, setup, micro_pass, source, vocab_size, exits)
+        stepper = StockStepper(cfg, ctx.rank, setup, micro_pass, exits)
+        return _run(setup, progress, stepper)
+    call = None
     if is_standby(cfg, ctx):
-        called = _join_when_called(cfg, ctx, setup, dataset, progress, pool)
-        if called is None:  # never returns
+        call = joins.wait_for_call(cfg.num_replicas, setup, pool, _standby_faults(cfg, ctx),
+                                   runtime.leave)
+        if call is None:  # never returns
             runtime.finish(standby="idle", reason=pool.end_reason, waited_s=pool.waited_s,
                            wait_cpu_s=pool.wait_cpu_s)
-        trainer, start, joined = called
+        setup = dataclasses.replace(setup, replica_index=call.replica_index)
+        training_state.restore(call.state, setup.ddp_model, setup.optimizer, setup.scheduler)
+    micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch)
+    joined = None
+    if call is not None:
+        policy = WorkloadPolicy.resume(mcore_config.to_policy_config(cfg), call.state["layout"],
+                                       call.state["last_committed"], call.state["reserve_next"])
+        trainer = _resilient_trainer(cfg, setup, source.dataset, micro_pass, policy,
+                                     setup.replica_index, dict(call.state["replica_of_rank"]),
+                                     exits.requested, continued=call.state)
+        first_iteration, joined = joins.continue_as_joiner(trainer, call, setup, pool)
     else:
-        trainer, start = _trainer(cfg, ctx, setup, dataset, wants_exit=progress.exits.requested)
-    progress.trainer = trainer
+        start = resume.starting_point(cfg, ctx.rank, setup)
+        # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
+        replica_of_rank = {rank: start.replica_ids[dp]
+                           for rank, dp in setup.replica_of_rank.items()}
+        trainer = _resilient_trainer(cfg, setup, source.dataset, micro_pass, start.policy,
+                                     start.replica_ids[setup.replica_index], replica_of_rank,
+                                     exits.requested)
+        first_iteration = start.first_iteration
+    progress = Progress(cfg, setup, micro_pass, source, vocab_size, exits, trainer)
+    snapshots = _snapshots(cfg, ctx, setup, trainer) if cfg.recover.snapshot_interval else None
+    grow_back = None if pool is None else functools.partial(joins.grow_back, cfg.num_replicas,
+                                                            trainer, setup, pool)
+    stepper = ResilientStepper(cfg, ctx.rank, setup, trainer, first_iteration, progress,
+                               snapshots, grow_back, joined)
     # From the first iteration on (not during start-up, a resume or a standby's wait, when a
     # world-wide gloo collective can fail for a peer outside this replica): docs/failures.md.
     runtime.set_program_errors(cfg.recover.program_errors)
-    skipped = []
-    log = RecoverLog(cfg.recover.log if ctx.rank == 0 else None, last_written=start - 1)
-    # Committed iterations whose records this rank has not seen written. Writers can die after a
-    # commit and before their record is out, several in a row; whoever writes next writes what
-    # the log lacks (bounded: a chain of PENDING_RECORDS writer deaths is not survived in full).
-    pending = deque(maxlen=PENDING_RECORDS)
-    iteration = start - 1
-    snapshots = None
-    if cfg.recover.snapshot_interval:
-        snapshots = _snapshots(cfg, ctx, setup, trainer)
-
-    def save():
-        trainer.gather_parameters()
-        save_checkpoint(cfg, trainer, setup, iteration)
-
-    for iteration in range(start, cfg.train_iters + 1):
-        lr = setup.optimizer.param_groups[0]["lr"]
-        report = trainer.train_step(iteration)
-        if joined is not None:  # what this joiner's buckets sent to each commit
-            joined["contributions"][iteration] = report.own_contributions
-        if report.skipped:
-            skipped.append(iteration)
-        pending.append((report, dict(lr=lr, tokens=report.contributions * cfg.micro_batch_size
-                                     * cfg.model.seq_length)))
-        if progress.is_writer():
-            if log.path is None and cfg.recover.log:
-                log = RecoverLog(cfg.recover.log)  # the writer moved here
-            log.write_missing(pending)
-            pending.clear()
-        recovery_s = sum(e["committed"] - e["detected"] for e in report.events
-                         if e["event"] == "failure")
-        progress.after_iteration(
-            iteration, loss=report.loss, skipped=report.skipped, iteration_ms=report.iteration_ms,
-            global_batch_size=report.B * cfg.micro_batch_size, grad_norm=report.grad_norm,
-            events=report.events,
-            recover={"live replicas": report.live_replicas, "contributions": report.contributions,
-                     "B": report.B, "recovery seconds": recovery_s})
-        if cfg.evaluation.due(iteration):
-            progress.evaluate(iteration)
-        saved = progress.save_due(iteration)
-        if saved:
-            save()
-        if snapshots is not None and snapshots.due(iteration, trainer.p.policy.layout.replicas):
-            trainer.gather_parameters()
-            snapshots.take(iteration, {**training_state.capture(
-                setup.ddp_model, setup.optimizer, setup.scheduler),
-                "recovery": recovery_state(trainer, iteration)})
-        if progress.stopping(iteration, report.exit_requested, saved, save):
-            break
-        if pool is not None and iteration < cfg.train_iters:
-            _grow_back(cfg, trainer, setup, pool, iteration)
-    else:
-        progress.end_of_training(iteration)
+    trained = _run(setup, progress, stepper)
     if pool is not None:
         pool.dismiss()
-    stats = None
-    if snapshots is not None:
-        snapshots.finish()
-        stats = {"copy_s": snapshots.copy_s, "write_s": snapshots.write_s}
-    trainer.gather_parameters()  # the final parameters, on every shard
-    return skipped, joined, stats
+    return dataclasses.replace(trained, joined=joined, snapshots=stepper.snapshot_seconds())
+
+
+def _run(setup: RankSetup, progress: Progress, stepper) -> Trained:
+    try:
+        skipped = run_loop(progress.cfg, progress, stepper)
+    finally:
+        progress.writers.close()
+    return Trained(setup.unwrapped_model(), float(setup.optimizer.get_loss_scale()), skipped)
 
 
 def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapshot.Snapshots:
@@ -689,146 +462,3 @@ def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapsho
     return snapshot.Snapshots(cfg.recover.snapshot_dir, cfg.recover.snapshot_interval,
                               setup.checkpoint_position, trainer.p.replica, replicas_here, slow,
                               on_pause)
-
-
-def state_digests(setup: RankSetup) -> dict:
-    """What a joiner must hold exactly as its donor (`state.digests`)."""
-    return training_state.digests(unwrap(setup.ddp_model), setup.optimizer)
-
-
-def _join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> dict:
-    """Everything a joiner needs to continue after `iteration` as a live replica does: the
-    complete training state (`state.capture`) and the recovery layer's."""
-    trainer.gather_parameters()
-    policy = trainer.p.policy
-    return {"iteration": iteration, "position": setup.checkpoint_position,
-            **training_state.capture(setup.ddp_model, setup.optimizer, setup.scheduler),
-            "layout": policy.layout, "last_committed": policy.last_committed,
-            "reserve_next": policy.reserve_next, "dead_replicas": sorted(trainer.dead_replicas),
-            "replica_of_rank": dict(trainer.p.replica_of_rank),
-            "committed_reserve": sorted(trainer.p.audit.committed_reserve),
-            "digests": state_digests(setup)}
-
-
-def _grow_back(cfg, trainer: ResilientTrainer, setup: RankSetup, pool: standby.Pool,
-               iteration: int) -> None:
-    """(training ranks, after `iteration`) Call idle standbys into the vacant replica ids
-    (standby.py, steps 1-4); the outcome is reported with the next iteration."""
-    policy = trainer.p.policy
-    w_init = policy.config.w_init
-    vacant = sorted(set(range(w_init)) - set(policy.layout.replicas))
-    if not vacant or not pool.idle:
-        return
-    event = {"event": "join", "replicas": [], "ranks": [], "called": time.time(),
-             "after_iteration": iteration}
-    pool.joins += 1
-    message = {"join": pool.joins, "iteration": iteration, "idle": list(pool.idle),
-               "vacant": vacant}
-    pool.send(message)
-    assignment, grown, ok, candidates = pool.assemble(message, member=True,
-                                                      position=setup.local_rank)
-    group, replica_group = setup.group, _replica_control_group(cfg, setup)
-    lost = []
-    if ok and assignment:
-        settled = standby.adopt(group, grown, replica_group, w_init, assignment)
-        lost = standby.drop_members(group, settled.dropped)
-        ok = bool(settled.joined)
-    # Whoever was assigned joined, or left (dropped), or goes back to waiting (not adopted
-    # anywhere: `Settled.present` is empty then, on the standbys' side too).
-    pool.idle = candidates if not (ok and assignment) else [r for r in candidates
-                                                            if r not in assignment]
-    if not (ok and assignment):
-        _abandon_join(trainer, event, lost)
-        return
-    blob = training_state.to_bytes(_join_state(trainer, setup, iteration))
-    trainer.p.faults.arm_join(group, iteration)
-    _, alive, lost_here = standby.transfer(group, assignment, blob)
-    lost += lost_here  # since the adoption: every position learns of them in `settle`
-    dead = {trainer.p.replica_of_rank[r] for r in lost if r in trainer.p.replica_of_rank}
-    settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
-    # A survivor lost while a dropped joiner leaves is known at this position only (untested,
-    # with M > 1: the other positions learn of its replica at the next iteration's verdict).
-    lost += standby.drop_members(group, settled.dropped)
-    joined = settled.joined
-    failure = trainer.grow(joined, lost, settled.dead)
-    if failure is not None:
-        trainer.pending_events.append(failure)
-    if not joined:
-        _abandon_join(trainer, event, lost)
-        return
-    trainer.pending_events.append({**event, "replicas": sorted(set(joined.values())),
-                                   "ranks": sorted(joined), "epoch": setup.group.epoch,
-                                   "state_received": time.time()})
-
-
-def _abandon_join(trainer: ResilientTrainer, event: dict, lost: list[int]) -> None:
-    trainer.pending_events.append({**event, "event": "join-abandoned", "lost": lost,
-                                   "abandoned": time.time()})
-
-
-def _join_when_called(cfg, ctx, setup: RankSetup, dataset, progress: Progress,
-                      pool: standby.Pool) -> tuple[ResilientTrainer, int, dict] | None:
-    """(standby) Wait for a call, join, take the state: (trainer, first iteration to run, the
-    join as this rank saw it); None when dismissed or when nobody is left to call."""
-    standby_faults = _standby_faults(cfg, ctx)
-    standby_faults.idle()
-    w_init = cfg.num_replicas
-    # The replica's own ranks, to combine the positions' outcomes (standby.settle).
-    replica_group = _replica_control_group(cfg, setup)
-    group = setup.group
-    while True:
-        message = pool.wait_for_call()
-        if message is None:
-            return None
-        called = time.time()
-        assignment, grown, ok, candidates = pool.assemble(message, member=False,
-                                                          position=setup.local_rank)
-        pool.idle = [r for r in candidates if r not in assignment]
-        if not ok or pool.rank not in assignment:
-            continue
-        settled = standby.adopt(group, grown, replica_group, w_init, assignment)
-        if assignment[pool.rank] not in settled.present:
-            pool.idle = candidates  # adopted nowhere: every group is as it was
-            continue
-        if pool.rank not in settled.joined:  # its group grew at some position, not at all
-            runtime.leave("join abandoned: the grown groups did not take at every position")
-        lost = standby.drop_members(group, settled.dropped)
-        standby_faults.arm_join(group, message["iteration"])
-        blob, alive, lost_here = standby.transfer(group, assignment, None)
-        lost += lost_here
-        break
-    state = training_state.from_bytes(blob)
-    received = time.time()
-    if state["position"] != setup.checkpoint_position:
-        raise RuntimeError(f"standby join: the state received is of position "
-                           f"{state['position']}, this rank's is {setup.checkpoint_position}")
-    dead = {state["replica_of_rank"][r] for r in lost if r in state["replica_of_rank"]}
-    settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
-    if pool.rank not in settled.joined:
-        runtime.leave("join abandoned: the state did not reach every position of this replica")
-    lost += standby.drop_members(group, settled.dropped)
-    setup.replica_index = assignment[pool.rank]
-    training_state.restore(state, setup.ddp_model, setup.optimizer, setup.scheduler)
-    faults = _faults(cfg, ctx, setup)  # the schedule's points of the replica id it took
-    setup.micro_pass.faults = progress.eval_pass.faults = faults
-    _optimizer_fault_points(faults, setup.optimizer, setup.ddp_model)
-    policy = WorkloadPolicy.resume(mcore_config.to_policy_config(cfg), state["layout"],
-                                   state["last_committed"], state["reserve_next"])
-    trainer = _resilient_trainer(cfg, setup, dataset, policy, setup.replica_index,
-                                 dict(state["replica_of_rank"]), progress.exits.requested)
-    trainer.dead_replicas = set(state["dead_replicas"])
-    trainer.p.audit.continue_from(state["committed_reserve"])
-    joined = settled.joined
-    failure = trainer.grow(joined, lost, settled.dead)
-    if failure is not None:
-        trainer.pending_events.append(failure)
-    event = {"event": "join", "replicas": sorted(set(joined.values())), "ranks": sorted(joined),
-             "epoch": setup.group.epoch, "called": called, "state_received": received,
-             "after_iteration": state["iteration"]}
-    trainer.pending_events.append(dict(event))
-    return trainer, state["iteration"] + 1, {**event, "replica": setup.replica_index,
-                                             "waited_s": pool.waited_s,
-                                             "wait_cpu_s": pool.wait_cpu_s,
-                                             "donor_digests": state["digests"],
-                                             "digests": state_digests(setup),
-                                             "contributions": {}}

@@ -123,12 +123,14 @@ class TrainerParts:
     # Whether this rank asks to stop after the iteration; the request rides in the commit lane,
     # so all survivors agree.
     wants_exit: Callable[[], bool] = lambda: False
+    # Replicas known dead when the trainer starts (a standby joining a run takes its donor's).
+    dead_replicas: frozenset[int] = frozenset()
 
 
 class ResilientTrainer:
     def __init__(self, parts: TrainerParts):
         self.p = parts
-        self.dead_replicas: set[int] = set()
+        self.dead_replicas: set[int] = set(parts.dead_replicas)
         # Events between iterations (a join), reported with the next committed iteration.
         self.pending_events: list[dict] = []
         # When this rank last saw every member complete a round (a commit): a victim's last
@@ -241,6 +243,10 @@ class ResilientTrainer:
         report.reduction = reduction
         report.g_cur = state.layout.g_cur
         return report
+
+    def add_event(self, event: dict) -> None:
+        """An event between iterations (a join): reported with the next committed iteration."""
+        self.pending_events.append(event)
 
     def grow(self, joined: dict[int, int], lost_ranks: list[int],
              dead_replicas: set[int] = frozenset()) -> dict | None:

@@ -1,0 +1,248 @@
+"""The training loop of pretrain_gpt_recover.py: one loop, in Megatron-LM's order, over a stepper
+that runs one iteration — `StockStepper` (Megatron's own data parallelism) or `ResilientStepper`
+(--recover: the round protocol of `recovery/`, which commits each iteration on the live
+replicas).
+
+After each step, as Megatron-LM's training loop: the iteration line and TensorBoard values, an
+evaluation when one is due, a checkpoint when one is due, the exit checks (`Progress`); the
+evaluations at the end of training. A stepper adds what its mode does between iterations (the
+resilient one: the recovery log, node snapshots, standby joins).
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_recover.megatron import checkpoint, dist_checkpoint
+from megatron_recover.megatron import state as training_state
+from megatron_recover.megatron.progress import ExitRequests, Progress
+from megatron_recover.megatron.rank_setup import RankSetup
+from megatron_recover.megatron.report import RecoverLog
+from megatron_recover.megatron.resume import recovery_state
+from megatron_recover.recovery import ResilientTrainer
+
+# Records of committed iterations a rank keeps until it sees them written (recovery log).
+PENDING_RECORDS = 1000
+
+
+@dataclass
+class StepResult:
+    """One iteration as the loop reports it."""
+
+    loss: float
+    grad_norm: float | None
+    iteration_ms: float
+    skipped: bool  # the fp16 loss scaler skipped the optimizer step
+    global_batch_size: int
+    events: list = field(default_factory=list)  # failures and joins (--recover)
+    recover: dict | None = None  # the recovery columns of the iteration line (--recover)
+    exit_requested: bool = False  # every live rank agreed, in the step, to stop after it
+
+
+def run_loop(cfg, progress: Progress, stepper) -> list[int]:
+    """Iterations `stepper.first_iteration` .. --train-iters, or until an --exit-* flag stops
+    every rank after the same one; returns the iterations whose step the fp16 loss scaler
+    skipped."""
+    skipped = []
+    iteration = stepper.first_iteration - 1
+    for iteration in range(stepper.first_iteration, cfg.train_iters + 1):
+        result = stepper.step(iteration)
+        if result.skipped:
+            skipped.append(iteration)
+        progress.after_iteration(iteration, loss=result.loss, skipped=result.skipped,
+                                 iteration_ms=result.iteration_ms,
+                                 global_batch_size=result.global_batch_size,
+                                 grad_norm=result.grad_norm, events=result.events,
+                                 recover=result.recover)
+        if cfg.evaluation.due(iteration):
+            progress.evaluate(iteration)
+        saved = progress.save_due(iteration)
+        if saved:
+            stepper.save(iteration)
+        stepper.committed(iteration)
+        if progress.stopping(iteration, stepper.exit_agreed(result), saved,
+                             lambda: stepper.save(iteration)):
+            break
+        if iteration < cfg.train_iters:
+            stepper.between(iteration)
+    else:
+        progress.end_of_training(iteration)
+    stepper.finish()
+    return skipped
+
+
+class StockStepper:
+    """Plain Megatron data parallelism: each data-parallel rank runs its contiguous slice of the
+    iteration's microbatch ids and DDP averages the gradients; megatron-core's microbatch
+    calculator gives each iteration's count; --save/--load are megatron-core distributed
+    checkpoints."""
+
+    def __init__(self, cfg, rank: int, setup: RankSetup, micro_pass, exits: ExitRequests):
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+        self.cfg = cfg
+        self.setup = setup
+        self.micro_pass = micro_pass
+        self.exits = exits
+        init_num_microbatches_calculator(rank, cfg.rampup_batch_size, cfg.global_batch_size,
+                                         cfg.micro_batch_size, cfg.data_parallel_size)
+        self.first_iteration = 1
+        if cfg.checkpoint.load:
+            self.first_iteration = dist_checkpoint.load(cfg.checkpoint.load, *self._state()) + 1
+        self.consumed = cfg.global_batches.first_sample(self.first_iteration)
+
+    def _state(self):
+        return self.setup.ddp_model, self.setup.optimizer, self.setup.scheduler
+
+    def step(self, iteration: int) -> StepResult:
+        """One iteration over the same ids as the policy's. As Megatron-LM, the loss is the mean
+        over microbatches or, with --calculate-per-token-loss, the global batch's loss sum over
+        its loss tokens."""
+        from megatron.core.num_microbatches_calculator import (
+            get_current_global_batch_size,
+            get_num_microbatches,
+            update_num_microbatches,
+        )
+
+        cfg, setup = self.cfg, self.setup
+        update_num_microbatches(self.consumed, consistency_check=True)
+        # Megatron's sampler order: data-parallel rank r's m-th microbatch is slice m * dp + r.
+        dp = cfg.data_parallel_size
+        ids = [m * dp + setup.dp_rank for m in range(get_num_microbatches())]
+        global_batch_size = get_current_global_batch_size()
+        start = time.perf_counter()
+        setup.ddp_model.zero_grad_buffer()
+        setup.optimizer.zero_grad()
+        losses, tokens = {}, {}
+        self.micro_pass.run(iteration, ids, losses, tokens)
+        update_successful, grad_norm, _ = setup.optimizer.step()
+        if update_successful:  # as Megatron-LM: a step skipped by the fp16 loss scaler keeps lr
+            setup.scheduler.step(increment=global_batch_size)
+        total = torch.tensor([sum(losses.values()), sum(tokens.values())], dtype=torch.float64)
+        dist.all_reduce(total)
+        divisor = (max(total[1].item(), 1) if cfg.model.calculate_per_token_loss
+                   else global_batch_size // cfg.micro_batch_size)
+        self.consumed += global_batch_size
+        return StepResult(loss=total[0].item() / divisor, grad_norm=grad_norm,
+                          iteration_ms=(time.perf_counter() - start) * 1e3,
+                          skipped=not update_successful, global_batch_size=global_batch_size)
+
+    def save(self, iteration: int) -> None:
+        gather_parameters(self.setup.ddp_model)
+        dist_checkpoint.save(self.cfg.checkpoint.save, iteration, *self._state())
+
+    def committed(self, iteration: int) -> None:
+        pass
+
+    def exit_agreed(self, result: StepResult) -> bool:
+        """As Megatron-LM: the maximum of every rank's request."""
+        del result
+        if not self.cfg.exit.agreed:
+            return False
+        flag = torch.tensor([float(self.exits.requested())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def between(self, iteration: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        gather_parameters(self.setup.ddp_model)
+
+
+class ResilientStepper:
+    """--recover: `ResilientTrainer` commits each iteration on the live replicas. The writer (the
+    lowest live rank) appends the recovery log; a checkpoint is written by the lowest live
+    replica; with --recover-snapshot-interval every rank keeps in-memory snapshots; with standby
+    replicas, `grow_back(iteration)` calls them into vacant replica ids between iterations."""
+
+    def __init__(self, cfg, rank: int, setup: RankSetup, trainer: ResilientTrainer,
+                 first_iteration: int, progress: Progress, snapshots=None, grow_back=None,
+                 joined: dict | None = None):
+        self.cfg = cfg
+        self.setup = setup
+        self.trainer = trainer
+        self.first_iteration = first_iteration
+        self.progress = progress
+        self.snapshots = snapshots
+        self.grow_back = grow_back
+        self.joined = joined  # a standby that joined: its join, as it saw it
+        self.log = RecoverLog(cfg.recover.log if rank == 0 else None,
+                              last_written=first_iteration - 1)
+        # Committed iterations whose records this rank has not seen written. Writers can die
+        # after a commit and before their record is out, several in a row; whoever writes next
+        # writes what the log lacks (bounded: a chain of PENDING_RECORDS writer deaths is not
+        # survived in full).
+        self.pending = deque(maxlen=PENDING_RECORDS)
+
+    def step(self, iteration: int) -> StepResult:
+        cfg = self.cfg
+        lr = self.setup.optimizer.param_groups[0]["lr"]
+        report = self.trainer.train_step(iteration)
+        if self.joined is not None:  # what this joiner's buckets sent to each commit
+            self.joined["contributions"][iteration] = report.own_contributions
+        self.pending.append((report, dict(lr=lr, tokens=report.contributions
+                                          * cfg.micro_batch_size * cfg.model.seq_length)))
+        if self.progress.is_writer():
+            if self.log.path is None and cfg.recover.log:
+                self.log = RecoverLog(cfg.recover.log)  # the writer moved here
+            self.log.write_missing(self.pending)
+            self.pending.clear()
+        recovery_s = sum(e["committed"] - e["detected"] for e in report.events
+                         if e["event"] == "failure")
+        return StepResult(
+            loss=report.loss, grad_norm=report.grad_norm, iteration_ms=report.iteration_ms,
+            skipped=report.skipped, global_batch_size=report.B * cfg.micro_batch_size,
+            events=report.events, exit_requested=report.exit_requested,
+            recover={"live replicas": report.live_replicas, "contributions": report.contributions,
+                     "B": report.B, "recovery seconds": recovery_s})
+
+    def save(self, iteration: int) -> None:
+        """The lowest live replica (every rank agrees on it through the policy) writes."""
+        trainer, setup = self.trainer, self.setup
+        trainer.gather_parameters()
+        if trainer.p.replica != min(trainer.p.policy.layout.replicas):
+            return
+        checkpoint.save(self.cfg.checkpoint.save, recovery_state(trainer.p.policy, iteration),
+                        setup.ddp_model, setup.optimizer, setup.scheduler,
+                        setup.checkpoint_position, setup.control_group, setup.local_rank)
+
+    def committed(self, iteration: int) -> None:
+        """A node snapshot when one is due."""
+        trainer, setup = self.trainer, self.setup
+        if self.snapshots is None or not self.snapshots.due(iteration,
+                                                            trainer.p.policy.layout.replicas):
+            return
+        trainer.gather_parameters()
+        self.snapshots.take(iteration, {
+            **training_state.capture(setup.ddp_model, setup.optimizer, setup.scheduler),
+            "recovery": recovery_state(trainer.p.policy, iteration)})
+
+    def exit_agreed(self, result: StepResult) -> bool:
+        return result.exit_requested  # agreed in the step's commit lane
+
+    def between(self, iteration: int) -> None:
+        if self.grow_back is not None:
+            self.grow_back(iteration)
+
+    def finish(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.finish()
+        self.trainer.gather_parameters()  # the final parameters, on every shard
+
+    def snapshot_seconds(self) -> dict | None:
+        """A snapshot writer's seconds per copy and per write."""
+        if self.snapshots is None:
+            return None
+        return {"copy_s": self.snapshots.copy_s, "write_s": self.snapshots.write_s}
+
+
+def gather_parameters(ddp_model) -> None:
+    """With --overlap-param-gather the last step's parameters reach the other shards only in the
+    next forward; gather them now, as Megatron-LM does before a save and at the end of training
+    (its disable_forward_pre_hook)."""
+    if ddp_model.use_forward_hook:
+        ddp_model.start_param_sync(force_sync=True)

@@ -1,0 +1,97 @@
+"""Where a --recover run starts: the newest state the job left (in-memory snapshots after a
+relaunch, or the on-disk checkpoint of --load, whichever is newer) and the policy that continues
+it on this run's replicas; and the recovery state that checkpoints and snapshots record so that
+a later run can continue.
+"""
+
+import time
+from dataclasses import dataclass
+
+from megatron_recover.megatron import checkpoint, mcore_config, snapshot
+from megatron_recover.megatron.rank_setup import RankSetup
+from megatron_recover.policy import ADAPTIVE, PolicyConfig, WorkloadPolicy, advance_layout
+
+
+@dataclass
+class Start:
+    """How a rank's resilient training begins."""
+
+    policy: WorkloadPolicy
+    replica_ids: list[int]  # the policy's replica id of each data-parallel rank
+    first_iteration: int
+
+
+def starting_point(cfg, rank: int, setup: RankSetup) -> Start:
+    """A fresh policy from iteration 1, or the one continuing the newest state the job left."""
+    state, source = load_newest(cfg, rank, setup)
+    if state is None:
+        return Start(WorkloadPolicy(mcore_config.to_policy_config(cfg)),
+                     list(range(cfg.num_replicas)), 1)
+    policy, replica_ids = resumed_policy(cfg, state, cfg.num_replicas)
+    if rank == 0:
+        print(f"megatron-recover: resumed iteration {state.iteration} from {source}: replicas "
+              f"{replica_ids} continue the run's {list(state.live_replicas)}", flush=True)
+    return Start(policy, replica_ids, state.iteration + 1)
+
+
+def load_newest(cfg, rank: int,
+                setup: RankSetup) -> tuple[checkpoint.RecoveryState | None, str]:
+    """Load the newest state this job left into the model, optimizer and scheduler: in-memory
+    snapshots (after a relaunch) unless the on-disk checkpoint of --load is newer; (None, "")
+    when there is neither. Returns the recovery state and where it came from."""
+    on_disk = checkpoint.latest_iteration(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    start = time.perf_counter()
+    if cfg.recover.snapshot_interval:
+        state = snapshot.restore(cfg.recover.snapshot_dir, setup.group,
+                                 setup.checkpoint_position, setup.ddp_model, setup.optimizer,
+                                 setup.scheduler, after=on_disk or 0)
+        if state is not None:
+            return state, (f"in-memory snapshots in {cfg.recover.snapshot_dir} "
+                           f"({time.perf_counter() - start:.3f} s)")
+    if on_disk is not None:
+        state = checkpoint.load(cfg.checkpoint.load, setup.ddp_model, setup.optimizer,
+                                setup.scheduler, setup.checkpoint_position)
+        return state, f"{cfg.checkpoint.load} ({time.perf_counter() - start:.3f} s)"
+    if cfg.checkpoint.load and rank == 0:
+        # As Megatron-LM: a job script passes the same --load on its first launch.
+        print(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
+              f"{checkpoint.TRACKER}): training from scratch", flush=True)
+    return None, ""
+
+
+def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
+    """(policy, replica id of each data-parallel rank) continuing a checkpoint or snapshot on
+    `num_replicas` replicas, keeping B. Original replica ids are reused: the survivors' first."""
+    config = mcore_config.to_policy_config(cfg)
+    if cfg.b != state.b or config.ramp != state.ramp:
+        raise ValueError(f"resuming: the checkpoint or snapshot has B = {state.b} microbatches "
+                         f"per iteration (ramp-up {list(state.ramp)}), this run {cfg.b} (ramp-up "
+                         f"{list(config.ramp)}): keep --global-batch-size, --micro-batch-size "
+                         "and --rampup-batch-size")
+    if (cfg.recover.policy, cfg.recover.mode) != (state.policy, state.mode):
+        raise ValueError(f"resuming: the checkpoint or snapshot ran --recover-policy "
+                         f"{state.policy} --recover-mode {state.mode}; resume with the same")
+    if num_replicas > state.w_init:
+        raise ValueError(f"resuming: {num_replicas} replicas, but the run started with "
+                         f"{state.w_init}; resume with at most that many")
+    live = list(state.live_replicas)
+    spare_ids = [r for r in range(state.w_init) if r not in live]
+    ids = sorted((live + spare_ids)[:num_replicas])
+    layout = state.layout
+    if ids != sorted(live):
+        if state.policy == ADAPTIVE:
+            raise ValueError(f"resuming: the adaptive policy resumes on its {len(live)} live "
+                             f"replicas only, not {num_replicas}")
+        layout = advance_layout(ids, layout.b)
+    config = PolicyConfig(w_init=state.w_init, g_init=state.g_init, policy=state.policy,
+                          mode=state.mode, ramp=state.ramp)
+    return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
+
+
+def recovery_state(policy: WorkloadPolicy, iteration: int) -> checkpoint.RecoveryState:
+    """What the policy needs to continue after `iteration` (checkpoints and snapshots)."""
+    return checkpoint.RecoveryState(
+        iteration=iteration, b=policy.config.b, w_init=policy.config.w_init,
+        g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
+        layout=policy.layout, reserve_next=policy.reserve_next,
+        live_replicas=tuple(policy.layout.replicas), ramp=policy.config.ramp)
