@@ -157,6 +157,9 @@ def start_replica_gate(replica_ranks: list[int], period_s: float) -> threading.T
     return thread
 
 
+HEARTBEATS_PER_TIMEOUT = 4  # Open MPI: the detector's timeout must exceed 3 periods
+
+
 def configure_hang_detection(timeout_s: float) -> None:
     """Turn frozen processes into failures within `timeout_s` (call before MPI starts).
 
@@ -168,10 +171,16 @@ def configure_hang_detection(timeout_s: float) -> None:
     Works across hosts: the heartbeats are MPI messages.
     Settings given explicitly to mpirun (--mca) win over these. The detector thread's start-up
     race in Open MPI is defused by `init_mpi` (see `_ignore_early_heartbeats`).
+
+    The heartbeat period is a quarter of the timeout: Open MPI requires the timeout to exceed
+    3 periods, because an observer suspects its peer after one timeout without a heartbeat and
+    a heartbeat the BTL cannot take at once is dropped, not retried. At half the timeout (as
+    before) two lost or late heartbeats made a live rank "reported dead by someone else", and
+    Open MPI aborted it (a failure-free 6-rank CI run, rank 0, at the 60 s default).
     """
     settings = {"mpi_ft_detector": "true", "mpi_ft_detector_thread": "true",
                 "mpi_ft_detector_timeout": f"{timeout_s:g}",
-                "mpi_ft_detector_period": f"{timeout_s / 2:g}"}
+                "mpi_ft_detector_period": f"{timeout_s / HEARTBEATS_PER_TIMEOUT:g}"}
     for name, value in settings.items():
         os.environ.setdefault(f"OMPI_MCA_{name}", value)
 

@@ -40,9 +40,9 @@ INTERVAL = 2
 # timeout, is 11 minutes at the default 60 s, and shorter hang timeouts (3-8 s) were seen here to
 # declare live ranks dead while 6 ranks start on 2 cores. The detector can declare a silent peer
 # dead from timeout - period after the loss (the last heartbeat may be a period old; its period
-# is half the timeout): from 30 s at 60 s, which races the bound (a repair that then returns
-# finishes the run in-step and only mpirun waits). At SILENT_HANG_S not before 60 s: the silent
-# case the watchdog alone must end.
+# is a quarter of the timeout): from 45 s at 60 s, which races the bound (a repair that then
+# returns finishes the run in-step and only mpirun waits). At SILENT_HANG_S not before 90 s: the
+# silent case the watchdog alone must end.
 SILENT_STALL_S = 45.0
 SILENT_HANG_S = 120.0
 KILL_AFTER = 5  # the node is lost once this iteration has committed

@@ -5,6 +5,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_failures.py   (no MPI; seconds)
 """
 
 import errno
+import os
 
 import pytest
 import torch
@@ -175,3 +176,17 @@ def test_raising_actions_are_refused_off_the_main_thread(tmp_path, location):
                     f"location: {location}, action: raise}}\n")
     with pytest.raises(ValueError, match="raises on the main thread"):
         load_schedule(path, num_replicas=2, ranks_per_replica=1, train_iters=2)
+
+
+@pytest.mark.parametrize("timeout_s", [3.0, 60.0, 120.0])
+def test_the_failure_detector_beats_more_than_three_times_per_timeout(monkeypatch, timeout_s):
+    """Open MPI requires the detector's timeout to exceed 3 heartbeat periods; at 2 a live rank
+    was reported dead and aborted in a failure-free CI run (docs/ulfm-behaviour.md)."""
+    from megatron_recover import runtime
+
+    for name in ("detector", "detector_thread", "detector_timeout", "detector_period"):
+        monkeypatch.delenv(f"OMPI_MCA_mpi_ft_{name}", raising=False)
+    runtime.configure_hang_detection(timeout_s)
+    timeout = float(os.environ["OMPI_MCA_mpi_ft_detector_timeout"])
+    period = float(os.environ["OMPI_MCA_mpi_ft_detector_period"])
+    assert timeout == timeout_s and timeout > 3 * period, (timeout, period)
