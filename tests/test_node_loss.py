@@ -91,9 +91,14 @@ class Job:
         return torch.load(self.status_root / f"attempt-{attempt}" / f"rank-{rank}.params.pt")
 
     def resumed_iteration(self) -> int:
-        lines = [line for _, line in self.attempts[-1].lines
+        last = self.attempts[-1]
+        lines = [line for _, line in last.lines
                  if "resumed iteration" in line and "in-memory snapshots" in line]
-        assert lines, "the relaunch did not resume from the snapshots"
+        # What it did instead: every attempt's summary and the relaunch's start-up lines.
+        assert lines, ("the relaunch did not resume from the snapshots:\n"
+                       + "\n".join(a.summary() for a in self.attempts) + "\n"
+                       + "".join(f"\n  | {line.rstrip()}" for _, line in last.lines
+                                 if "megatron-recover" in line)[-4000:])
         return int(lines[0].split("resumed iteration")[1].split()[0])
 
 
