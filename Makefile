@@ -54,7 +54,8 @@ test-long: build
 bench: build
 	$(PY) scripts/bench_collective.py
 
-# The CPU benchmarks (about 55 and 6 minutes here); not part of CI.
+# The CPU benchmarks (about 45 and 6 minutes here: bench-restart's recorded run,
+# docs/results/bench_vs_restart.json, took 2625 s); not part of CI.
 bench-restart: build
 	$(PY) scripts/bench_vs_restart.py
 
