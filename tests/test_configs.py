@@ -3,7 +3,7 @@
 Each script prints its command with DRY_RUN=1; the arguments after pretrain_gpt_recover.py go
 through the same parse and start-up checks a launch runs (`arguments.parse_args`,
 `run.check_start`: the failure schedule against the job), with the script's rank count. The
-README's run of configs/gpt3_recover.sh shows what a launch prints.
+docs/running.md's run of configs/gpt3_recover.sh shows what a launch prints.
 """
 
 import os
@@ -68,3 +68,22 @@ def test_llama3_script_parses_with_its_failures(tmp_path):
     for flag in ("--use-mcore-models", "--manual-gc", "--tiktoken-pattern",
                  "--distributed-timeout-minutes", "--num-workers"):
         assert flag in said, flag
+
+
+def test_slurm_script_launches_on_the_allocation_with_its_last_node_spare(tmp_path):
+    """configs/slurm_recover.sbatch: the allocation's nodes (NODES stands in for Slurm's list)
+    become the hostfile, the last one the spare; the job's arguments pass through unchanged;
+    an allocation too small for a spare stops with the reason."""
+    script = str(ROOT / "configs/slurm_recover.sbatch")
+    env = dict(os.environ, DRY_RUN="1", NODES="gpu01,gpu02,gpu03",
+               HOSTFILE=str(tmp_path / "hosts"), PATH="/usr/bin:/bin")
+    out = subprocess.run(["bash", script, "8", "--recover", "--train-iters", "5"], env=env,
+                         check=True, capture_output=True, text=True, timeout=60).stdout.split()
+    assert (tmp_path / "hosts").read_text() == "gpu01 slots=8\ngpu02 slots=8\n"
+    assert out[1:8] == ["launch", "--hostfile", str(tmp_path / "hosts"), "--spare-hosts",
+                        "gpu03", "--max-relaunches", "2"], out
+    assert out[-4:] == [str(ROOT / "pretrain_gpt_recover.py"), "--recover", "--train-iters",
+                        "5"], out
+    small = subprocess.run(["bash", script, "8"], env=dict(env, NODES="gpu01"),
+                           capture_output=True, text=True, timeout=60)
+    assert small.returncode == 2 and "the spare needs at least 2" in small.stderr

@@ -129,7 +129,7 @@ def test_evaluation_and_tensorboard_survive_replica_and_writer_failures(tmp_path
     assert len(list(tb_dir.glob("events.out.tfevents.*"))) == 2
     listed = subprocess.run([sys.executable, str(ROOT / "scripts/tensorboard_tags.py"),
                              str(tb_dir)], check=True, capture_output=True, text=True,
-                            timeout=120).stdout  # the README's way to look at them
+                            timeout=120).stdout  # docs/running.md's way to look at them
     assert "2 event file(s)" in listed and re.search(r"lm loss validation +4 values", listed)
     iterations = list(range(1, ITERATIONS + 1))
     samples = [8 * i for i in iterations]

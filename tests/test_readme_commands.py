@@ -1,10 +1,11 @@
-"""Every command the README shows runs, with sizes scaled down, so documented commands cannot break
-silently.
+"""Every command the README and the docs/ pages show runs, with sizes scaled down, so documented
+commands cannot break silently.
 
 Run: `make test`. CPU only; each command runs bounded (its process group is killed on timeout).
-The README's commands are read from the README itself: its `sh` blocks and the inline code spans
-that start a command. Each must have an entry in COMMANDS — how this test runs it (scaled down),
-or why it does not run here — so a command added to the README without one fails the first test.
+The commands are read from the README and the docs/ pages themselves: their `sh` blocks and the
+inline code spans that start a command. Each must have an entry in COMMANDS — how this test runs
+it (scaled down), or why it does not run here — so a command added to a page without one fails
+the first test.
 """
 
 import os
@@ -20,6 +21,7 @@ from megatron_recover.launch import run_bounded
 pytestmark = pytest.mark.mpi
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 VENV = Path(sys.executable).parent
 TIMEOUT_S = 300
 STARTS = ("make ", ".venv/bin/", "megatron-recover ", "mpirun ", "scripts/", "git ", "for ",
@@ -107,13 +109,31 @@ COMMANDS = {
     "configs/gpt3_recover.sh": ("skip", "8 ranks for about 2 minutes; tests/test_configs.py runs "
                                         "its command line through the start-up checks, and "
                                         "tests/test_evaluation_logging.py the same failures"),
+    "sbatch --nodes 5 configs/slurm_recover.sbatch 8 --recover --recover-snapshot-interval 10 "
+    "ARGS": ("skip", "needs Slurm; tests/test_configs.py runs the script's dry run"),
+    "mpirun --with-ft ulfm -np 6 --host $(hostname):2,nodeB:2,nodeC:2 --map-by ppr:2:node "
+    "--prtemca plm_ssh_agent /abs/fake_ssh.sh --prtemca oob_tcp_if_include 10.77.0.0/24 --mca "
+    "btl_tcp_if_include 10.77.0.0/24 --mca mpi_yield_when_idle 1 /abs/.venv/bin/python "
+    "script.py": ("skip", "the line megatron_recover.testing.nodes composes; "
+                          "tests/test_node_loss.py runs it on fake nodes"),
+    "mpirun --with-ft ulfm -np N .venv/bin/python pretrain_gpt_recover.py":
+        ("skip", "the form of the training command, which docs/training.md shows in full"),
+    "megatron-recover launch --hostfile": ("skip", "names the option; the relaunching launcher's "
+                                                   "command in full is the entry above"),
+    "make fault-campaign N=30 SEED=2026": ("skip", "the recorded 30-case run (about 10 minutes); "
+                                                   "make fault-campaign N=30 SEED=1 runs one case "
+                                                   "of it"),
+    "mpirun --with-ft ulfm --oversubscribe -np N": ("skip", "a fragment: how the measured "
+                                                            "facts were launched"),
+    "mpirun --dvm": ("skip", "names an mpirun mode the facts page rules out"),
     ".venv/bin/python scripts/tensorboard_tags.py runs/gpt3/tensorboard":
         ("skip", "reads the run above; tests/test_evaluation_logging.py runs it on its own run"),
 }
 
 
 def readme_commands() -> list[str]:
-    text = README.read_text()
+    """The commands of the README and of the docs/ pages, in order, each once."""
+    text = "\n".join(page.read_text() for page in [README, *sorted(DOCS.glob("*.md"))])
     commands = []
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():

@@ -33,7 +33,7 @@ RECORDED_SUMMARY = ROOT / "docs/results/bench_vs_restart.json"
 
 def default_bench_summary() -> Path:
     """The benchmark's own output when `make bench-restart` ran here, else the run recorded in
-    docs/results (the one the README quotes: its measurements, not this code's results)."""
+    docs/results (the one docs/results.md quotes: its measurements, not this code's results)."""
     return FRESH_SUMMARY if FRESH_SUMMARY.exists() else RECORDED_SUMMARY
 
 

@@ -99,8 +99,8 @@ class FailureModel:
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-event costs in seconds (the defaults are this project's assumptions, stated in the
-    README; `--from-log` replaces recover's with measured ones)."""
+    """Per-event costs in seconds (the defaults are this project's assumptions, stated in
+    docs/goodput.md; `--from-log` replaces recover's with measured ones)."""
 
     detection_s: float = 30.0            # a crash noticed by a stock job (collective error)
     hang_timeout_s: float = 600.0        # a stock job's hang: torch's default NCCL timeout

@@ -463,7 +463,7 @@ def markdown(parser: argparse.ArgumentParser) -> str:
         "or a device is refused.",
         "- **refused**: the job stops at start-up with the reason and what to use instead.",
         "- **no effect here**: accepted, changes nothing here, named at start-up with the reason.",
-        "- **megatron-recover**: our own flags (README, \"Training with megatron-recover\").",
+        "- **megatron-recover**: our own flags (docs/training.md).",
         "",
         "| status | flags |",
         "|---|---|",
