@@ -52,6 +52,8 @@ COMMANDS = {
     "make test-unit": ("skip", "the unit tier, which this suite runs itself"),
     "make setup": ("run", "make setup"),
     "make build": ("run", "make build"),
+    "make PYTHON=/path/to/python3.11": ("skip", "a placeholder path; make setup above runs with "
+                                                "the default python3.11"),
     "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
     "make mutations": ("skip", "tests/test_ledger_mutations.py runs its data-path mutation end to "
                                "end, tests/unit/test_mutations.py the others in process"),
