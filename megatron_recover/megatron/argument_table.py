@@ -447,7 +447,9 @@ def table(parser: argparse.ArgumentParser) -> dict[str, Entry]:
 
 
 def markdown(parser: argparse.ArgumentParser) -> str:
-    """docs/arguments.md: counts per status, then one row per flag."""
+    """docs/arguments.md: counts per status; the implemented flags by the parser's areas, each
+    with its note where it differs from Megatron-LM; the refused and no-effect flags grouped by
+    their reason."""
     entries = table(parser)
     counts = {status: sum(e.status == status for e in entries.values())
               for status in (IMPLEMENTED, REFUSED, NO_EFFECT, OURS)}
@@ -460,7 +462,7 @@ def markdown(parser: argparse.ArgumentParser) -> str:
         "status. Do not edit by hand.",
         "",
         "- **implemented**: Megatron-LM's name, meaning and default; the note says when a value "
-        "or a device is refused.",
+        "or a device is refused, or how the meaning differs.",
         "- **refused**: the job stops at start-up with the reason and what to use instead.",
         "- **no effect here**: accepted, changes nothing here, named at start-up with the reason.",
         "- **megatron-recover**: our own flags (docs/training.md).",
@@ -468,13 +470,31 @@ def markdown(parser: argparse.ArgumentParser) -> str:
         "| status | flags |",
         "|---|---|",
         *(f"| {status} | {count} |" for status, count in counts.items()),
-        "",
-        "| flag | status | note |",
-        "|---|---|---|",
     ]
-    for name, entry in entries.items():
-        note = entry.reason.replace("|", "\\|")
-        if entry.accepts:
-            note += f" (accepted: {name} {' '.join(entry.accepts)})"
-        lines.append(f"| `{name}` | {entry.status} | {note} |")
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    listed = set()
+    for group in parser._action_groups:
+        names = [name for action in group._group_actions for name in action.option_strings
+                 if entries.get(name) and entries[name].status in (IMPLEMENTED, OURS)]
+        if not names:
+            continue
+        listed.update(names)
+        title = "general" if group.title in ("options", "optional arguments") else group.title
+        lines += ["", f"## {title[0].upper()}{title[1:]}", "", "| flag | note |",
+                  "|---|---|"]
+        lines += [f"| `{name}` | {cell(entries[name].reason)} |" for name in sorted(names)]
+    assert listed == {n for n, e in entries.items() if e.status in (IMPLEMENTED, OURS)}
+    for status, title in ((REFUSED, "Refused"), (NO_EFFECT, "No effect here")):
+        by_reason: dict[str, list[str]] = {}
+        for name, entry in entries.items():
+            if entry.status == status:
+                reason = entry.reason + (f" (accepted: {name} {' '.join(entry.accepts)})"
+                                         if entry.accepts else "")
+                by_reason.setdefault(reason, []).append(name)
+        lines += ["", f"## {title}", "", "| flags | reason |", "|---|---|"]
+        lines += [f"| {' '.join(f'`{n}`' for n in names)} | {cell(reason)} |"
+                  for reason, names in by_reason.items()]
     return "\n".join(lines) + "\n"
