@@ -5,6 +5,11 @@ tmpfs mounts on /tmp and /dev/shm (Open MPI's session directory, our snapshots; 
 its Python environment stay visible there, as on a shared file system) and a veth link to a
 bridge in the machine's namespace. The bridge takes 10.77.X.1/24, node k 10.77.X.(k+1), for an
 X no address of this machine uses: those addresses exist only inside what the harness made.
+The bridge's MAC address is set, not left to Linux: an unset bridge takes the lowest MAC of its
+ports and changes it when that port goes, so the loss of one node would move the machine's MAC
+under the others, whose ARP entries then point nowhere (connections to the machine seen to hang
+68 s or time out, a relaunch's daemon to fail to report back), which a cluster's head node never
+does.
 The machine itself is the first host (it runs mpirun and the first ranks, as a job's first node
 does). mpirun reaches the other nodes through `fake_ssh.sh`, an ssh stand-in that enters a node's
 namespaces (`--prtemca plm_ssh_agent`).
@@ -120,6 +125,11 @@ class FakeNodes:
     def env(self) -> dict[str, str]:
         return {STATE_ENV: str(self.state)}
 
+    @property
+    def bridge_mac(self) -> str:
+        """Locally administered, unicast, from the bridge's address 10.77.X.1."""
+        return f"02:00:0a:4d:{self.subnet:02x}:01"
+
     def address(self, name: str) -> str:
         return f"10.77.{self.subnet}.{self.names.index(name) + 2}"
 
@@ -139,6 +149,7 @@ class FakeNodes:
 
     def up(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "address", self.bridge_mac)
         _ip("addr", "add", f"10.77.{self.subnet}.1/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for name in self.names:
