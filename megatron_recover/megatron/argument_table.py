@@ -349,7 +349,8 @@ NO_EFFECT_ARGS = _entries(NO_EFFECT, _NO_EFFECT_GROUPS)
 REFUSED_ARGS = _entries(REFUSED, _REFUSED_GROUPS)
 assert not NO_EFFECT_ARGS.keys() & REFUSED_ARGS.keys()
 
-# When an implemented flag is refused (the start-up validation gives the full reason).
+# When an implemented flag's value or device is refused (the start-up validation gives the
+# full reason), or its meaning differs from Megatron-LM's.
 IMPLEMENTED_NOTES = {
     "--transformer-impl": "absent: transformer_engine where Transformer Engine imports (Megatron-"
                           "LM's default), otherwise local, said at start-up; transformer_engine "
@@ -370,6 +371,17 @@ IMPLEMENTED_NOTES = {
                                "duration stops them all after that iteration)",
     "--tensorboard-dir": "written by the lowest live rank; a rank that takes over continues the "
                          "same curves",
+    "--save": "--recover: this project's own files in Megatron's iter_NNNNNNN/ directories "
+              "(docs/checkpoints.md), which Megatron-LM does not load; stock runs: torch_dist "
+              "as in Megatron-LM",
+    "--load": "--recover: only checkpoints of its own --save, on the same or fewer replicas "
+              "(B kept); a Megatron-LM checkpoint stops the load (its per-rank file is not ours)",
+    "--data-path": "one dataset prefix (or a weight and one prefix); a blend of several is "
+                   "refused at start-up: preprocess the corpora into one dataset",
+    "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer, from local "
+                        "files; the other types are refused at start-up",
+    "--log-interval": "--recover: the iteration line adds live replicas, contributions/B and "
+                      "failures (docs/observability.md)",
 }
 
 
