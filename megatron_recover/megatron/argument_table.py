@@ -368,7 +368,33 @@ IMPLEMENTED_NOTES = {
                                    "out: --num-distributed-optimizer-instances",
     "--wandb-project": "refused where the wandb package is not installed",
     "--exit-duration-in-mins": "the ranks agree on the last iteration (any rank past the "
-                               "duration stops them all after that iteration)",
+                               "duration stops them all after that iteration); fractional "
+                               "minutes accepted, and 0 stops after the first iteration "
+                               "(Megatron-LM: whole minutes, 0 off); not checked inside an "
+                               "evaluation",
+    "--exit-interval": "an exit due at the last iteration does not skip the end-of-training "
+                       "evaluations (Megatron-LM exits before them); 0 is refused",
+    "--exit-signal": "SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 (Megatron-LM core_v0.16.1 takes any "
+                     "signal name)",
+    "--exit-signal-handler": "installed once the model is built (Megatron-LM: at initialization), "
+                             "so the signal during start-up has its default effect; a signal in "
+                             "the last iteration does not skip the end-of-training evaluations",
+    "--eval-interval": "default 1000; 0 is refused (Megatron-LM: 0 means no evaluation during "
+                       "training)",
+    "--log-world-size-to-tensorboard": "--recover: the live ranks, which fall after failures "
+                                       "(Megatron-LM: the launch world size)",
+    "--eod-mask-loss": "without --calculate-per-token-loss the logged lm loss is the mean of the "
+                       "microbatches' means (Megatron-LM logs loss sum / loss tokens: differs "
+                       "when microbatches mask different token counts); gradients as Megatron-LM",
+    "--vocab-size": "alone (no --tokenizer-type, --vocab-file or --tokenizer-model) selects "
+                    "NullTokenizer (Megatron-LM's pretrain_gpt defaults to GPT2BPETokenizer)",
+    "--reset-attention-mask": "turns the dataloader's attention mask on even with "
+                              "--no-create-attention-mask-in-dataloader (Megatron-LM builds none "
+                              "then, and the reset has no effect)",
+    "--mock-data": "--data-cache-path is not used for the mock dataset (Megatron-LM caches its "
+                   "indices there)",
+    "--rampup-batch-size": "no checkpoint is saved when the batch size steps up (Megatron-LM "
+                           "saves one there with --save)",
     "--tensorboard-dir": "written by the lowest live rank; a rank that takes over continues the "
                          "same curves",
     "--save": "--recover: this project's own files in Megatron's iter_NNNNNNN/ directories "

@@ -39,7 +39,8 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 # Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
-EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")  # Megatron-LM's --exit-signal choices
+# --exit-signal: the choices of Megatron-LM before core_v0.16 (it now takes any signal name).
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 # Hang detection (Open MPI's threaded failure detector) for --recover runs: a frozen rank is
 # declared failed after this long. Minutes-long stalls are rare on healthy GPU clusters, and a
 # heartbeat every 30 s costs nothing measurable; tests use a few seconds.
