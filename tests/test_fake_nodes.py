@@ -23,7 +23,7 @@ def _mac(device: str) -> str:
 
 
 def _connect_from(nodes: FakeNodes, name: str, port: int) -> subprocess.CompletedProcess:
-    probe = (f"import socket; socket.create_connection(('10.77.{nodes.subnet}.1', {port}), "
+    probe = (f"import socket; socket.create_connection(('{nodes.machine_address}', {port}), "
              f"timeout={CONNECT_S}).close()")
     return subprocess.run(["nsenter", "-t", str(nodes.holders[name].pid), "-n", sys.executable,
                            "-c", probe], capture_output=True, text=True,
@@ -43,7 +43,7 @@ def test_the_machine_stays_reachable_when_the_node_with_the_lowest_mac_is_lost()
     """Linux gives an unset bridge the lowest MAC of its ports: losing that node would change
     the machine's MAC under the survivor. The node lost here is that one."""
     with FakeNodes(["nodeB", "nodeC"]) as nodes:
-        with socket.create_server((f"10.77.{nodes.subnet}.1", 0)) as server:
+        with socket.create_server((nodes.machine_address, 0)) as server:
             port = server.getsockname()[1]
             threading.Thread(target=_serve, args=(server,), daemon=True).start()
             lost, survivor = sorted(nodes.names, key=lambda n: _mac(nodes._veth(n)))

@@ -126,6 +126,11 @@ class FakeNodes:
         return {STATE_ENV: str(self.state)}
 
     @property
+    def machine_address(self) -> str:
+        """This machine's address on the nodes' network (the bridge's)."""
+        return f"10.77.{self.subnet}.1"
+
+    @property
     def bridge_mac(self) -> str:
         """Locally administered, unicast, from the bridge's address 10.77.X.1."""
         return f"02:00:0a:4d:{self.subnet:02x}:01"
@@ -150,7 +155,7 @@ class FakeNodes:
     def up(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "address", self.bridge_mac)
-        _ip("addr", "add", f"10.77.{self.subnet}.1/24", "dev", self.bridge)
+        _ip("addr", "add", f"{self.machine_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for name in self.names:
             holder = subprocess.Popen(
