@@ -589,6 +589,25 @@ def test_wandb_without_the_package_is_refused_and_logging_flags_parse():
         small("--eval-iters", "-1")
 
 
+def test_zero_turns_the_eval_and_exit_intervals_off_as_in_megatron_lm():
+    # Megatron-LM core_v0.16.1 tests `if args.eval_interval and ...` (its default is None), and
+    # likewise --exit-interval and --exit-duration-in-mins.
+    assert small().evaluation.interval is None
+    cfg = small("--eval-interval", "0", "--exit-interval", "0", "--exit-duration-in-mins", "0")
+    assert cfg.evaluation.interval is None and not cfg.evaluation.due(1000)
+    assert (cfg.exit.interval, cfg.exit.duration_mins, cfg.exit.agreed) == (None, None, False)
+    assert small("--exit-duration-in-mins", "0.5").exit.duration_mins == 0.5
+    for flag in ("--eval-interval", "--exit-interval", "--exit-duration-in-mins"):
+        with pytest.raises(ValueError, match=f"{flag} must be >= 0 \\(0: off\\), got -1"):
+            small(flag, "-1")
+
+
+def test_exit_signal_takes_any_catchable_signal_name():
+    assert small("--exit-signal-handler", "--exit-signal", "SIGHUP").exit.signal == "SIGHUP"
+    with pytest.raises(ValueError, match="--exit-signal SIGKILL: no process can catch it"):
+        small("--exit-signal-handler", "--exit-signal", "SIGKILL")
+
+
 def test_unknown_argument_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as info:
         small("--no-such-flag")

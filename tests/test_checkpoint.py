@@ -53,8 +53,10 @@ def test_resume_on_fewer_replicas_after_replica_0_died(tmp_path):
     schedule.write_text("entries:\n  - {iteration: 2, replica: 0, local_rank: 0, "
                         "location: during-reduce}\n")
     ckpt = tmp_path / "ckpt"
+    # The run of the reference, stopped after iteration 4 (a shorter --train-iters would be
+    # another schedule, whose checkpoint Megatron-LM's scheduler check refuses to resume).
     _, first = train(tmp_path / "first", 3, [
-        "--train-iters", "4", "--save", str(ckpt), "--save-interval", "4",
+        "--train-iters", "8", "--exit-interval", "4", "--save", str(ckpt), "--save-interval", "4",
         "--recover-failure-schedule", str(schedule)])
     markers = [json.loads(line) for line in
                (tmp_path / "first/log.markers.jsonl").read_text().splitlines()]
@@ -97,10 +99,12 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     _, reference = train(tmp_path / "reference", ranks, [*extra, "--train-iters", "8"])
     ckpt = tmp_path / "ckpt"
     same_dir = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3"]
-    result, first = train(tmp_path / "first", ranks, [*extra, *same_dir, "--train-iters", "4"])
+    result, first = train(tmp_path / "first", ranks,
+                          [*extra, *same_dir, "--train-iters", "8", "--exit-interval", "4"])
     assert "holds no checkpoint" in result.output and "training from scratch" in result.output
     assert sorted(first) == [1, 2, 3, 4]
-    # Every --save-interval iterations and once more when training ends, as Megatron-LM does.
+    # Every --save-interval iterations and once more at the --exit-interval stop, as
+    # Megatron-LM does.
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
     files = sorted(p.name for p in (ckpt / "iter_0000004").glob("*.pt"))
     if layout == "do-2x2":

@@ -66,17 +66,43 @@ def validation_losses(output: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(3)) for m in VALIDATION_LINE.finditer(output)}
 
 
-def plain_loss(tmp_path, params) -> float:
-    """The end-of-training validation loss of `params`, from tests/_eval_reference.py (none of
-    megatron_recover's evaluation code)."""
-    (tmp_path / "args.json").write_text(json.dumps([*MODEL, *EVALUATED]))
+def reference(tmp_path, params, args, which) -> dict:
+    """tests/_eval_reference.py on `params` (none of megatron_recover's evaluation, schedule or
+    data addressing): `which` is an evaluation of the validation split or `train:T`."""
+    (tmp_path / "args.json").write_text(json.dumps(args))
     out = tmp_path / f"plain-{params.parent.parent.name}.json"
     subprocess.run([sys.executable, str(ROOT / "tests/_eval_reference.py"), str(params),
-                    str(tmp_path / "args.json"), str(ITERATIONS // 2 + 1), str(out)],
+                    str(tmp_path / "args.json"), which, str(out)],
                    check=True, timeout=TIMEOUT_S)
-    plain = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def plain_loss(tmp_path, params) -> float:
+    """The end-of-training validation loss of `params`."""
+    plain = reference(tmp_path, params, [*MODEL, *EVALUATED], str(ITERATIONS // 2 + 1))
     assert plain["tokens"] == 2 * 8 * 32  # eval_iters x GBS samples of seq-length tokens
     return plain["loss"]
+
+
+def test_logged_training_loss_is_the_loss_sum_over_the_loss_tokens(tmp_path):
+    """As Megatron-LM logs it, with or without --recover: with --eod-mask-loss the microbatches
+    mask different token counts, so the mean of the microbatches' means is another value (the
+    reference computes both and the test checks that they are told apart). --lr 0 keeps
+    iteration 1's parameters for the reference, and no dropout keeps its forward plain. The
+    stock run's line comes from Megatron-LM's first-iteration line (--log-interval 5 would
+    print none in a one-iteration run)."""
+    args = [*MODEL, "--train-iters", "1", "--eval-iters", "0", "--eod-mask-loss", "--lr", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5"]
+    run = run_training(tmp_path / "recover", 2, args, timeout_s=TIMEOUT_S)
+    stock = launch(LaunchConfig(2, [*ENTRY, *args], tmp_path / "stock" / "status", TIMEOUT_S))
+    assert not stock.timed_out and stock.succeeded, stock.output[-4000:]
+    stock_loss = float(re.search(r" iteration +1/ +1 \|.* lm loss: (\S+) \|", stock.output)[1])
+    plain = reference(tmp_path, run.status_dir / "rank-0.params.pt", args, "train:1")
+    assert plain["tokens"] < 8 * 32  # some end-of-document tokens were masked
+    told_apart = abs(plain["mean of sample means"] - plain["loss"]) / plain["loss"]
+    assert told_apart > 10 * EXACT_RTOL, plain
+    assert run.records[0]["loss"] == pytest.approx(plain["loss"], rel=EXACT_RTOL), plain
+    assert stock_loss == pytest.approx(plain["loss"], rel=EXACT_RTOL), (stock_loss, plain)
 
 
 @pytest.mark.long
@@ -231,12 +257,13 @@ def test_exit_flags_stop_every_survivor_at_the_same_iteration_and_save(tmp_path)
     assert len(result.statuses) == REPLICAS and len(digests(result)) == 1
     assert all(s["state"] == "completed" for s in result.statuses.values())
 
-    # --exit-duration-in-mins: every rank is past 0 minutes after iteration 1; under --recover
-    # the request rides in the commit lane, in a stock run in an all-reduce.
+    # --exit-duration-in-mins: every rank is past 0.001 minutes (60 ms from its process start)
+    # after iteration 1; under --recover the request rides in the commit lane, in a stock run in
+    # an all-reduce.
     for recover in (True, False):
         name = "duration" if recover else "duration-stock"
         result, records, saved = exit_run(tmp_path, name, ["--train-iters", "6",
-                                                           "--exit-duration-in-mins", "0"],
+                                                           "--exit-duration-in-mins", "0.001"],
                                           num_ranks=REPLICAS if recover else 2, recover=recover)
         assert saved == 1 and "exiting program at iteration 1: after" in result.output, name
         assert len(digests(result)) == 1 and records == records[:1]

@@ -46,14 +46,15 @@ class Model:
 
 def test_model_flops_counts_each_matmul():
     """Counted by hand for one sequence: per layer, QKV (3 h x h), attention output (h x h), the
-    scores and the weighted values (2 s x h each, per token), the MLP (2 h x f); then the
-    logits (h x V); each multiply-add is 2 FLOPs forward and 4 backward."""
+    scores and the weighted values (s x h each per token, half of them under the causal mask),
+    the MLP (2 h x f); then the logits (h x V); each multiply-add is 2 FLOPs forward and 4
+    backward."""
     s, h, layers, f, vocab = 4, 8, 2, 32, 16
-    per_token = layers * (3 * h * h + h * h + 2 * s * h + 2 * h * f) + h * vocab
+    per_token = layers * (3 * h * h + h * h + s * h + 2 * h * f) + h * vocab
     assert math.isclose(model_flops(Model(), vocab, batch_size=1), 6 * s * per_token)
     # Grouped queries shrink the key and value projections; SwiGLU adds a third of the MLP.
     gqa = Model(num_query_groups=1, swiglu=True)
-    per_token = layers * (2 * h * h + 2 * h * (h // 2) + 2 * s * h + 3 * h * f) + h * vocab
+    per_token = layers * (2 * h * h + 2 * h * (h // 2) + s * h + 3 * h * f) + h * vocab
     assert math.isclose(model_flops(gqa, vocab, batch_size=1), 6 * s * per_token)
 
 

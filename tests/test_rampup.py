@@ -150,7 +150,10 @@ def test_ramp_up_resumes_from_a_checkpoint_written_after_a_failure(tmp_path, ref
     assert [r["B"] for r in first.records] == [4, 4, 8, 12]
     state = json.loads((ckpt / "iter_0000004/recover_state.json").read_text())
     assert state["live_replicas"] == [0, 2, 3] and state["ramp"] == [4, 4, 8, 12]
-    resumed = run_training(tmp_path / "resumed", 2, [*JOB, *WHOLE_RUN, "--load", str(ckpt)],
+    # A longer run than the checkpoint's changes the scheduler's weight-decay horizon (its
+    # --train-samples): as in Megatron-LM, the load then needs the arguments to win.
+    resumed = run_training(tmp_path / "resumed", 2, [*JOB, *WHOLE_RUN, "--load", str(ckpt),
+                                                     "--override-opt-param-scheduler"],
                            timeout_s=TIMEOUT_S)
     assert "resumed iteration 4" in resumed.result.output
     assert [(r["iteration"], r["B"], r["live_replicas"]) for r in resumed.records] == [

@@ -85,7 +85,9 @@ _NO_EFFECT_GROUPS = (
      "--sharp-enabled-group:1 --high-priority-stream-groups:* "
      "--ddp-pad-buckets-for-high-nccl-busbw --disable-symmetric-registration"),
     ("only the interleaved (virtual-pipeline) schedule reads it, and that schedule is refused",
-     "--no-overlap-p2p-communication --no-align-grad-reduce --no-align-param-gather"),
+     "--no-overlap-p2p-communication --no-align-param-gather"),
+    ("with --overlap-grad-reduce every pipeline stage here already starts its gradient "
+     "reductions as its buckets fill, which is what this flag selects", "--no-align-grad-reduce"),
     ("only read with CPU optimizer offload, which is refused", "--no-pin-cpu-grads "
      "--no-pin-cpu-params"),
     ("only read with --profile, which is refused", "--profile-step-start:1 --profile-step-end:1 "
@@ -190,10 +192,6 @@ _REFUSED_GROUPS = (
      "--main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype"),
     ("weight decay applies to every parameter but biases and norms (Megatron's default rule); "
      "other rules are not supported", "--no-weight-decay-cond-type --apply-wd-to-qk-layernorm"),
-    ("the learning-rate scheduler resumes from the checkpoint with the schedule the arguments "
-     "give; these overrides are not supported", "--override-opt-param-scheduler "
-     "--override-opt_param-scheduler --use-checkpoint-opt-param-scheduler "
-     "--use-checkpoint-opt_param-scheduler"),
     ("a deprecated Megatron-LM spelling; use the current flag (--micro-batch-size, "
      "--recompute-activations, --lr-warmup-iters, --tensor-model-parallel-size, "
      "--position-embedding-type rope, --ckpt-format)", "--batch-size --checkpoint-activations "
@@ -212,7 +210,7 @@ _REFUSED_GROUPS = (
      "--load-main-params-from-ckpt --no-load-optim --no-load-rng --no-save-optim --no-save-rng "
      "--non-persistent-ckpt-type --non-persistent-global-ckpt-dir "
      "--non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir "
-     "--non-persistent-save-interval --persistent-save-interval --pretrained-checkpoint "
+     "--non-persistent-save-interval --pretrained-checkpoint "
      "--replication --replication-factor --replication-jump --save-dgrads-interval "
      "--save-wgrads-interval --save-retain-interval --use-checkpoint-args "
      "--use-mp-args-from-checkpoint-args --use-persistent-ckpt-worker "
@@ -364,23 +362,113 @@ IMPLEMENTED_NOTES = {
     "--no-gradient-accumulation-fusion": "",
     "--ckpt-format": "torch_dist for stock runs; --recover saves per-rank torch files: "
                      "--ckpt-format torch (the default under --recover), torch_dist refused",
-    "--use-distributed-optimizer": "with --recover, one instance per replica must be spelled "
-                                   "out: --num-distributed-optimizer-instances",
-    "--wandb-project": "refused where the wandb package is not installed",
+    "--use-distributed-optimizer": "with --recover the optimizer state is sharded inside each "
+                                   "replica, never across replicas (see "
+                                   "--num-distributed-optimizer-instances)",
+    "--num-distributed-optimizer-instances": "--recover with --use-distributed-optimizer: "
+                                             "default one instance per data-parallel rank "
+                                             "(Megatron-LM: 1), said at start-up; 1 is refused "
+                                             "when DP > 1; K shards each instance over DP / K "
+                                             "ranks",
+    "--overlap-grad-reduce": "with PP > 1 every stage starts its reductions as its buckets "
+                             "fill (Megatron-LM by default holds the later stages' for the "
+                             "pipeline bubble, as --no-align-grad-reduce turns off); the same "
+                             "gradients",
+    "--ddp-bucket-size": "must be >= 1 (Megatron-LM: 0 or less puts each parameter in its own "
+                         "bucket)",
+    "--sequence-parallel": "with the local layer spec it also runs without Apex (Megatron-LM's "
+                          "torch-norm fallback refuses it)",
+    "--position-embedding-type": "learned_absolute or rope; mrope, relative and none are refused "
+                                 "(an argparse error)",
+    "--max-position-embeddings": "optional: default --seq-length; with rope it may be below "
+                                 "--seq-length (Megatron-LM: required, and at least "
+                                 "--seq-length)",
+    "--num-query-groups": "must be a multiple of --tensor-model-parallel-size (Megatron-LM also "
+                          "accepts fewer groups than TP ranks when they divide it)",
+    "--recompute-activations": "refused with --recompute-granularity full (Megatron-LM: "
+                               "--recompute-activations wins and recomputes selectively)",
+    "--recompute-method": "refused without --recompute-granularity (Megatron-LM ignores it "
+                          "then)",
+    "--recompute-num-layers": "refused without --recompute-granularity (Megatron-LM ignores it "
+                              "then) and above the layers of one pipeline stage (Megatron-LM's "
+                              "block method then recomputes every layer)",
+    "--cross-entropy-fusion-impl": "te is refused where Transformer Engine does not import, "
+                                   "even without --cross-entropy-loss-fusion (Megatron-LM reads "
+                                   "it only with that flag)",
+    "--hidden-dropout": "must be in [0, 1) (Megatron-LM does not check); --recover exact mode "
+                        "seeds the masks per microbatch (see --seed)",
+    "--attention-dropout": "must be in [0, 1) (Megatron-LM does not check); --recover exact "
+                           "mode seeds the masks per microbatch (see --seed)",
+    "--apply-layernorm-1p": "also with the local layer spec and RMSNorm, or without Apex "
+                            "(Megatron-LM's torch-norm fallback refuses it there)",
+    "--normalization": "with the local layer spec also under --sequence-parallel without Apex "
+                       "(Megatron-LM's torch-norm fallback refuses that)",
+    "--seed": "initialization as Megatron-LM (seed + 100 x pipeline stage); --recover exact "
+              "mode reseeds dropout for every microbatch from (seed, iteration, microbatch id, "
+              "stage), so a microbatch draws the same masks on whichever replica runs it",
+    "--train-samples": "fewer samples than one global batch (or than the ramp-up) are refused "
+                       "(Megatron-LM trains the whole global batches that fit, possibly none)",
+    "--lr-warmup-iters": "negative refused (Megatron-LM accepts it: no warmup, the decay "
+                         "starts part-way)",
+    "--lr-warmup-samples": "negative refused (Megatron-LM accepts it: no warmup, the decay "
+                           "starts part-way)",
+    "--lr-warmup-fraction": "negative refused (Megatron-LM accepts it: no warmup, the decay "
+                            "starts part-way)",
+    "--lr-wsd-decay-iters": "refused with --train-samples (Megatron-LM ignores it in a "
+                            "sample-based run)",
+    "--lr-wsd-decay-samples": "refused with --train-iters (Megatron-LM ignores it in an "
+                              "iteration-based run)",
+    "--decoupled-lr": "refused when negative or below --decoupled-min-lr (Megatron-LM accepts "
+                      "both)",
+    "--decoupled-min-lr": "refused without --decoupled-lr (Megatron-LM accepts it, with no "
+                          "effect)",
+    "--grad-reduce-in-bf16": "refused without --bf16 (Megatron-LM ignores it then)",
+    "--data-cache-path": "the cached index files are named from this project's tokenizer "
+                         "identity and the absolute data path, so a cache Megatron-LM built is "
+                         "not reused (the same indices are built again)",
+    "--merge-file": "read as GPT-2's merges.txt, as Megatron-LM's legacy tokenizer does; "
+                    "refused where --tokenizer-type does not read it",
+    "--vocab-file": "refused where --tokenizer-type does not read it (Megatron-LM ignores it or "
+                    "hands it to AutoTokenizer)",
+    "--tokenizer-model": "a local directory, loaded as the fast Hugging Face tokenizer "
+                         "(Megatron-LM: the slow one unless --tokenizer-hf-use-fast); refused "
+                         "where --tokenizer-type does not read it",
+    "--split": "a train share of 0 is refused (Megatron-LM then only evaluates); a split with "
+               "no validation documents is not evaluated (Megatron-LM fails at its first "
+               "evaluation); checked with --mock-data too, which splits evenly",
+    "--save-interval": "must be >= 1 even without --save (Megatron-LM checks it only with "
+                       "--save)",
+    "--eval-iters": "negative refused (Megatron-LM evaluates only when it is > 0)",
+    "--log-throughput": "under --recover, TFLOP/s per live rank; values under 0.1 print as "
+                        "%.2e",
+    "--log-timers-to-tensorboard": "iteration-time and throughput are written every "
+                                   "--tensorboard-log-interval with that iteration's time "
+                                   "(Megatron-LM: every --log-interval, the interval's mean)",
+    "--log-validation-ppl-to-tensorboard": "also logged to W&B (Megatron-LM: TensorBoard only)",
+    "--tensorboard-log-interval": "must be >= 1 (Megatron-LM does not check; 0 fails at the "
+                                  "first iteration with --tensorboard-dir)",
+    "--tensorboard-queue-size": "must be >= 1 (Megatron-LM: 0 or less is an unbounded queue)",
+    "--wandb-exp-name": "empty: W&B's generated name (Megatron-LM refuses an explicit empty "
+                        "name)",
+    "--wandb-save-dir": "default SAVE/wandb, or ./wandb without --save (Megatron-LM fails "
+                        "without --save)",
+    "--wandb-project": "refused where the wandb package is not installed; the values go to W&B "
+                       "without --tensorboard-dir too (Megatron-LM: only with TensorBoard on), "
+                       "without its samples-vs-steps values and the argument config",
     "--exit-duration-in-mins": "the ranks agree on the last iteration (any rank past the "
-                               "duration stops them all after that iteration); fractional "
-                               "minutes accepted, and 0 stops after the first iteration "
-                               "(Megatron-LM: whole minutes, 0 off); not checked inside an "
-                               "evaluation",
+                               "duration stops them all after that iteration), counted from "
+                               "each rank's process start (Megatron-LM: from pretrain's start); "
+                               "fractional minutes accepted (Megatron-LM: whole minutes); not "
+                               "checked inside an evaluation",
     "--exit-interval": "an exit due at the last iteration does not skip the end-of-training "
-                       "evaluations (Megatron-LM exits before them); 0 is refused",
-    "--exit-signal": "SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 (Megatron-LM core_v0.16.1 takes any "
-                     "signal name)",
+                       "evaluations (Megatron-LM exits before them)",
     "--exit-signal-handler": "installed once the model is built (Megatron-LM: at initialization), "
                              "so the signal during start-up has its default effect; a signal in "
                              "the last iteration does not skip the end-of-training evaluations",
-    "--eval-interval": "default 1000; 0 is refused (Megatron-LM: 0 means no evaluation during "
-                       "training)",
+    "--exit-signal": "SIGKILL and SIGSTOP are refused at start-up (they cannot be caught)",
+    "--eval-interval": "absent or 0: only the evaluation at the end of training, the meaning "
+                       "Megatron-LM core_v0.16.1 documents (its validation-split sizing divides "
+                       "by the flag and fails without it)",
     "--log-world-size-to-tensorboard": "--recover: the live ranks, which fall after failures "
                                        "(Megatron-LM: the launch world size)",
     "--eod-mask-loss": "without --calculate-per-token-loss the logged lm loss is the mean of the "
@@ -407,7 +495,12 @@ IMPLEMENTED_NOTES = {
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer, from local "
                         "files; the other types are refused at start-up",
     "--log-interval": "--recover: the iteration line adds live replicas, contributions/B and "
-                      "failures (docs/observability.md)",
+                      "failures (docs/observability.md); the first iteration's line, which "
+                      "Megatron-LM prints whatever the interval, starts a new interval when "
+                      "that iteration ends one (Megatron-LM core_v0.16.1 averages it into the "
+                      "next line too); the elapsed time per iteration is the mean of the steps' "
+                      "own times (Megatron-LM: the interval's wall clock, evaluations and saves "
+                      "left out)",
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 from pathlib import Path
 
 from megatron_recover.megatron import argument_table
@@ -39,8 +40,8 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 # Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
-# --exit-signal: the choices of Megatron-LM before core_v0.16 (it now takes any signal name).
-EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+# --exit-signal takes any signal name, as Megatron-LM's parser does; these two cannot be caught.
+UNCATCHABLE_SIGNALS = ("SIGKILL", "SIGSTOP")
 # Hang detection (Open MPI's threaded failure detector) for --recover runs: a frozen rank is
 # declared failed after this long. Minutes-long stalls are rare on healthy GPU clusters, and a
 # heartbeat every 30 s costs nothing measurable; tests use a few seconds.
@@ -125,6 +126,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    # On --load, where the scheduler's values come from (Megatron-LM's two spellings of each).
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler",
+                   action="store_true", dest="override_opt_param_scheduler")
+    g.add_argument("--use-checkpoint-opt-param-scheduler",
+                   "--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler")
 
 
 def _add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -181,13 +188,14 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save")
     g.add_argument("--load")
-    g.add_argument("--save-interval", type=int)
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int,
+                   dest="save_interval")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist"])
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("validation, logging and exit")
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-interval", type=int)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--tensorboard-dir")
@@ -205,7 +213,8 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float)
     g.add_argument("--exit-interval", type=int)
     g.add_argument("--exit-signal-handler", action="store_true")
-    g.add_argument("--exit-signal", default="SIGTERM", choices=EXIT_SIGNALS)
+    g.add_argument("--exit-signal", default="SIGTERM", choices=[s.name for s in signal.Signals],
+                   metavar="SIGNAL")
 
 
 def _add_recover_args(parser: argparse.ArgumentParser) -> None:
@@ -290,8 +299,7 @@ def _positive(ns) -> list[str]:
                  "--max-position-embeddings", "--save-interval", "--lr-decay-iters",
                  "--ddp-bucket-size", "--vocab-size", "--num-query-groups",
                  "--make-vocab-size-divisible-by", "--kv-channels", "--recompute-num-layers",
-                 "--eval-interval", "--tensorboard-log-interval", "--tensorboard-queue-size",
-                 "--exit-interval"):
+                 "--tensorboard-log-interval", "--tensorboard-queue-size", "--seed"):
         value = getattr(ns, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             problems.append(f"{flag} must be a positive integer, got {value}")
@@ -557,9 +565,15 @@ def _weight_decay_and_decoupled_lr(ns) -> list[str]:
                         "--start-weight-decay and --end-weight-decay")
     if ns.decoupled_min_lr is not None and ns.decoupled_lr is None:
         problems.append("--decoupled-min-lr is the floor of --decoupled-lr: add --decoupled-lr")
-    elif ns.decoupled_lr is not None and ns.decoupled_lr < (ns.decoupled_min_lr or 0.0):
-        problems.append(f"--decoupled-min-lr {ns.decoupled_min_lr} exceeds --decoupled-lr "
-                        f"{ns.decoupled_lr}")
+    elif ns.decoupled_lr is not None and ns.decoupled_min_lr is None and ns.decoupled_lr < 0:
+        problems.append(f"--decoupled-lr must be >= 0, got {ns.decoupled_lr:g}")
+    elif ns.decoupled_lr is not None and ns.decoupled_lr < ns.decoupled_min_lr:
+        problems.append(f"--decoupled-min-lr {ns.decoupled_min_lr:g} exceeds --decoupled-lr "
+                        f"{ns.decoupled_lr:g}")
+    if ns.override_opt_param_scheduler and ns.use_checkpoint_opt_param_scheduler:
+        problems.append("--override-opt-param-scheduler (the arguments win on --load) and "
+                        "--use-checkpoint-opt-param-scheduler (the checkpoint wins) contradict "
+                        "each other: pass one")
     return problems
 
 
@@ -606,7 +620,10 @@ def _dataset_files(prefix: str) -> list[str]:
 
 def _split(split: str) -> list[str]:
     # The same reading as megatron-core's parse_and_normalize_split.
-    weights = [float(x) for x in re.findall(r"[.0-9]+", split) if x != "."]
+    try:
+        weights = [float(x) for x in re.findall(r"[.0-9]+", split) if x != "."]
+    except ValueError:  # "1.2.3"
+        weights = []
     if not 1 <= len(weights) <= 3 or weights[0] <= 0:
         return [f"--split {split!r}: give up to three non-negative proportions "
                 "train,valid,test with a positive train share, e.g. --split 969,30,1"]
@@ -632,6 +649,10 @@ def _tokenizer(ns) -> list[str]:
             problems.append(f"--tokenizer-type {kind} needs {flag}")
         elif not Path(path).exists():
             problems.append(f"{flag} {path}: no such file or directory")
+    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+        if flag not in needs and getattr(ns, flag[2:].replace("-", "_")) is not None:
+            problems.append(f"{flag}: --tokenizer-type {kind} does not read it: drop it, or "
+                            f"pass the tokenizer type that does")
     if kind == "NullTokenizer" and ns.vocab_size is None:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
     return problems
@@ -656,8 +677,13 @@ def _logging(ns, wandb_available: bool) -> list[str]:
     problems = []
     if ns.eval_iters < 0:
         problems.append(f"--eval-iters must be >= 0 (0: no evaluation), got {ns.eval_iters}")
-    if ns.exit_duration_in_mins is not None and ns.exit_duration_in_mins < 0:
-        problems.append(f"--exit-duration-in-mins must be >= 0, got {ns.exit_duration_in_mins}")
+    for flag in ("--eval-interval", "--exit-interval", "--exit-duration-in-mins"):
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if value is not None and value < 0:
+            problems.append(f"{flag} must be >= 0 (0: off), got {value:g}")
+    if ns.exit_signal_handler and ns.exit_signal in UNCATCHABLE_SIGNALS:
+        problems.append(f"--exit-signal {ns.exit_signal}: no process can catch it: pass one "
+                        "that can be caught, such as SIGTERM (the default) or SIGUSR1")
     if ns.wandb_project and not wandb_available:
         problems.append(f"--wandb-project {ns.wandb_project}: the wandb package is not "
                         "installed here: install it (pip install wandb) or drop the flag "
@@ -899,7 +925,9 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             weight_decay_incr_style=ns.weight_decay_incr_style,
             clip_grad=ns.clip_grad, adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2,
             adam_eps=ns.adam_eps, decoupled_lr=ns.decoupled_lr,
-            decoupled_min_lr=ns.decoupled_min_lr),
+            decoupled_min_lr=ns.decoupled_min_lr,
+            override_scheduler=ns.override_opt_param_scheduler,
+            use_checkpoint_scheduler=ns.use_checkpoint_opt_param_scheduler),
         precision=PrecisionConfig(
             fp16=ns.fp16, bf16=ns.bf16, loss_scale=ns.loss_scale,
             initial_loss_scale=ns.initial_loss_scale, min_loss_scale=ns.min_loss_scale,
@@ -960,8 +988,10 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             log_timers=ns.log_timers_to_tensorboard,
             wandb_project=ns.wandb_project or None, wandb_exp_name=ns.wandb_exp_name,
             wandb_save_dir=ns.wandb_save_dir, wandb_entity=ns.wandb_entity),
-        evaluation=EvalConfig(interval=ns.eval_interval, iters=ns.eval_iters),
-        exit=ExitConfig(duration_mins=ns.exit_duration_in_mins, interval=ns.exit_interval,
+        # 0 turns these off, as in Megatron-LM's `if args.eval_interval and ...` tests.
+        evaluation=EvalConfig(interval=ns.eval_interval or None, iters=ns.eval_iters),
+        exit=ExitConfig(duration_mins=ns.exit_duration_in_mins or None,
+                        interval=ns.exit_interval or None,
                         signal_handler=ns.exit_signal_handler, signal=ns.exit_signal),
         notices=_notices(ns, argv, world_size, cuda_available, te_available),
     )

@@ -137,6 +137,12 @@ class OptimConfig:
     """Peak learning rate of the input embedding and output layer (--decoupled-lr); None: --lr."""
     decoupled_min_lr: float | None = None
     """Their learning-rate floor (--decoupled-min-lr); None: --min-lr."""
+    override_scheduler: bool = False
+    """On --load, the scheduler's values come from the arguments (--override-opt-param-scheduler).
+    With neither this nor `use_checkpoint_scheduler` (Megatron-LM's default) a checkpoint whose
+    values differ from the arguments' stops the load."""
+    use_checkpoint_scheduler: bool = False
+    """On --load, from the checkpoint (--use-checkpoint-opt-param-scheduler)."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,8 @@ class PrecisionConfig:
             else "fp32 parameters"
         line += f", gradients accumulated and reduced in {grads}"
         if self.fp16:
-            line += (f", static loss scale {self.loss_scale:g}" if self.loss_scale is not None
+            # megatron-core scales dynamically unless --loss-scale is a positive number.
+            line += (f", static loss scale {self.loss_scale:g}" if self.loss_scale
                      else f", dynamic loss scale from {self.initial_loss_scale:g}")
         return line
 
@@ -340,7 +347,8 @@ class EvalConfig:
     """Evaluation on the validation split of --split, as Megatron-LM's training loop runs it."""
 
     interval: int | None
-    """--eval-interval: iterations between evaluations (default 1000); None: only at the end."""
+    """--eval-interval: iterations between evaluations; None (absent or 0, Megatron-LM
+    core_v0.16.1's default): only the evaluation at the end of training."""
     iters: int
     """--eval-iters: global batches per evaluation (default 100); 0: no evaluation."""
 

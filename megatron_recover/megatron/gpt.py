@@ -5,8 +5,10 @@ The pass runs explicit microbatch ids (the policy's) through megatron's own sche
 so a microbatch recomputed on another replica after a failure draws the same dropout masks.
 """
 
+import random
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
@@ -26,6 +28,7 @@ from megatron_recover.megatron.data import batch_checksum
 from megatron_recover.megatron.norms import Norm
 
 _SEED_STRIDE = 1_000_003  # > any B: (iteration, id) pairs map to distinct seeds
+_MAX_STAGES = 1024  # > any pipeline depth: each stage's dropout draws from its own seeds
 
 
 def layer_specs(transformer_config, transformer_impl: str):
@@ -50,19 +53,20 @@ def layer_specs(transformer_config, transformer_impl: str):
         layer_specs=[spec] * get_num_layers_to_build(transformer_config), layer_norm=Norm)
 
 
-def build_gpt(transformer_config, vocab_size: int, max_sequence_length: int,
-              position_embedding_type: str, share_embeddings: bool,
-              transformer_impl: str = "local") -> GPTModel:
-    """This rank's GPTModel."""
+def build_gpt(transformer_config, vocab_size: int, model) -> GPTModel:
+    """This rank's GPTModel, as Megatron-LM's GPT builder makes it from the arguments in
+    `model` (a ModelConfig); `vocab_size` is the padded one."""
     return GPTModel(
         config=transformer_config,
-        transformer_layer_spec=layer_specs(transformer_config, transformer_impl),
+        transformer_layer_spec=layer_specs(transformer_config, model.transformer_impl),
         vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
+        max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=share_embeddings,
-        position_embedding_type=position_embedding_type,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base,
     )
 
 
@@ -129,9 +133,22 @@ def _finalize_keeping_token_sums(model, num_tokens=None, **kwargs):
     finalize_model_grads(model, **kwargs)
 
 
+def seed_stage(seed: int) -> None:
+    """Megatron-LM's seeding at initialization: `seed` plus 100 per pipeline stage, for Python's,
+    numpy's and torch's generators and megatron's tensor-parallel RNG states."""
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
 def seed_microbatch(seed: int, iteration: int, microbatch_id: int) -> None:
-    """Seed every RNG a microbatch draws from by its identity, not its position on a replica."""
-    mixed = seed + iteration * _SEED_STRIDE + microbatch_id
+    """Seed every RNG a microbatch draws from by its identity, not its position on a replica:
+    (iteration, id, pipeline stage) map to distinct seeds."""
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    assert stage < _MAX_STAGES, stage
+    mixed = seed + (iteration * _SEED_STRIDE + microbatch_id) * _MAX_STAGES + stage
     torch.manual_seed(mixed)
     tensor_parallel.model_parallel_cuda_manual_seed(mixed)
 
@@ -145,11 +162,13 @@ def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, out
     loss = torch.sum(losses * mask)
     count = mask.sum()
     tokens = count.to(torch.int)
+    # Reported: the sum over the loss tokens, whatever the flag; the logged loss is the
+    # committed sum over the committed tokens, as Megatron-LM logs it. A copy: the schedule
+    # divides the returned loss in place (and the forced overflow below is never reported).
+    reported = {"id": microbatch_id, "lm loss": loss.detach().clone(), "tokens": int(tokens)}
     if not per_token:
         loss = loss / count.clamp(min=1)
     on_first_loss()
-    # The schedule divides the returned loss in place; report a copy (never the forced overflow).
-    reported = {"id": microbatch_id, "lm loss": loss.detach().clone(), "tokens": int(tokens)}
     if overflow():
         loss = loss * float("inf")  # a failure-schedule test of fp16's loss scaler
     return (loss, tokens, reported) if per_token else (loss, reported)
@@ -157,8 +176,8 @@ def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, out
 
 class MicrobatchPass:
     """`run(iteration, ids, losses, tokens)`: forward/backward of `ids` through megatron's
-    schedule; each id's loss goes into `losses` and its loss-token count into `tokens` (on the
-    last pipeline stage: the others see no losses).
+    schedule; each id's loss summed over its loss tokens goes into `losses` and their count
+    into `tokens` (on the last pipeline stage: the others see no losses).
 
     `microbatch(iteration, id)` yields megatron's GPT batch dict, which names its own iteration
     and id; the forward step registers that batch (with a checksum of what it trains on) in the

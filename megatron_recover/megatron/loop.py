@@ -56,7 +56,8 @@ def run_loop(cfg, progress: Progress, stepper) -> list[int]:
                                  iteration_ms=result.iteration_ms,
                                  global_batch_size=result.global_batch_size,
                                  grad_norm=result.grad_norm, events=result.events,
-                                 recover=result.recover)
+                                 recover=result.recover,
+                                 first=iteration == stepper.first_iteration)
         if cfg.evaluation.due(iteration):
             progress.evaluate(iteration)
         saved = progress.save_due(iteration)
@@ -98,9 +99,9 @@ class StockStepper:
         return self.setup.ddp_model, self.setup.optimizer, self.setup.scheduler
 
     def step(self, iteration: int) -> StepResult:
-        """One iteration over the same ids as the policy's. As Megatron-LM, the loss is the mean
-        over microbatches or, with --calculate-per-token-loss, the global batch's loss sum over
-        its loss tokens."""
+        """One iteration over the same ids as the policy's. As Megatron-LM, the logged loss is
+        the global batch's loss sum over its loss tokens (with or without
+        --calculate-per-token-loss)."""
         from megatron.core.num_microbatches_calculator import (
             get_current_global_batch_size,
             get_num_microbatches,
@@ -123,10 +124,8 @@ class StockStepper:
             setup.scheduler.step(increment=global_batch_size)
         total = torch.tensor([sum(losses.values()), sum(tokens.values())], dtype=torch.float64)
         dist.all_reduce(total)
-        divisor = (max(total[1].item(), 1) if cfg.model.calculate_per_token_loss
-                   else global_batch_size // cfg.micro_batch_size)
         self.consumed += global_batch_size
-        return StepResult(loss=total[0].item() / divisor, grad_norm=grad_norm,
+        return StepResult(loss=total[0].item() / max(total[1].item(), 1), grad_norm=grad_norm,
                           iteration_ms=(time.perf_counter() - start) * 1e3,
                           skipped=not update_successful, global_batch_size=global_batch_size)
 

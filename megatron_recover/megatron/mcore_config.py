@@ -107,7 +107,9 @@ def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
     """Keyword arguments of megatron-core's OptimizerParamScheduler (all but `optimizer`).
 
     Steps are samples, as in Megatron-LM: the caller steps the scheduler by the iteration's
-    global batch size (= B x micro_batch_size) once per committed iteration.
+    global batch size (= B x micro_batch_size) once per committed iteration. On a load, values
+    that differ from the checkpoint's stop it unless one of the two override flags says which
+    side wins (megatron-core's own default is the checkpoint's; Megatron-LM's is neither).
     """
     o = cfg.optim
     return dict(
@@ -118,6 +120,8 @@ def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
         wd_incr_steps=cfg.train_samples, wd_incr_style=o.weight_decay_incr_style,
         wsd_decay_steps=o.lr_wsd_decay_samples,
         lr_wsd_decay_style=o.lr_wsd_decay_style,
+        override_opt_param_scheduler=o.override_scheduler,
+        use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler,
     )
 
 

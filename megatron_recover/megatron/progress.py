@@ -104,8 +104,11 @@ class Progress:
 
     def after_iteration(self, iteration: int, *, loss: float, skipped: bool, iteration_ms: float,
                         global_batch_size: int, grad_norm, recover: dict | None = None,
-                        events=()) -> None:
-        """The iteration line, the failure lines and the TensorBoard values."""
+                        events=(), first: bool = False) -> None:
+        """The iteration line, the failure lines and the TensorBoard values. `first`: this
+        launch's first iteration, whose line Megatron-LM prints whatever --log-interval says
+        (to show the start-up overhead), without starting a new interval unless that
+        iteration ends one: the next line covers it again."""
         cfg, log = self.cfg, self.cfg.logging
         lost = sum(len(e["replicas"]) for e in events if e["event"] == "failure")
         self.stats.add(loss, skipped, iteration_ms, lost)
@@ -121,13 +124,15 @@ class Progress:
                 print(line, flush=True)
         if recover is not None:
             recover = {**recover, "failures": self.stats.failures}
-        if writer and iteration % log.log_interval == 0:
+        ends_interval = iteration % log.log_interval == 0
+        due = first or ends_interval
+        if writer and due:
             print(self.stats.line(iteration=iteration, train_iters=cfg.train_iters,
                                   consumed_samples=consumed, lr=lr,
                                   global_batch_size=global_batch_size, loss_scale=loss_scale,
                                   grad_norm=grad_norm, flops=flops, ranks=self.live_ranks(),
-                                  recover=recover), flush=True)
-        elif iteration % log.log_interval == 0:
+                                  recover=recover, restart=ends_interval), flush=True)
+        elif ends_interval:
             self.stats.restart()  # the interval restarts on every rank: a new writer goes on
         if self.writers.enabled and iteration % log.tensorboard_log_interval == 0:
             seconds = iteration_ms / 1e3

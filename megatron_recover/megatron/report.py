@@ -23,13 +23,14 @@ def model_flops(model, padded_vocab_size: int, batch_size: int) -> float:
     """Megatron-LM's model FLOPs of one iteration of a dense GPT (its
     num_floating_point_operations): forward and backward are 3 x the forward's 2 FLOPs per
     multiply-add, over the query/key/value and output projections (keys and values per query
-    group), the attention scores and their values, the MLP (x 3/2 gated with SwiGLU) and the
-    logits, for batch_size sequences of seq_length tokens. `model` is a ModelConfig."""
+    group), the attention scores and their values (half of them: the causal mask, as Megatron-LM
+    core_v0.16.1 counts), the MLP (x 3/2 gated with SwiGLU) and the logits, for batch_size
+    sequences of seq_length tokens. `model` is a ModelConfig."""
     s, h, layers = model.seq_length, model.hidden_size, model.num_layers
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads
     query_ratio = model.kv_channels * heads / h
-    attention = (1 + groups / heads + s / h) * query_ratio
+    attention = (1 + groups / heads + s / (2 * h)) * query_ratio
     mlp = model.ffn_hidden_size / h * (1.5 if model.swiglu else 1.0)
     logits = padded_vocab_size / (2 * layers * h)
     return 12 * batch_size * s * layers * h * h * (attention + mlp + logits)
@@ -66,9 +67,11 @@ class IntervalStats:
 
     def line(self, *, iteration: int, train_iters: int, consumed_samples: int, lr: float,
              global_batch_size: int, loss_scale: float, grad_norm: float | None,
-             flops: float | None = None, ranks: int = 1, recover: dict | None = None) -> str:
-        """The iteration line (then the interval starts again). `flops`: the iteration's model
-        FLOPs with --log-throughput; `ranks`: the ranks that ran it; `recover`: our fields."""
+             flops: float | None = None, ranks: int = 1, recover: dict | None = None,
+             restart: bool = True) -> str:
+        """The iteration line (then, `restart`, the interval starts again). `flops`: the
+        iteration's model FLOPs with --log-throughput; `ranks`: the ranks that ran it;
+        `recover`: our fields."""
         ms = self.elapsed_ms / max(self.iterations, 1)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         line = (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
@@ -91,7 +94,8 @@ class IntervalStats:
             line += (f" live replicas: {recover['live replicas']} |"
                      f" contributions: {recover['contributions']}/{recover['B']} |"
                      f" failures: {self.failures} |")
-        self.restart()
+        if restart:
+            self.restart()
         return line
 
 

@@ -40,6 +40,7 @@ from megatron_recover.megatron.gpt import (
     MicrobatchPass,
     build_gpt,
     process_groups,
+    seed_stage,
     synced_inside_replica,
     wrap_ddp,
 )
@@ -99,7 +100,8 @@ def _check_optimizer_locations(cfg, entries) -> None:
         if entry.location == "evaluation" and not evaluates:
             raise ValueError(f"{cfg.recover.failure_schedule}: location evaluation at iteration "
                              f"{entry.iteration}: no evaluation follows it (--eval-interval "
-                             f"{cfg.evaluation.interval}, --eval-iters {cfg.evaluation.iters}, "
+                             f"{cfg.evaluation.interval or 0}, --eval-iters "
+                             f"{cfg.evaluation.iters}, "
                              f"--train-iters {cfg.train_iters})")
         if entry.location == "param-gather" and not cfg.parallel.use_distributed_optimizer:
             raise ValueError(f"{cfg.recover.failure_schedule}: location param-gather is the "
@@ -191,7 +193,7 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     """Megatron's parallel state, GPT model, DDP (on ulfm when asked), optimizer and scheduler.
     A standby builds the same over its own replica (its cross-replica group holds only itself
     until it joins)."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     hang_s = cfg.recover.hang_timeout_s if cfg.recover.enabled else 0
     par = cfg.parallel
@@ -210,13 +212,9 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         # joins; a failed or frozen peer is handled much sooner by the replica gate.
         distributed_timeout_minutes=LAST_RESORT_FACTOR * hang_s / 60 if hang_s else 30,
     )
-    torch.manual_seed(cfg.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    seed_stage(cfg.seed)
     tconfig = mcore_config.to_transformer_config(cfg)
-    model = build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size),
-                      cfg.model.max_position_embeddings, cfg.model.position_embedding_type,
-                      share_embeddings=not cfg.model.untie_embeddings_and_output_weights,
-                      transformer_impl=cfg.model.transformer_impl)
+    model = build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size), cfg.model)
     if cfg.precision.fp16 or cfg.precision.bf16:
         from megatron.core.transformer.module import Float16Module
 

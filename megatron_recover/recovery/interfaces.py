@@ -49,8 +49,9 @@ class PassRunner(Protocol):
                  losses: dict[int, float], tokens: dict[int, int]) -> None:
         """Forward and backward of microbatches `ids` (not empty) of `iteration`, each loss
         divided by `divisor` (the iteration's B), accumulated into the buckets; registers each
-        consumed microbatch in the recovery's ledger; adds each id's loss to `losses` and its
-        loss tokens to `tokens` where this rank sees losses. Raises for a rank-local error."""
+        consumed microbatch in the recovery's ledger; adds each id's loss summed over its loss
+        tokens to `losses` and their count to `tokens` where this rank sees losses (the logged
+        loss is the committed sum over the committed tokens). Raises for a rank-local error."""
 
 
 class OptimizerStep(Protocol):

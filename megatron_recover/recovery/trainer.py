@@ -30,10 +30,11 @@ the interfaces of `interfaces.py` (megatron's DDP, schedule and optimizer behind
   5. Commit: the policy installs the next layout; the adaptive policy rescales the summed gradient
      to its committed count; the optimizer steps.
 
-With per-token loss the pass runner leaves each microbatch's loss a sum over its loss tokens; the
-commit lane also sums the loss tokens of the microbatches in the sent ledger, and the committed
-gradient is divided once by that count: all B microbatches' tokens under the static policy, the
-committed microbatches' under drop-and-go.
+The commit lane sums the loss sums and loss tokens of the microbatches in the sent ledger; the
+logged loss is their ratio, as Megatron-LM logs it. With per-token loss the pass runner also
+leaves each microbatch's gradient a sum over its loss tokens, and the committed gradient is
+divided once by the committed token count: all B microbatches' tokens under the static policy,
+the committed microbatches' under drop-and-go.
 
 With overlapped parameter gathers (distributed-optimizer instances) every shard dispatches all of
 them right after the optimizer step, in the same order (`GradientBuffers.dispatch_param_gather`):
@@ -437,7 +438,7 @@ class ResilientTrainer:
         for event in events:
             event["committed"] = time.time()
         return StepReport(
-            iteration=iteration, loss=verdict.loss_sum / max(divisor, 1),
+            iteration=iteration, loss=verdict.loss_sum / max(verdict.tokens, 1),
             contributions=totals.count, B=b,
             live_replicas=len(result.roles), epoch=agreed.epoch,
             ledger_checksum=totals.checksum, invariant_ok=verdict.invariant_ok,

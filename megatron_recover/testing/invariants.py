@@ -61,12 +61,14 @@ def check_run(setup: Setup, runs: dict, world) -> list[int]:
                 assert totals.count == b, f"iteration {t} committed {totals.count}, B = {b}"
             held = [(k, n) for k, n in enumerate(totals.main_counts) if n]
             held += [(k, 1) for k in totals.reserve]
-            loss = sum(n * microbatch(audit.dataset, sample_range(audit, t, k))[2]
-                       for k, n in held)
-            divisor = b if setup.policy == STATIC else totals.count
-            assert report.loss == loss / divisor, (
+            committed = [(n, microbatch(audit.dataset, sample_range(audit, t, k)))
+                         for k, n in held]
+            loss = sum(n * m[2] for n, m in committed)
+            tokens = sum(n * m[1] for n, m in committed)
+            assert report.loss == loss / max(tokens, 1), (
                 f"rank {rank} iteration {t}: logged loss {report.loss}, the committed "
-                f"microbatches' losses over {divisor} give {loss / divisor}")
+                f"microbatches' loss sums over their {tokens} loss tokens give "
+                f"{loss / max(tokens, 1)}")
             expected = expected_gradient(setup, audit, t, totals)
             assert torch.equal(grad, expected), (
                 f"rank {rank} iteration {t}: the stepped gradient is not the sum of the "

@@ -66,7 +66,7 @@ def sample_range(audit: LedgerAudit, iteration: int, microbatch_id: int) -> rang
 
 
 def microbatch(dataset, samples: range) -> tuple[int, int, float]:
-    """(checksum, loss tokens, loss) of the samples."""
+    """(checksum, loss tokens, loss summed over those tokens) of the samples."""
     batch = [dataset[i] for i in samples]
     tokens, labels, mask = (torch.stack([s[k] for s in batch])
                             for k in ("tokens", "labels", "loss_mask"))

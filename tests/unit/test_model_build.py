@@ -1,0 +1,92 @@
+"""What the arguments build, in one process (a gloo world of one rank): the rotary embedding of
+--rotary-base/--rotary-percent, Megatron-LM's per-stage seed, and where the learning-rate
+scheduler's values come from on a load (--override-opt-param-scheduler,
+--use-checkpoint-opt-param-scheduler, neither). The expected values are computed here from the
+formulas, not by the code under test.
+
+Run: .venv/bin/python -m pytest tests/unit/test_model_build.py
+"""
+
+import random
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_recover.megatron import mcore_config
+from megatron_recover.megatron.arguments import parse_args
+
+pytestmark = pytest.mark.unit
+
+SMALL = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--max-position-embeddings 16 --micro-batch-size 1 --train-iters 10 --lr 1e-3 "
+         "--mock-data --tokenizer-type NullTokenizer --vocab-size 64").split()
+
+
+def config(*extra):
+    return parse_args([*SMALL, *extra], world_size=1, cuda_available=False)
+
+
+@pytest.fixture
+def one_rank():
+    from megatron.core import parallel_state
+
+    from megatron_recover.testing.cpu_emulation import cpu_emulation_enabled
+
+    with cpu_emulation_enabled(), tempfile.TemporaryDirectory() as store:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}/store",
+                                             rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def test_rotary_base_and_percent_reach_the_model(one_rank):
+    from megatron_recover.megatron.gpt import build_gpt, seed_stage
+
+    cfg = config("--position-embedding-type", "rope", "--rotary-base", "500000",
+                 "--rotary-percent", "0.5")
+    seed_stage(cfg.seed)
+    model = build_gpt(mcore_config.to_transformer_config(cfg), 64, cfg.model)
+    dim = int(32 // 4 * 0.5)  # kv channels x rotary percent
+    expected = 1.0 / (500000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv_freq = model.rotary_pos_emb.inv_freq.cpu()
+    assert inv_freq.shape == expected.shape and torch.allclose(inv_freq, expected, rtol=1e-6)
+
+
+def test_seed_is_megatrons_per_stage_seed(one_rank):
+    from megatron_recover.megatron.gpt import seed_stage
+
+    seed_stage(1234)  # pipeline stage 0 of 1: the seed itself
+    drawn = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(1234)
+    np.random.seed(1234)
+    torch.manual_seed(1234)
+    assert drawn == (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    with pytest.raises(ValueError, match="--seed must be a positive integer, got 0"):
+        config("--seed", "0")
+
+
+def scheduler(cfg):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    return OptimizerParamScheduler(optimizer, **mcore_config.to_scheduler_kwargs(cfg))
+
+
+def test_on_a_load_the_scheduler_values_come_from_where_megatron_lm_says():
+    saved = scheduler(config()).state_dict()  # --lr 1e-3
+    with pytest.raises(AssertionError, match="do not match"):  # Megatron-LM's default
+        scheduler(config("--lr", "3e-3")).load_state_dict(saved)
+    overridden = scheduler(config("--lr", "3e-3", "--override-opt-param-scheduler"))
+    overridden.load_state_dict(saved)
+    assert overridden.max_lr == 3e-3
+    from_checkpoint = scheduler(config("--lr", "3e-3", "--use-checkpoint-opt_param-scheduler"))
+    from_checkpoint.load_state_dict(saved)
+    assert from_checkpoint.max_lr == 1e-3
+    with pytest.raises(ValueError, match="contradict each other"):
+        config("--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler")
