@@ -111,7 +111,7 @@ def test_megatron_gpt3_example_parses(gpt2_files):
     assert (o.weight_decay, o.adam_beta2, o.clip_grad) == (0.1, 0.95, 1.0)
     assert p.fp16 and not p.bf16 and p.params_dtype == torch.float16
     assert (par.tensor_model_parallel_size, par.pipeline_model_parallel_size) == (8, 16)
-    assert d.data_path == gpt2_files["prefix"] and d.split == "949,50,1"
+    assert d.blend == ((gpt2_files["prefix"],), None) and d.split == "949,50,1"
     assert d.tokenizer_type == "GPT2BPETokenizer"  # inferred from --vocab-file + --merge-file
     assert cfg.checkpoint.save_interval == 10000 and cfg.checkpoint.load.endswith("ckpt")
     # 1024 ranks / (TP 8 x PP 16) = 8 data-parallel ranks, each its own replica.
@@ -507,14 +507,32 @@ def test_data_source_neither_or_both(gpt2_files):
     assert "pass one of them" in refused("--data-path", gpt2_files["prefix"])
 
 
-def test_data_blend_refused_single_weighted_prefix_accepted(gpt2_files):
+def test_data_blends_read_as_megatron_core_reads_them(gpt2_files, tmp_path):
     no_data = [a for a in SMALL if a != "--mock-data"]
     prefix = gpt2_files["prefix"]
-    message = refused(argv=no_data + ["--data-path", "0.5", prefix, "0.5", prefix])
-    assert "blend" in message and "single dataset prefix" in message
-    cfg = parse_args(no_data + ["--data-path", "1.0", prefix], world_size=4,
-                     cuda_available=False)
-    assert cfg.data.data_path == prefix
+
+    def blend(*words):
+        return parse_args(no_data + ["--data-path", *words], world_size=4,
+                          cuda_available=False).data.blend
+
+    assert blend("1.0", prefix) == ((prefix,), (1.0,))  # a weighted blend of one, as megatron
+    assert blend("0.3", prefix, "0.7", prefix) == ((prefix, prefix), (0.3, 0.7))
+    assert blend(prefix, prefix) == ((prefix, prefix), None)
+    args = tmp_path / "blend.txt"
+    args.write_text(f"0.25 {prefix}\n0.75 {prefix}\n")
+    cfg = parse_args(no_data + ["--data-args-path", str(args)], world_size=4, cuda_available=False)
+    assert cfg.data.blend == ((prefix, prefix), (0.25, 0.75))
+    assert "--data-path and --data-args-path were both given" in refused(
+        argv=no_data + ["--data-path", prefix, "--data-args-path", str(args)])
+    assert "no such file" in refused(argv=no_data + ["--data-args-path", str(tmp_path / "none")])
+    assert "0.7 in the place of a prefix" in refused(argv=no_data + ["--data-path", "0.3",
+                                                                     prefix, "0.7"])
+    assert "0.5 in the place of a prefix" in refused(argv=no_data + ["--data-path", "0.5",
+                                                                     prefix, prefix, "0.5"])
+    assert "must be >= 0 and not all 0" in refused(argv=no_data + ["--data-path", "-1", prefix,
+                                                                   "2", prefix])
+    message = refused(argv=no_data + ["--data-path", "0.5", prefix, "0.5", str(tmp_path / "x")])
+    assert f"--data-path {tmp_path / 'x'}: {tmp_path / 'x'}.bin" in message
 
 
 def test_missing_dataset_files(gpt2_files):

@@ -83,7 +83,7 @@ def gpt2(demo):
 def source_config(demo, gpt2, **overrides):
     settings = dict(tokenizer=gpt2, sequence_length=SEQ, micro_batch_size=MBS,
                     global_batch_size=GBS, train_iters=TRAIN_ITERS,
-                    data_path=str(demo / "corpus_text_document"), split="90,10,0",
+                    blend=((str(demo / "corpus_text_document"),), None), split="90,10,0",
                     cache_dir=str(demo / "cache"))
     settings.update(overrides)
     return MicrobatchSourceConfig(**settings)
@@ -385,7 +385,8 @@ def test_out_of_range_ids_are_refused(source, iteration, microbatch_id, message)
     (dict(micro_batch_size=0), "micro_batch_size must be an integer >= 1"),
     (dict(reserve_microbatches=-1), "reserve_microbatches must be an integer >= 0"),
     (dict(split="0,1,1"), "positive training weight"),
-    (dict(data_path="/nonexistent/corpus_text_document"), "without the suffix"),
+    (dict(blend=(("/nonexistent/corpus_text_document",), None)), "without the suffix"),
+    (dict(blend=(("/nonexistent/a", "/nonexistent/b"), (1.0,))), "one non-negative weight each"),
     (dict(tokenizer=object()), "tokenizer has no 'eod'"),
     (dict(split=None), "split must be"),
     (dict(reset_attention_mask=True), "reset_attention_mask needs create_attention_mask"),
@@ -403,3 +404,51 @@ def test_building_after_torch_distributed_is_refused(demo, gpt2, tmp_path):
             MicrobatchSource(source_config(demo, gpt2))
     finally:
         torch.distributed.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- blends
+
+
+@pytest.fixture(scope="module")
+def corpora(demo, tmp_path_factory):
+    """Three corpora with the demo tokenizer: the demo's documents dealt into three files."""
+    directory = tmp_path_factory.mktemp("corpora")
+    lines = (demo / "corpus.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    prefixes = []
+    for k, name in enumerate(("web", "code", "books")):
+        jsonl = directory / f"{name}.jsonl"
+        jsonl.write_text("".join(lines[k::3]), encoding="utf-8")
+        preprocess(jsonl, directory / name, gpt2_args(demo), "--append-eod")
+        prefixes.append(str(directory / f"{name}_text_document"))
+    return prefixes
+
+
+def test_a_weighted_blend_is_megatrons_blended_dataset(demo, gpt2, corpora):
+    weights = (0.5, 0.3, 0.2)
+    source = MicrobatchSource(source_config(demo, gpt2, blend=(tuple(corpora), weights),
+                                            cache_dir=None))
+    blend = source.dataset
+    samples = source.config.main_samples
+    chosen = numpy.asarray(blend.dataset_index[:samples])
+    # megatron's blending picks, sample after sample, the dataset furthest below its share, so
+    # after n samples each dataset holds its weight's share of them to within one sample.
+    for k, weight in enumerate(weights):
+        assert abs(int((chosen == k).sum()) - weight * samples) <= 1, (k, chosen.tolist())
+    assert [blend.datasets[k].dataset.path_prefix for k in range(3)] == corpora
+    for iteration, microbatch_id in [(1, 0), (3, 2), (TRAIN_ITERS, 3)]:
+        got = source.microbatch(iteration, microbatch_id)["tokens"]
+        rows = [blend.datasets[int(blend.dataset_index[i])][int(blend.dataset_sample_index[i])]
+                ["tokens"] for i in source.sample_range(iteration, microbatch_id)]
+        assert torch.equal(got, torch.stack(rows))
+    # Without --data-cache-path each dataset caches beside its own prefix, under its lock.
+    for prefix in corpora:
+        cache = Path(prefix) / "cache" / "GPTDataset_indices"
+        assert (cache / LOCK_NAME).exists() and list(cache.glob("*-GPTDataset-train-*.npy"))
+    again = MicrobatchSource(source_config(demo, gpt2, blend=(tuple(corpora), weights),
+                                           cache_dir=None))  # from the cache
+    assert torch.equal(again.microbatch(2, 1)["tokens"], source.microbatch(2, 1)["tokens"])
+    # 200 documents a corpus: 949,50,1 leaves the test split of each empty, which megatron-core
+    # would search for ever for a sample's tokens.
+    with pytest.raises(ValueError, match="has 200 documents and gets none in the test split"):
+        MicrobatchSource(source_config(demo, gpt2, blend=(tuple(corpora), weights),
+                                       split="949,50,1"))

@@ -253,9 +253,9 @@ _REFUSED_GROUPS = (
      "--decoder-seq-length --relative-attention-num-buckets --relative-attention-max-distance "
      "--bert-no-binary-head --bert-embedder-type --output-bert-embeddings --mask-prob "
      "--short-seq-prob --vocab-extra-ids"),
-    ("pre-training from one dataset prefix only (--data-path, split by --split); preprocess "
-     "other corpora into it with scripts/preprocess_data.py", "--train-data-path "
-     "--valid-data-path --test-data-path --data-args-path --per-split-data-args-path "
+    ("per-split datasets and these data-loader options are not supported: give the corpora as "
+     "one --data-path blend (W1 PREFIX1 W2 PREFIX2 ...), split by --split", "--train-data-path "
+     "--valid-data-path --test-data-path --per-split-data-args-path "
      "--per-dataset-sequences-path --mid-level-dataset-surplus --object-storage-cache-path "
      "--phase-transition-iterations --dataloader-type=single --allow-ambiguous-pad-tokens "
      "--sample-rate --fim-data --fim-rate --fim-spm-rate --fim-split-sample "
@@ -490,8 +490,8 @@ IMPLEMENTED_NOTES = {
               "as in Megatron-LM",
     "--load": "--recover: only checkpoints of its own --save, on the same or fewer replicas "
               "(B kept); a Megatron-LM checkpoint stops the load (its per-rank file is not ours)",
-    "--data-path": "one dataset prefix (or a weight and one prefix); a blend of several is "
-                   "refused at start-up: preprocess the corpora into one dataset",
+    "--data-path": "a blend's prefixes must each have their .bin/.idx, and its weights be >= 0, "
+                   "checked at start-up",
     "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer, from local "
                         "files; the other types are refused at start-up",
     "--log-interval": "--recover: the iteration line adds live replicas, contributions/B and "

@@ -169,6 +169,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*")
+    g.add_argument("--data-args-path")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--split")
     g.add_argument("--data-cache-path")
@@ -578,34 +579,59 @@ def _weight_decay_and_decoupled_lr(ns) -> list[str]:
 
 
 def _data(ns) -> list[str]:
-    if ns.data_path is not None and ns.mock_data:
-        return ["--data-path and --mock-data were both given: pass one of them"]
-    if ns.data_path is None and not ns.mock_data:
+    given = [flag for flag, value in (("--data-path", ns.data_path),
+                                      ("--data-args-path", ns.data_args_path),
+                                      ("--mock-data", ns.mock_data or None)) if value is not None]
+    if len(given) > 1:
+        return [f"{' and '.join(given)} were both given: pass one of them"]
+    if not given:
         return ["no training data: pass --data-path PREFIX (an indexed .bin/.idx dataset from "
-                "scripts/preprocess_data.py) or --mock-data"]
+                "scripts/preprocess_data.py; or a blend, W1 PREFIX1 W2 PREFIX2 ...), "
+                "--data-args-path FILE or --mock-data"]
     problems = []
-    if ns.data_path is not None:
-        prefix, problem = _single_prefix(ns.data_path)
-        if problem:
-            problems.append(problem)
-        else:
-            problems += _dataset_files(prefix)
+    if ns.data_args_path is not None and not Path(ns.data_args_path).is_file():
+        problems.append(f"--data-args-path {ns.data_args_path}: no such file")
+    elif not ns.mock_data:
+        problems += _blend(_data_path_words(ns))[1]
     if ns.split is not None:
         problems += _split(ns.split)
     return problems
 
 
-def _single_prefix(values: list[str]) -> tuple[str | None, str | None]:
-    """The one dataset prefix in Megatron's --data-path syntax, or a problem line."""
-    if len(values) == 1:
-        return values[0], None
-    if len(values) == 2 and _is_number(values[0]):
-        return values[1], None  # "weight prefix": a blend of one
-    if not values:
-        return None, "--data-path needs a dataset prefix"
-    return None, (f"--data-path names a blend of several datasets ({' '.join(values)}); only a "
-                  "single dataset prefix is supported: preprocess the corpora into one dataset "
-                  "(scripts/preprocess_data.py) and pass its prefix")
+def _data_path_words(ns) -> list[str] | None:
+    """--data-path's values, or the words of --data-args-path's file (as Megatron-LM reads it);
+    None with --mock-data."""
+    if ns.data_args_path is not None:
+        path = Path(ns.data_args_path)
+        return path.read_text().split() if path.is_file() else None
+    return ns.data_path
+
+
+def _blend(words: list[str] | None) -> tuple[tuple | None, list[str]]:
+    """(megatron's blend of the --data-path words, problem lines). The blend is what
+    megatron-core's get_blend_from_list makes of them (all prefixes, or weight-prefix pairs);
+    the checks come first, since it only asserts on a mixed list."""
+    if words is None:
+        return None, []
+    if not words:
+        return None, ["--data-path needs a dataset prefix (or W1 PREFIX1 W2 PREFIX2 ...)"]
+    weighted = len(words) % 2 == 0 and all(_is_number(w) for w in words[0::2])
+    numbers = [w for i, w in enumerate(words) if _is_number(w) and not (weighted and i % 2 == 0)]
+    if numbers:
+        return None, [f"--data-path {' '.join(words)}: {', '.join(numbers)} in the place of a "
+                      "prefix; a blend is either prefixes only or weight-prefix pairs "
+                      "(W1 PREFIX1 W2 PREFIX2 ...)"]
+    if weighted:
+        weights = [float(w) for w in words[0::2]]
+        if min(weights) < 0 or sum(weights) <= 0:
+            return None, [f"--data-path {' '.join(words)}: the weights must be >= 0 and not all "
+                          "0"]
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    prefixes, weights = get_blend_from_list(words)
+    problems = [problem for prefix in prefixes for problem in _dataset_files(prefix)]
+    blend = (tuple(prefixes), None if weights is None else tuple(weights))
+    return (None if problems else blend), problems
 
 
 def _dataset_files(prefix: str) -> list[str]:
@@ -945,7 +971,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             use_cpu_initialization=ns.use_cpu_initialization,
             gradient_accumulation_fusion=cuda_available if fusion is None else fusion),
         data=DataConfig(
-            data_path=None if ns.data_path is None else _single_prefix(ns.data_path)[0],
+            blend=_blend(_data_path_words(ns))[0],
             mock_data=ns.mock_data,
             split=ns.split if ns.split is not None or ns.mock_data else LEGACY_DEFAULT_SPLIT,
             data_cache_path=ns.data_cache_path, reset_position_ids=ns.reset_position_ids,

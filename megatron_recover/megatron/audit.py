@@ -4,7 +4,8 @@ The committed side comes from the gradient ledger (layer 2) as the commit lane s
 (iteration, id) gradients the reduced buckets held and the sum of the checksums of the batches the
 schedule consumed. The expected side is computed here without the policy: from the microbatch ids
 an iteration has by definition (docs/design.md, "Exact semantics") and from megatron's `GPTDataset`,
-indexed directly rather than through `MicrobatchSource`.
+indexed directly rather than through `MicrobatchSource` (for a blend, through megatron's blend
+index arrays: sample i is sample `dataset_sample_index[i]` of dataset `dataset_index[i]`).
 
   exact      ids 0..B_t-1 of the iteration, each exactly once, and their dataset checksums;
   reserve    B_t distinct ids; reserve ids (>= B) never committed before in the run;
@@ -86,7 +87,7 @@ class LedgerAudit:
                 first = self.global_batch(iteration)[0] + microbatch_id * self.mbs
             else:
                 first = self.main_samples + (microbatch_id - self.b) * self.mbs
-            samples = [self.dataset[i] for i in range(first, first + self.mbs)]
+            samples = [self._sample(i) for i in range(first, first + self.mbs)]
             tokens, labels, loss_mask = (torch.stack([s[k] for s in samples])
                                          for k in ("tokens", "labels", "loss_mask"))
             self._checksums[key] = (batch_checksum(tokens, labels, loss_mask),
@@ -94,6 +95,16 @@ class LedgerAudit:
             if len(self._checksums) > 8 * self.b:  # keep the cache to a few iterations
                 self._checksums.pop(next(iter(self._checksums)))
         return self._checksums[key]
+
+    def _sample(self, index: int) -> dict:
+        """Training sample `index`; of a blend, read from its dataset through megatron's index."""
+        blend = self.dataset
+        if not hasattr(blend, "dataset_sample_index"):
+            return blend[index]
+        if blend.dataset_index is None:
+            blend[index]  # megatron maps a cached blend index on first access
+        dataset = blend.datasets[int(blend.dataset_index[index])]
+        return dataset[int(blend.dataset_sample_index[index])]
 
     def problems(self, iteration: int, totals: LaneTotals, divisor: int,
                  tokens: int | None = None) -> list[str]:

@@ -261,9 +261,10 @@ class ParallelConfig:
 class DataConfig:
     """Where samples and tokens come from (megatron-core GPTDataset + tokenizer)."""
 
-    data_path: str | None
-    """The one indexed dataset prefix (PREFIX.bin / PREFIX.idx) of --data-path; None with
-    --mock-data. Megatron's blend syntax is accepted for a single dataset only."""
+    blend: tuple | None
+    """megatron's blend of --data-path (or of --data-args-path's file): (the indexed datasets'
+    prefixes, PREFIX.bin / PREFIX.idx, and their weights or None), as megatron-core's
+    get_blend_from_list reads the list; None with --mock-data."""
     mock_data: bool
     """Synthetic samples from megatron-core's MockGPTDataset (--mock-data)."""
     split: str | None

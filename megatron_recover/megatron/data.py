@@ -26,8 +26,11 @@ The data set is what Megatron-LM's pretrain_gpt builds: `BlendedMegatronDatasetB
 `GPTDataset` with `GPTDatasetConfig`, a training split of main_samples samples, so the main
 stream equals an unpatched megatron-core run with the same data, --seed, --split, --seq-length,
 --global-batch-size and --reset-position-ids / --reset-attention-mask / --eod-mask-loss (all
-off by default). `data_path=None` gives megatron's `MockGPTDataset` (--mock-data; megatron then
-ignores `split`).
+off by default). `blend` is megatron's blend, as megatron-core's `get_blend_from_list` makes it
+from --data-path: one prefix without a weight is one GPTDataset; several prefixes, or any
+weights, give megatron's `BlendedDataset` over their GPTDatasets, whose sample i is sample
+`dataset_sample_index[i]` of dataset `dataset_index[i]`. `blend=None` gives megatron's
+`MockGPTDataset` (--mock-data; megatron then ignores `split`).
 GPTDataset rounds its size up to whole epochs, so the reserve stream usually fits after the main
 one; when it does not, the split is built for main + reserve samples, which may add an epoch and
 so reshuffle the main stream (reserve mode only: exact mode has no reserve stream).
@@ -37,9 +40,10 @@ Start-up, cache and concurrency. Build the source before torch.distributed is in
 loading the index cache itself, with no barrier and no rank 0 to wait for. (Once torch.distributed
 is up, megatron builds on global rank 0 behind world-wide barriers that every rank must enter: a
 hang if only some ranks build a source, and a dependency on one rank.) The index files (.npy)
-live in `cache_dir`, by default megatron's own `<data_path>/cache/GPTDataset_indices`. Processes
-that build at the same time with one `cache_dir` take turns under an exclusive flock on
-`cache_dir/.build.lock`: the first writes the indices, the others find and memory-map them. So any
+live in `cache_dir`, by default megatron's own `<prefix>/cache/GPTDataset_indices` of each
+dataset (a blend's own index is then not cached, as in megatron). Processes that build at the
+same time take turns under an exclusive flock on `.build.lock` in each of those directories
+(taken in sorted order): the first writes the indices, the others find and memory-map them. So any
 number of ranks, on one host or on a shared file system with working flock, may build at once;
 without flock, give each host its own `cache_dir`. A process killed while writing the cache may
 leave a truncated file that megatron would load later: remove the cache directory after a crash
@@ -97,7 +101,8 @@ class MicrobatchSourceConfig:
     rampup_batch_size: --rampup-batch-size START INCREMENT SAMPLES, or None. Iteration t's
         global batch then starts after the samples the earlier iterations consumed and holds
         that iteration's size (`GlobalBatches`); microbatch ids of iteration t are 0..B_t-1.
-    data_path: prefix of the .bin/.idx pair (--data-path), or None for mock data (--mock-data).
+    blend: (prefixes of .bin/.idx pairs, their weights or None), megatron's blend of --data-path;
+        None for mock data (--mock-data).
     split: train/valid/test weights as in --split (evaluation reads the validation and test
         splits). May be None with mock data (megatron ignores it there).
     seed: megatron's dataset shuffle seed (--seed).
@@ -122,7 +127,7 @@ class MicrobatchSourceConfig:
     train_iters: int
     train_samples: Optional[int] = None
     rampup_batch_size: Optional[tuple] = None
-    data_path: Optional[str] = None
+    blend: Optional[tuple] = None
     split: Optional[str] = DEFAULT_SPLIT
     seed: int = DEFAULT_SEED
     reserve_microbatches: int = 0
@@ -160,15 +165,21 @@ class MicrobatchSourceConfig:
                 "reset_attention_mask needs create_attention_mask: without a mask in the batch "
                 "the model applies the plain causal mask"
             )
-        if self.data_path is not None or self.split is not None:
+        if self.blend is not None or self.split is not None:
             _check_split(self.split)
-        if self.data_path is not None:
-            for suffix in (".bin", ".idx"):
-                if not os.path.isfile(self.data_path + suffix):
-                    raise ValueError(
-                        f"data_path {self.data_path!r}: {self.data_path + suffix} not found "
-                        f"(data_path is the prefix of the .bin/.idx pair, without the suffix)"
-                    )
+        if self.blend is not None:
+            prefixes, weights = self.blend
+            if not prefixes or (weights is not None and (
+                    len(weights) != len(prefixes) or min(weights) < 0 or sum(weights) <= 0)):
+                raise ValueError(f"blend {self.blend!r}: give one or more prefixes and either no "
+                                 "weights or one non-negative weight each, not all zero")
+            for prefix in prefixes:
+                for suffix in (".bin", ".idx"):
+                    if not os.path.isfile(prefix + suffix):
+                        raise ValueError(
+                            f"blend prefix {prefix!r}: {prefix + suffix} not found (a prefix "
+                            f"names the .bin/.idx pair, without the suffix)"
+                        )
 
     @property
     def batches(self) -> GlobalBatches:
@@ -267,13 +278,42 @@ def _build_splits(config: MicrobatchSourceConfig):
     """(train, valid, test): megatron builds each split from its own documents with its own
     size, so the evaluation sizes do not change the training split."""
     gbs = config.global_batch_size
-    evaluation = ([config.evaluations * config.eval_iters * gbs, config.eval_iters * gbs]
-                  if config.eval_iters else [None, None])
+    weighted = config.blend is not None and config.blend[1] is not None
+    if config.eval_iters or weighted:
+        # Megatron-LM's sizes (0 without evaluation: megatron-core wants a size for every split
+        # of a weighted blend).
+        evaluation = [config.evaluations * config.eval_iters * gbs, config.eval_iters * gbs]
+    else:
+        evaluation = [None, None]  # one epoch of each split, never read
+    if config.blend is not None:
+        _check_splits_have_documents(config, sized=[True] + [n is not None for n in evaluation])
     train, valid, test = _build(config, [config.main_samples, *evaluation])
     if len(train) < config.num_samples:
         # The whole-epoch slack after the main stream is too short for the reserve stream.
-        train = _build(config, [config.num_samples, None, None])[0]
+        train = _build(config, [config.num_samples, *evaluation])[0]
     return train, valid, test
+
+
+def _check_splits_have_documents(config: MicrobatchSourceConfig, sized: list[bool]) -> None:
+    """Refuse a --split that gives a dataset no documents in a split megatron-core builds with a
+    size: it would loop for ever looking for the tokens of one more sample (megatron-core
+    0.16.1's GPTDataset._get_num_epochs). The split arithmetic is megatron-core's."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(config.split))
+    for prefix in config.blend[0]:
+        documents = IndexedDataset(prefix).sequence_lengths.shape[0]
+        for name, bounds, built in zip(("train", "valid", "test"), matrix, sized):
+            if built and bounds is not None and (
+                    int(round(bounds[1] * documents)) <= int(round(bounds[0] * documents))):
+                raise ValueError(
+                    f"--split {config.split}: {prefix} has {documents} documents and gets none "
+                    f"in the {name} split: give that split a larger share, or 0 to build none "
+                    f"(a {name} split is read only with --eval-iters > 0)")
 
 
 def _build(config: MicrobatchSourceConfig, sizes: list):
@@ -282,8 +322,8 @@ def _build(config: MicrobatchSourceConfig, sizes: list):
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
-    mock = config.data_path is None
-    cache_dir = None if mock else _cache_dir(config)
+    mock = config.blend is None
+    cache_dir = None if mock else config.cache_dir and os.path.abspath(config.cache_dir)
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset,
         # The builder builds every split with a weight (None: one epoch), and the weights
@@ -292,14 +332,18 @@ def _build(config: MicrobatchSourceConfig, sizes: list):
         lambda: True,
         _gpt_dataset_config(config, cache_dir),
     )
-    with contextlib.nullcontext() if mock else _exclusive_lock(cache_dir):
+    with contextlib.nullcontext() if mock else _exclusive_locks(_lock_dirs(config)):
         return builder.build()
 
 
 def _gpt_dataset_config(config: MicrobatchSourceConfig, cache_dir: Optional[str]):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    blend = None if config.data_path is None else ([os.path.abspath(config.data_path)], None)
+    blend = None
+    if config.blend is not None:
+        prefixes, weights = config.blend
+        blend = ([os.path.abspath(p) for p in prefixes],
+                 None if weights is None else [float(w) for w in weights])
     return GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.sequence_length,
@@ -314,23 +358,27 @@ def _gpt_dataset_config(config: MicrobatchSourceConfig, cache_dir: Optional[str]
     )
 
 
-def _cache_dir(config: MicrobatchSourceConfig) -> str:
+def _lock_dirs(config: MicrobatchSourceConfig) -> list[str]:
+    """Where the build writes index files: --data-cache-path, or megatron-core's default for
+    path_to_cache=None, each dataset's `<prefix>/cache/GPTDataset_indices`."""
     if config.cache_dir is not None:
-        return os.path.abspath(config.cache_dir)
-    # megatron-core's default for path_to_cache=None, spelled out so that the lock lives there.
-    return os.path.join(os.path.abspath(config.data_path), "cache", "GPTDataset_indices")
+        return [os.path.abspath(config.cache_dir)]
+    return sorted({os.path.join(os.path.abspath(prefix), "cache", "GPTDataset_indices")
+                   for prefix in config.blend[0]})
 
 
 @contextlib.contextmanager
-def _exclusive_lock(directory: str):
-    """Hold an exclusive flock on directory/.build.lock (released at exit, or if we die)."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, LOCK_NAME), "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+def _exclusive_locks(directories: list[str]):
+    """Hold an exclusive flock on directory/.build.lock of each directory, taken in the given
+    (sorted) order so that two builders never wait on each other (released at exit, or if we
+    die)."""
+    with contextlib.ExitStack() as stack:
+        for directory in directories:
+            os.makedirs(directory, exist_ok=True)
+            lock_file = stack.enter_context(open(os.path.join(directory, LOCK_NAME), "a"))
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            stack.callback(fcntl.flock, lock_file, fcntl.LOCK_UN)
+        yield
 
 
 def _check_int(name: str, value, minimum: int) -> None:
