@@ -14,6 +14,7 @@ DistributedDataParallelConfig, OptimizerConfig, OptimizerParamScheduler and Poli
 from the result and carry its values.
 """
 
+import json
 import math
 
 import pytest
@@ -533,6 +534,28 @@ def test_data_blends_read_as_megatron_core_reads_them(gpt2_files, tmp_path):
                                                                    "2", prefix])
     message = refused(argv=no_data + ["--data-path", "0.5", prefix, "0.5", str(tmp_path / "x")])
     assert f"--data-path {tmp_path / 'x'}: {tmp_path / 'x'}.bin" in message
+
+
+def test_per_split_data_read_as_megatron_lm_reads_them(gpt2_files, tmp_path):
+    no_data = [a for a in SMALL if a != "--mock-data"]
+    prefix = gpt2_files["prefix"]
+    cfg = parse_args(no_data + ["--train-data-path", "0.5", prefix, "0.5", prefix,
+                                "--valid-data-path", prefix], world_size=4, cuda_available=False)
+    assert cfg.data.blend is None and cfg.data.split is None
+    assert cfg.data.blend_per_split == (((prefix, prefix), (0.5, 0.5)), ((prefix,), None), None)
+    per_split = tmp_path / "splits.json"
+    per_split.write_text(json.dumps({"train": f"1 {prefix}", "valid": [prefix], "test": None}))
+    cfg = parse_args(no_data + ["--per-split-data-args-path", str(per_split)], world_size=4,
+                     cuda_available=False)
+    assert cfg.data.blend_per_split == (((prefix,), (1.0,)), ((prefix,), None), None)
+    assert "without a training blend" in refused(argv=no_data + ["--valid-data-path", prefix])
+    assert "drop --split" in refused(argv=no_data + ["--train-data-path", prefix,
+                                                     "--split", "90,5,5"])
+    assert "were both given" in refused(argv=no_data + ["--train-data-path", prefix,
+                                                        "--data-path", prefix])
+    per_split.write_text("[1, 2]")
+    assert "a JSON object with" in refused(argv=no_data + ["--per-split-data-args-path",
+                                                           str(per_split)])
 
 
 def test_missing_dataset_files(gpt2_files):

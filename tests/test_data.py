@@ -452,3 +452,20 @@ def test_a_weighted_blend_is_megatrons_blended_dataset(demo, gpt2, corpora):
     with pytest.raises(ValueError, match="has 200 documents and gets none in the test split"):
         MicrobatchSource(source_config(demo, gpt2, blend=(tuple(corpora), weights),
                                        split="949,50,1"))
+
+
+def test_per_split_blends_are_used_whole(demo, gpt2, corpora):
+    web, code, books = corpora
+    source = MicrobatchSource(source_config(
+        demo, gpt2, blend=None, split=None, cache_dir=None, eval_iters=1, evaluations=1,
+        blend_per_split=(((web, code), (0.6, 0.4)), ((books,), None), None)))
+    train = source.dataset
+    assert [d.dataset.path_prefix for d in train.datasets] == [web, code]
+    # Used whole: each training dataset indexes all of its documents (no --split cut).
+    for dataset in train.datasets:
+        assert len(dataset.indices) == len(indexed(dataset.dataset.path_prefix))
+    valid = source.eval_datasets["valid"]
+    assert valid.dataset.path_prefix == books and len(valid.indices) == len(indexed(books))
+    assert "test" not in source.eval_datasets
+    with pytest.raises(ValueError, match="blend_per_split excludes blend and split"):
+        source_config(demo, gpt2, blend_per_split=(((web,), None), None, None))

@@ -40,7 +40,8 @@ SCHEDULE = """entries:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def corpora(tmp_path_factory):
+    """(the model and tokenizer arguments, the three corpora's prefixes)."""
     out = tmp_path_factory.mktemp("corpora")
     subprocess.run([sys.executable, str(ROOT / "scripts/make_demo_corpus.py"), "--output-dir",
                     str(out), "--documents", "1200"], check=True, capture_output=True,
@@ -49,20 +50,39 @@ def job(tmp_path_factory):
     tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(out / "vocab.json"),
                  "--merge-file", str(out / "merges.txt")]
     blend = []
-    for k, (name, weight) in enumerate((("web", "0.5"), ("code", "0.3"), ("books", "0.2"))):
+    for k, name in enumerate(("web", "code", "books")):
         (out / f"{name}.jsonl").write_text("".join(lines[k::3]), encoding="utf-8")
         subprocess.run([sys.executable, str(ROOT / "scripts/preprocess_data.py"), "--input",
                         str(out / f"{name}.jsonl"), "--output-prefix", str(out / name),
                         *tokenizer, "--append-eod"], check=True, capture_output=True,
                        timeout=300)
-        blend += [weight, str(out / f"{name}_text_document")]
+        blend.append(str(out / f"{name}_text_document"))
     # No dropout: the stock run draws its masks in sequence, not per microbatch id.
-    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--eval-iters", "0", "--seq-length", "32", "--max-position-embeddings", "32",
-            "--micro-batch-size", "1", "--global-batch-size", str(B),
-            "--train-iters", str(ITERATIONS), *STABLE_LR, "--data-path", *blend,
-            "--split", "90,5,5", *tokenizer, "--ddp-bucket-size", "2000", "--log-interval", "1",
-            "--hidden-dropout", "0", "--attention-dropout", "0"]
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32",
+             "--micro-batch-size", "1", "--global-batch-size", str(B), *STABLE_LR, *tokenizer,
+             "--ddp-bucket-size", "2000", "--log-interval", "1",
+             "--hidden-dropout", "0", "--attention-dropout", "0"]
+    return model, blend
+
+
+@pytest.fixture(scope="module")
+def job(corpora):
+    model, (web, code, books) = corpora
+    return [*model, "--eval-iters", "0", "--train-iters", str(ITERATIONS),
+            "--data-path", "0.5", web, "0.3", code, "0.2", books, "--split", "90,5,5"]
+
+
+def stock_losses(tmp_path, args, ranks):
+    """The lm loss of each iteration line and the validation losses of a run without
+    --recover."""
+    stock = launch(LaunchConfig(ranks, [*ENTRY, *args], tmp_path / "stock", TIMEOUT_S))
+    assert not stock.timed_out and stock.succeeded, stock.output[-4000:]
+    lines = stock.output.splitlines()
+    return ([float(line.split("lm loss:")[1].split("|")[0]) for line in lines
+             if "lm loss:" in line],
+            [float(line.split("lm loss value:")[1].split("|")[0]) for line in lines
+             if "lm loss value:" in line])
 
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
@@ -80,12 +100,26 @@ def test_a_blend_survives_two_failures_exactly_and_reads_as_a_stock_run(tmp_path
     first = run.params(survivors[0])
     assert all(torch.equal(first[name], run.params(3)[name]) for name in first)
 
-    stock = launch(LaunchConfig(REPLICAS, [*ENTRY, *job], tmp_path / "stock", TIMEOUT_S))
-    assert not stock.timed_out and stock.succeeded, stock.output[-4000:]
-    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in stock.output.splitlines()
-              if "lm loss:" in line]
-    assert len(losses) == ITERATIONS, stock.output[-4000:]
+    losses, _ = stock_losses(tmp_path, job, REPLICAS)
+    assert len(losses) == ITERATIONS, losses
     stock_diff = max(abs(r["loss"] - s) / abs(s) for r, s in zip(reference.records, losses))
     assert stock_diff <= EXACT_LOSS_RTOL, (losses, [r["loss"] for r in reference.records])
     figures.append(f"blend of three corpora, two failures vs failure-free: loss {loss:.2e}, "
                    f"parameters {params:.2e}; failure-free vs stock: loss {stock_diff:.2e}")
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_per_split_blends_train_and_evaluate_as_a_stock_run(tmp_path, corpora):
+    """--train-data-path (a weighted blend of two corpora) and --valid-data-path (the third),
+    each used whole: the --recover run's training and validation losses equal the stock run's."""
+    model, (web, code, books) = corpora
+    args = [*model, "--train-iters", "2", "--eval-iters", "1", "--train-data-path", "0.6", web,
+            "0.4", code, "--valid-data-path", books]
+    run = run_training(tmp_path / "recover", 2, args, timeout_s=TIMEOUT_S)
+    assert_ledger_held(run.records, B)
+    losses, validation = stock_losses(tmp_path, args, 2)
+    assert len(losses) == 2 and len(validation) == 1, (losses, validation)
+    assert max(abs(r["loss"] - s) / s for r, s in zip(run.records, losses)) <= EXACT_LOSS_RTOL
+    recover_validation = [float(line.split("lm loss value:")[1].split("|")[0])
+                          for line in run.result.output.splitlines() if "lm loss value:" in line]
+    assert recover_validation == pytest.approx(validation, rel=EXACT_LOSS_RTOL)

@@ -253,9 +253,8 @@ _REFUSED_GROUPS = (
      "--decoder-seq-length --relative-attention-num-buckets --relative-attention-max-distance "
      "--bert-no-binary-head --bert-embedder-type --output-bert-embeddings --mask-prob "
      "--short-seq-prob --vocab-extra-ids"),
-    ("per-split datasets and these data-loader options are not supported: give the corpora as "
-     "one --data-path blend (W1 PREFIX1 W2 PREFIX2 ...), split by --split", "--train-data-path "
-     "--valid-data-path --test-data-path --per-split-data-args-path "
+    ("these data-loader options are not supported: give the corpora as a --data-path blend (W1 "
+     "PREFIX1 W2 PREFIX2 ...) split by --split, or per-split blends (--train-data-path ...)",
      "--per-dataset-sequences-path --mid-level-dataset-surplus --object-storage-cache-path "
      "--phase-transition-iterations --dataloader-type=single --allow-ambiguous-pad-tokens "
      "--sample-rate --fim-data --fim-rate --fim-spm-rate --fim-split-sample "

@@ -15,6 +15,7 @@ from them in `mcore_config.py`.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 from pathlib import Path
@@ -170,6 +171,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*")
     g.add_argument("--data-args-path")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*")
+    g.add_argument("--per-split-data-args-path")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--split")
     g.add_argument("--data-cache-path")
@@ -578,24 +582,75 @@ def _weight_decay_and_decoupled_lr(ns) -> list[str]:
     return problems
 
 
+_PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+
+
 def _data(ns) -> list[str]:
+    per_split = [f for f in _PER_SPLIT_FLAGS if getattr(ns, f[2:].replace("-", "_")) is not None]
     given = [flag for flag, value in (("--data-path", ns.data_path),
                                       ("--data-args-path", ns.data_args_path),
+                                      (" ".join(per_split), per_split or None),
+                                      ("--per-split-data-args-path", ns.per_split_data_args_path),
                                       ("--mock-data", ns.mock_data or None)) if value is not None]
     if len(given) > 1:
         return [f"{' and '.join(given)} were both given: pass one of them"]
     if not given:
         return ["no training data: pass --data-path PREFIX (an indexed .bin/.idx dataset from "
                 "scripts/preprocess_data.py; or a blend, W1 PREFIX1 W2 PREFIX2 ...), "
-                "--data-args-path FILE or --mock-data"]
+                "--data-args-path FILE, --train-data-path (with --valid-data-path and "
+                "--test-data-path), --per-split-data-args-path FILE or --mock-data"]
     problems = []
-    if ns.data_args_path is not None and not Path(ns.data_args_path).is_file():
-        problems.append(f"--data-args-path {ns.data_args_path}: no such file")
-    elif not ns.mock_data:
+    for flag in ("--data-args-path", "--per-split-data-args-path"):
+        path = getattr(ns, flag[2:].replace("-", "_"))
+        if path is not None and not Path(path).is_file():
+            problems.append(f"{flag} {path}: no such file")
+    if problems or ns.mock_data:
+        pass
+    elif per_split or ns.per_split_data_args_path is not None:
+        words, problem = _per_split_words(ns)
+        if problem:
+            problems.append(problem)
+        elif words[0] is None:
+            problems.append("per-split data without a training blend: pass --train-data-path "
+                            "(or a \"train\" entry in --per-split-data-args-path)")
+        for split_words in words:
+            problems += _blend(split_words)[1]
+        if ns.split is not None:
+            problems.append(f"--split {ns.split} cuts a --data-path blend; with per-split data "
+                            "each split's blend is used whole: drop --split")
+    else:
         problems += _blend(_data_path_words(ns))[1]
     if ns.split is not None:
         problems += _split(ns.split)
     return problems
+
+
+def _per_split_words(ns) -> tuple[list, str | None]:
+    """The train, valid and test words of the per-split paths, or of
+    --per-split-data-args-path's JSON file (an entry a string or a list, as Megatron-LM reads
+    it); each None where not given. Then a problem line, or None."""
+    if ns.per_split_data_args_path is None:
+        return [getattr(ns, f[2:].replace("-", "_")) for f in _PER_SPLIT_FLAGS], None
+    path = ns.per_split_data_args_path
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        return [None] * 3, f"--per-split-data-args-path {path}: {error}"
+    if not isinstance(entries, dict) or not all(
+            isinstance(entries.get(split), (str, list, type(None)))
+            for split in ("train", "valid", "test")):
+        return [None] * 3, (f"--per-split-data-args-path {path}: a JSON object with \"train\", "
+                            "\"valid\" and \"test\", each a blend's words as a string or a list")
+    words = [entries.get(split) for split in ("train", "valid", "test")]
+    return [w.split() if isinstance(w, str) else w for w in words], None
+
+
+def _blend_per_split(ns) -> tuple | None:
+    """megatron's blend_per_split (train, valid, test), or None without per-split data."""
+    if all(getattr(ns, f[2:].replace("-", "_")) is None for f in _PER_SPLIT_FLAGS) and (
+            ns.per_split_data_args_path is None):
+        return None
+    return tuple(_blend(words)[0] for words in _per_split_words(ns)[0])
 
 
 def _data_path_words(ns) -> list[str] | None:
@@ -971,9 +1026,10 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             use_cpu_initialization=ns.use_cpu_initialization,
             gradient_accumulation_fusion=cuda_available if fusion is None else fusion),
         data=DataConfig(
-            blend=_blend(_data_path_words(ns))[0],
+            blend=_blend(_data_path_words(ns))[0], blend_per_split=_blend_per_split(ns),
             mock_data=ns.mock_data,
-            split=ns.split if ns.split is not None or ns.mock_data else LEGACY_DEFAULT_SPLIT,
+            split=(ns.split if ns.split is not None or ns.mock_data
+                   or _blend_per_split(ns) is not None else LEGACY_DEFAULT_SPLIT),
             data_cache_path=ns.data_cache_path, reset_position_ids=ns.reset_position_ids,
             reset_attention_mask=ns.reset_attention_mask, eod_mask_loss=ns.eod_mask_loss,
             create_attention_mask=ns.create_attention_mask_in_dataloader

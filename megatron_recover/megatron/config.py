@@ -264,7 +264,11 @@ class DataConfig:
     blend: tuple | None
     """megatron's blend of --data-path (or of --data-args-path's file): (the indexed datasets'
     prefixes, PREFIX.bin / PREFIX.idx, and their weights or None), as megatron-core's
-    get_blend_from_list reads the list; None with --mock-data."""
+    get_blend_from_list reads the list; None with --mock-data or per-split data."""
+    blend_per_split: tuple | None
+    """(train, valid, test) blends of --train-data-path, --valid-data-path, --test-data-path or
+    --per-split-data-args-path, each None where not given; each split's blend is used whole
+    (split None). None without them."""
     mock_data: bool
     """Synthetic samples from megatron-core's MockGPTDataset (--mock-data)."""
     split: str | None

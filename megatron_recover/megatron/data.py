@@ -29,8 +29,10 @@ stream equals an unpatched megatron-core run with the same data, --seed, --split
 off by default). `blend` is megatron's blend, as megatron-core's `get_blend_from_list` makes it
 from --data-path: one prefix without a weight is one GPTDataset; several prefixes, or any
 weights, give megatron's `BlendedDataset` over their GPTDatasets, whose sample i is sample
-`dataset_sample_index[i]` of dataset `dataset_index[i]`. `blend=None` gives megatron's
-`MockGPTDataset` (--mock-data; megatron then ignores `split`).
+`dataset_sample_index[i]` of dataset `dataset_index[i]`. `blend_per_split` (--train-data-path,
+--valid-data-path, --test-data-path) gives each split its own blend, used whole, instead of
+`blend` cut by `split`. Neither gives megatron's `MockGPTDataset` (--mock-data; megatron then
+ignores `split`).
 GPTDataset rounds its size up to whole epochs, so the reserve stream usually fits after the main
 one; when it does not, the split is built for main + reserve samples, which may add an epoch and
 so reshuffle the main stream (reserve mode only: exact mode has no reserve stream).
@@ -102,7 +104,9 @@ class MicrobatchSourceConfig:
         global batch then starts after the samples the earlier iterations consumed and holds
         that iteration's size (`GlobalBatches`); microbatch ids of iteration t are 0..B_t-1.
     blend: (prefixes of .bin/.idx pairs, their weights or None), megatron's blend of --data-path;
-        None for mock data (--mock-data).
+        None for mock data (--mock-data) or per-split blends.
+    blend_per_split: (train, valid, test), each a blend or None, megatron's blend_per_split of
+        the per-split paths; `split` is then None. The train blend is required.
     split: train/valid/test weights as in --split (evaluation reads the validation and test
         splits). May be None with mock data (megatron ignores it there).
     seed: megatron's dataset shuffle seed (--seed).
@@ -128,6 +132,7 @@ class MicrobatchSourceConfig:
     train_samples: Optional[int] = None
     rampup_batch_size: Optional[tuple] = None
     blend: Optional[tuple] = None
+    blend_per_split: Optional[tuple] = None
     split: Optional[str] = DEFAULT_SPLIT
     seed: int = DEFAULT_SEED
     reserve_microbatches: int = 0
@@ -165,13 +170,19 @@ class MicrobatchSourceConfig:
                 "reset_attention_mask needs create_attention_mask: without a mask in the batch "
                 "the model applies the plain causal mask"
             )
-        if self.blend is not None or self.split is not None:
+        if self.blend_per_split is not None:
+            if self.blend is not None or self.split is not None:
+                raise ValueError("blend_per_split excludes blend and split (each split's blend "
+                                 "is used whole)")
+            if len(self.blend_per_split) != 3 or self.blend_per_split[0] is None:
+                raise ValueError("blend_per_split is (train, valid, test), with a train blend")
+        elif self.blend is not None or self.split is not None:
             _check_split(self.split)
-        if self.blend is not None:
-            prefixes, weights = self.blend
+        for blend in self.blends:
+            prefixes, weights = blend
             if not prefixes or (weights is not None and (
                     len(weights) != len(prefixes) or min(weights) < 0 or sum(weights) <= 0)):
-                raise ValueError(f"blend {self.blend!r}: give one or more prefixes and either no "
+                raise ValueError(f"blend {blend!r}: give one or more prefixes and either no "
                                  "weights or one non-negative weight each, not all zero")
             for prefix in prefixes:
                 for suffix in (".bin", ".idx"):
@@ -180,6 +191,13 @@ class MicrobatchSourceConfig:
                             f"blend prefix {prefix!r}: {prefix + suffix} not found (a prefix "
                             f"names the .bin/.idx pair, without the suffix)"
                         )
+
+    @property
+    def blends(self) -> list[tuple]:
+        """Every blend given: `blend`, or the per-split ones."""
+        if self.blend_per_split is not None:
+            return [blend for blend in self.blend_per_split if blend is not None]
+        return [] if self.blend is None else [self.blend]
 
     @property
     def batches(self) -> GlobalBatches:
@@ -278,7 +296,7 @@ def _build_splits(config: MicrobatchSourceConfig):
     """(train, valid, test): megatron builds each split from its own documents with its own
     size, so the evaluation sizes do not change the training split."""
     gbs = config.global_batch_size
-    weighted = config.blend is not None and config.blend[1] is not None
+    weighted = any(weights is not None for _, weights in config.blends)
     if config.eval_iters or weighted:
         # Megatron-LM's sizes (0 without evaluation: megatron-core wants a size for every split
         # of a weighted blend).
@@ -322,7 +340,7 @@ def _build(config: MicrobatchSourceConfig, sizes: list):
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
-    mock = config.blend is None
+    mock = not config.blends
     cache_dir = None if mock else config.cache_dir and os.path.abspath(config.cache_dir)
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else GPTDataset,
@@ -339,15 +357,19 @@ def _build(config: MicrobatchSourceConfig, sizes: list):
 def _gpt_dataset_config(config: MicrobatchSourceConfig, cache_dir: Optional[str]):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    blend = None
-    if config.blend is not None:
-        prefixes, weights = config.blend
-        blend = ([os.path.abspath(p) for p in prefixes],
-                 None if weights is None else [float(w) for w in weights])
+    def megatrons(blend):
+        if blend is None:
+            return None
+        prefixes, weights = blend
+        return ([os.path.abspath(p) for p in prefixes],
+                None if weights is None else [float(w) for w in weights])
+
+    per_split = config.blend_per_split
     return GPTDatasetConfig(
         random_seed=config.seed,
         sequence_length=config.sequence_length,
-        blend=blend,
+        blend=megatrons(config.blend),
+        blend_per_split=None if per_split is None else [megatrons(b) for b in per_split],
         split=config.split,
         path_to_cache=cache_dir,
         tokenizer=config.tokenizer,
@@ -364,7 +386,7 @@ def _lock_dirs(config: MicrobatchSourceConfig) -> list[str]:
     if config.cache_dir is not None:
         return [os.path.abspath(config.cache_dir)]
     return sorted({os.path.join(os.path.abspath(prefix), "cache", "GPTDataset_indices")
-                   for prefix in config.blend[0]})
+                   for blend in config.blends for prefix in blend[0]})
 
 
 @contextlib.contextmanager

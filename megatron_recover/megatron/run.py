@@ -155,7 +155,7 @@ def microbatch_source(cfg):
         tokenizer=tokenizer, sequence_length=cfg.model.seq_length,
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.train_iters, train_samples=cfg.train_samples,
-        rampup_batch_size=cfg.rampup_batch_size, blend=d.blend,
+        rampup_batch_size=cfg.rampup_batch_size, blend=d.blend, blend_per_split=d.blend_per_split,
         eval_iters=cfg.evaluation.iters,
         evaluations=cfg.evaluation.evaluations(cfg.train_iters),
         split=d.split, seed=cfg.seed,
