@@ -177,6 +177,7 @@ def test_legacy_split_default_with_data_path(gpt2_files):
     cfg = parse_args([a for a in SMALL if a != "--mock-data"]
                      + ["--data-path", gpt2_files["prefix"]], world_size=4, cuda_available=False)
     assert cfg.data.split == LEGACY_DEFAULT_SPLIT and not cfg.data.mock_data
+    assert any("--split not given: Megatron-LM's legacy default" in line for line in cfg.notices)
 
 
 def test_swiglu_ffn_rule_and_model_switches():

@@ -941,6 +941,9 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
                      "is replicated, not sharded: to shard it within replicas, pass "
                      f"--num-distributed-optimizer-instances K, a divisor of {dp} (K replicas of "
                      f"{dp}/K data-parallel ranks)")
+    if ns.split is None and (ns.data_path is not None or ns.data_args_path is not None):
+        lines.append(f"megatron-recover: --split not given: Megatron-LM's legacy default "
+                     f"{LEGACY_DEFAULT_SPLIT!r} (it asks for --split with --data-path too)")
     if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
         lines.append("megatron-recover: --sequence-parallel has no effect with "
                      "--tensor-model-parallel-size 1 (Megatron-LM drops it too)")
