@@ -599,30 +599,38 @@ def _data(ns) -> list[str]:
                 "scripts/preprocess_data.py; or a blend, W1 PREFIX1 W2 PREFIX2 ...), "
                 "--data-args-path FILE, --train-data-path (with --valid-data-path and "
                 "--test-data-path), --per-split-data-args-path FILE or --mock-data"]
-    problems = []
-    for flag in ("--data-args-path", "--per-split-data-args-path"):
-        path = getattr(ns, flag[2:].replace("-", "_"))
-        if path is not None and not Path(path).is_file():
-            problems.append(f"{flag} {path}: no such file")
-    if problems or ns.mock_data:
-        pass
-    elif per_split or ns.per_split_data_args_path is not None:
-        words, problem = _per_split_words(ns)
-        if problem:
-            problems.append(problem)
-        elif words[0] is None:
-            problems.append("per-split data without a training blend: pass --train-data-path "
-                            "(or a \"train\" entry in --per-split-data-args-path)")
-        for split_words in words:
-            problems += _blend(split_words)[1]
-        if ns.split is not None:
-            problems.append(f"--split {ns.split} cuts a --data-path blend; with per-split data "
-                            "each split's blend is used whole: drop --split")
-    else:
-        problems += _blend(_data_path_words(ns))[1]
+    _, per_split_blends, problems = _data_blends(ns)
+    if per_split_blends is not None and ns.split is not None:
+        problems.append(f"--split {ns.split} cuts a --data-path blend; with per-split data "
+                        "each split's blend is used whole: drop --split")
     if ns.split is not None:
         problems += _split(ns.split)
     return problems
+
+
+def _data_blends(ns) -> tuple[tuple | None, tuple | None, list[str]]:
+    """(megatron's blend, its blend_per_split, problem lines) of the data flags, one source of
+    them given: --data-path or --data-args-path give the blend, the per-split flags the
+    (train, valid, test) blends; both None with --mock-data."""
+    for flag in ("--data-args-path", "--per-split-data-args-path"):
+        path = getattr(ns, flag[2:].replace("-", "_"))
+        if path is not None and not Path(path).is_file():
+            return None, None, [f"{flag} {path}: no such file"]
+    if ns.per_split_data_args_path is None and all(
+            getattr(ns, f[2:].replace("-", "_")) is None for f in _PER_SPLIT_FLAGS):
+        words = (Path(ns.data_args_path).read_text().split() if ns.data_args_path is not None
+                 else ns.data_path)  # the file's words as Megatron-LM reads them
+        blend, problems = _blend(words)
+        return blend, None, problems
+    words, problem = _per_split_words(ns)
+    if problem:
+        return None, None, [problem]
+    blends, problems = zip(*map(_blend, words))
+    problems = [line for lines in problems for line in lines]
+    if words[0] is None:
+        problems.append("per-split data without a training blend: pass --train-data-path "
+                        "(or a \"train\" entry in --per-split-data-args-path)")
+    return None, tuple(blends), problems
 
 
 def _per_split_words(ns) -> tuple[list, str | None]:
@@ -643,23 +651,6 @@ def _per_split_words(ns) -> tuple[list, str | None]:
                             "\"valid\" and \"test\", each a blend's words as a string or a list")
     words = [entries.get(split) for split in ("train", "valid", "test")]
     return [w.split() if isinstance(w, str) else w for w in words], None
-
-
-def _blend_per_split(ns) -> tuple | None:
-    """megatron's blend_per_split (train, valid, test), or None without per-split data."""
-    if all(getattr(ns, f[2:].replace("-", "_")) is None for f in _PER_SPLIT_FLAGS) and (
-            ns.per_split_data_args_path is None):
-        return None
-    return tuple(_blend(words)[0] for words in _per_split_words(ns)[0])
-
-
-def _data_path_words(ns) -> list[str] | None:
-    """--data-path's values, or the words of --data-args-path's file (as Megatron-LM reads it);
-    None with --mock-data."""
-    if ns.data_args_path is not None:
-        path = Path(ns.data_args_path)
-        return path.read_text().split() if path.is_file() else None
-    return ns.data_path
 
 
 def _blend(words: list[str] | None) -> tuple[tuple | None, list[str]]:
@@ -975,6 +966,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
     tp = ns.tensor_model_parallel_size
     dp, gbs = _sizes(ns, world_size)
     fusion = ns.gradient_accumulation_fusion
+    blend, blend_per_split, _ = _data_blends(ns)
     return TrainConfig(
         model=ModelConfig(
             num_layers=ns.num_layers, hidden_size=ns.hidden_size,
@@ -1029,10 +1021,9 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             use_cpu_initialization=ns.use_cpu_initialization,
             gradient_accumulation_fusion=cuda_available if fusion is None else fusion),
         data=DataConfig(
-            blend=_blend(_data_path_words(ns))[0], blend_per_split=_blend_per_split(ns),
-            mock_data=ns.mock_data,
+            blend=blend, blend_per_split=blend_per_split, mock_data=ns.mock_data,
             split=(ns.split if ns.split is not None or ns.mock_data
-                   or _blend_per_split(ns) is not None else LEGACY_DEFAULT_SPLIT),
+                   or blend_per_split is not None else LEGACY_DEFAULT_SPLIT),
             data_cache_path=ns.data_cache_path, reset_position_ids=ns.reset_position_ids,
             reset_attention_mask=ns.reset_attention_mask, eod_mask_loss=ns.eod_mask_loss,
             create_attention_mask=ns.create_attention_mask_in_dataloader
