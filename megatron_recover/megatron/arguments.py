@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from megatron_recover.megatron.config import (
     PrecisionConfig,
     RecoverConfig,
     TrainConfig,
+    split_is_valid,
 )
 from megatron_recover.policy.rampup import GlobalBatches
 
@@ -691,12 +691,7 @@ def _dataset_files(prefix: str) -> list[str]:
 
 
 def _split(split: str) -> list[str]:
-    # The same reading as megatron-core's parse_and_normalize_split.
-    try:
-        weights = [float(x) for x in re.findall(r"[.0-9]+", split) if x != "."]
-    except ValueError:  # "1.2.3"
-        weights = []
-    if not 1 <= len(weights) <= 3 or weights[0] <= 0:
+    if not split_is_valid(split):
         return [f"--split {split!r}: give up to three non-negative proportions "
                 "train,valid,test with a positive train share, e.g. --split 969,30,1"]
     return []

@@ -7,6 +7,7 @@ Megatron-LM's default. Nothing here parses, validates or imports torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,6 +256,17 @@ class ParallelConfig:
     def ranks_per_replica(self) -> int:
         """Processes in one replica: dp_ranks_per_replica x TP x PP."""
         return self.dp_ranks_per_replica * self.model_parallel_size
+
+
+def split_is_valid(split) -> bool:
+    """Whether megatron-core's parse_and_normalize_split reads `split` (its numbers, as floats)
+    into one to three weights with a positive training weight; it only asserts otherwise."""
+    try:
+        weights = ([float(w) for w in re.findall(r"[.0-9]+", split)]
+                   if isinstance(split, str) else [])
+    except ValueError:  # "1.2.3", "."
+        return False
+    return 1 <= len(weights) <= 3 and weights[0] > 0
 
 
 @dataclass(frozen=True)

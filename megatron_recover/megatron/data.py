@@ -56,12 +56,12 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
 
+from megatron_recover.megatron.config import split_is_valid
 from megatron_recover.policy.rampup import GlobalBatches
 from megatron_recover.recovery.ledger import CHECKSUM_MODULUS
 
@@ -409,13 +409,7 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 
 def _check_split(split: str) -> None:
-    # megatron-core only asserts on a bad split; say what is wrong instead.
-    weights = re.findall(r"[.0-9]+", split) if isinstance(split, str) else []
-    try:
-        values = [float(weight) for weight in weights]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or values[0] <= 0:
+    if not split_is_valid(split):
         raise ValueError(
             f"split must be up to three comma-separated weights for train, valid, test with a "
             f"positive training weight, e.g. '969,30,1' or '100,0,0'; got {split!r}"
