@@ -24,6 +24,7 @@ from tests.training_harness import (
     STABLE_LR,
     assert_exact,
     assert_ledger_held,
+    printed_values,
     run_training,
 )
 
@@ -78,11 +79,7 @@ def stock_losses(tmp_path, args, ranks):
     --recover."""
     stock = launch(LaunchConfig(ranks, [*ENTRY, *args], tmp_path / "stock", TIMEOUT_S))
     assert not stock.timed_out and stock.succeeded, stock.output[-4000:]
-    lines = stock.output.splitlines()
-    return ([float(line.split("lm loss:")[1].split("|")[0]) for line in lines
-             if "lm loss:" in line],
-            [float(line.split("lm loss value:")[1].split("|")[0]) for line in lines
-             if "lm loss value:" in line])
+    return printed_values(stock.output, "lm loss"), printed_values(stock.output, "lm loss value")
 
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
@@ -120,6 +117,5 @@ def test_per_split_blends_train_and_evaluate_as_a_stock_run(tmp_path, corpora):
     losses, validation = stock_losses(tmp_path, args, 2)
     assert len(losses) == 2 and len(validation) == 1, (losses, validation)
     assert max(abs(r["loss"] - s) / s for r, s in zip(run.records, losses)) <= EXACT_LOSS_RTOL
-    recover_validation = [float(line.split("lm loss value:")[1].split("|")[0])
-                          for line in run.result.output.splitlines() if "lm loss value:" in line]
+    recover_validation = printed_values(run.result.output, "lm loss value")
     assert recover_validation == pytest.approx(validation, rel=EXACT_LOSS_RTOL)

@@ -24,6 +24,7 @@ from tests.training_harness import (
     STABLE_LR,
     assert_exact,
     param_rdiff,
+    printed_values,
     run_training,
 )
 
@@ -71,8 +72,7 @@ def reference(tmp_path_factory, job):
 def test_failure_free_run_divides_as_megatron_core_does(tmp_path, job, reference):
     stock = launch(LaunchConfig(REPLICAS, [*ENTRY, *job], tmp_path / "stock", TIMEOUT_S))
     assert not stock.timed_out and stock.succeeded, stock.output[-4000:]
-    losses = [float(line.split("lm loss:")[1].split("|")[0]) for line in stock.output.splitlines()
-              if "lm loss:" in line]
+    losses = printed_values(stock.output, "lm loss")
     assert len(losses) == ITERATIONS, stock.output[-4000:]
     tokens = [r["loss_tokens"] for r in reference.records]
     print(f"committed loss tokens {tokens} of {B * SEQ} positions per iteration")

@@ -25,6 +25,7 @@ from tests.training_harness import (
     STABLE_LR,
     assert_exact,
     loss_rdiff,
+    printed_values,
     run_training,
 )
 
@@ -110,7 +111,7 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, reference, figur
     assert [r["B"] for r in reference.records] == sizes  # micro-batch size 1: B_t = GBS_t
     assert printed(reference.result.output, "global batch size") == sizes
     assert printed(reference.result.output, "consumed samples") == [sum(b) for b in batches]
-    stock_losses = [float(v) for v in re.findall(r"lm loss: (\S+) \|", stock.output)]
+    stock_losses = printed_values(stock.output, "lm loss")
     loss = max(abs(r["loss"] - s) / abs(s) for r, s in zip(reference.records, stock_losses))
     params = param_rdiff(reference.params(0), torch.load(tmp_path / "stock/rank-0.params.pt"))
     figures.append(f"ramp-up, --recover failure-free vs stock Megatron: loss {loss:.2e}, "

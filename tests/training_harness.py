@@ -44,6 +44,13 @@ class TrainingRun:
         return sorted(r for r, s in self.result.statuses.items() if s.get("state") == "completed")
 
 
+def printed_values(output: str, field: str) -> list[float]:
+    """The numbers Megatron's progress lines print after `field:` ("lm loss" on iteration
+    lines, "lm loss value" on validation lines), in the order printed."""
+    return [float(line.split(f"{field}:")[1].split("|")[0]) for line in output.splitlines()
+            if f"{field}:" in line]
+
+
 def run_training(run_dir: Path, num_ranks: int, args: list[str], schedule: str | None = None,
                  timeout_s: float = 300) -> TrainingRun:
     """`pretrain_gpt_recover.py ARGS --recover --recover-log ...` on `num_ranks` ranks, with an
