@@ -77,6 +77,12 @@ def main() -> None:
         runtime.stop_at_startup(str(error))
     except collective.BackendUnavailable as error:
         runtime.stop_at_startup(str(error), finalize=True)  # MPI without fault tolerance
+    if ctx.rank == 0:
+        from megatron_recover.megatron.mcore_config import padded_vocab_size
+
+        padded = padded_vocab_size(cfg, vocab_size)
+        print(f" > padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens "
+              f"(new size: {padded})", flush=True)  # Megatron-LM's line
     # Set by `megatron-recover launch --if-include` for jobs on several hosts.
     runtime.init_torch_distributed(ctx, world_id=run.torch_world_id(cfg, ctx),
                                    network=os.environ.get("MEGATRON_RECOVER_NETWORK"))

@@ -8,6 +8,10 @@ Writes into DIR:
   vocab.json, merges.txt             byte-level BPE in GPT-2 format, "<|endoftext|>" as EOD
   hf_tokenizer/                      the same tokenizer saved by transformers (for
                                      --tokenizer-type HuggingFaceTokenizer)
+  tiktoken.json                      the same BPE as a tiktoken vocabulary (TikTokenizer)
+  sentencepiece.model                a SentencePiece BPE model of the corpus (the
+                                     SentencePieceTokenizer, GPTSentencePieceTokenizer and
+                                     Llama2Tokenizer types)
   corpus_text_document.{bin,idx}     preprocess_data.py's output (GPT2BPETokenizer, --append-eod)
 and prints the numbers. Use with `--data-path DIR/corpus_text_document --tokenizer-type
 GPT2BPETokenizer --vocab-file DIR/vocab.json --merge-file DIR/merges.txt`.
@@ -133,6 +137,63 @@ def train_tokenizer(texts: list, vocab_size: int, output_dir: str) -> None:
     hf.save_pretrained(os.path.join(output_dir, "hf_tokenizer"))
 
 
+# Pieces of the SentencePiece model (a soft limit: fewer for a corpus too small to fill it).
+SENTENCE_PIECE_VOCAB = 512
+
+
+def train_sentence_piece(texts: list, path: str) -> None:
+    """A BPE SentencePiece model as Llama's are laid out: <unk> 0, <s> 1, </s> 2, no pad piece,
+    and byte fallback, so any text encodes. One trainer thread, so the file is reproducible."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=model, model_type="bpe",
+        vocab_size=SENTENCE_PIECE_VOCAB, hard_vocab_limit=False, byte_fallback=True,
+        character_coverage=1.0, num_threads=1, minloglevel=2,
+    )
+    with open(path, "wb") as f:
+        f.write(model.getvalue())
+
+
+def _gpt2_byte_of_character() -> dict:
+    """GPT-2's byte-level alphabet, reversed: the printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    mapping, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[chr(byte)] = byte
+        else:
+            mapping[chr(256 + shifted)] = byte
+            shifted += 1
+    return mapping
+
+
+def write_tiktoken_vocabulary(merges_file: str, path: str) -> int:
+    """The GPT-2 BPE of `merges_file` as the tiktoken vocabulary megatron-core's TikTokenizer
+    reads: rank i < 256 is byte i, then each merge's bytes in merge order (BPE applies merges by
+    rank, so the ids encode the same pieces). Returns the number of entries."""
+    import base64
+
+    byte_of = _gpt2_byte_of_character()
+    tokens = [bytes([i]) for i in range(256)]
+    with open(merges_file, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#version") or not line.strip():
+                continue
+            left, right = line.rstrip("\n").split(" ")
+            tokens.append(bytes(byte_of[c] for c in left + right))
+    entries = [{"rank": rank, "token_bytes": base64.b64encode(token).decode("ascii"),
+                "token_str": token.decode("utf-8", errors="replace")}
+               for rank, token in enumerate(tokens)]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(entries, f)
+    return len(entries)
+
+
 def build(output_dir: str, documents: int, seed: int, vocab_size: int) -> dict:
     """Write every file listed in the module docstring; return the numbers it prints."""
     # preprocess_data.py sits beside this file, in scripts/ (first on sys.path when run).
@@ -147,6 +208,9 @@ def build(output_dir: str, documents: int, seed: int, vocab_size: int) -> dict:
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")
     train_tokenizer(texts, vocab_size, output_dir)
+    write_tiktoken_vocabulary(os.path.join(output_dir, "merges.txt"),
+                              os.path.join(output_dir, "tiktoken.json"))
+    train_sentence_piece(texts, os.path.join(output_dir, "sentencepiece.model"))
     prefix = os.path.join(output_dir, "corpus")
     preprocess_data.main([
         "--input", corpus, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",

@@ -3,8 +3,15 @@
 Usage: .venv/bin/python scripts/preprocess_data.py --input corpus.jsonl --output-prefix out/corpus
            --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
            [--append-eod] [--workers N] [--json-keys text ...] [--log-interval N]
-Other tokenizers: --tokenizer-type HuggingFaceTokenizer --tokenizer-model LOCAL_DIR, or
---tokenizer-type NullTokenizer --vocab-size V (see megatron_recover/megatron/tokenizer.py).
+Other tokenizers (megatron_recover/megatron/tokenizer.py says what each writes):
+  --tokenizer-type HuggingFaceTokenizer --tokenizer-model LOCAL_DIR
+  --tokenizer-type SentencePieceTokenizer|GPTSentencePieceTokenizer|Llama2Tokenizer
+      --tokenizer-model MODEL_FILE
+  --tokenizer-type TikTokenizer --tokenizer-model VOCAB.json [--tiktoken-pattern v1|v2]
+      [--vocab-size V] [--tiktoken-num-special-tokens N] [--tokenizer-special-tokens T ...]
+  --tokenizer-type NullTokenizer --vocab-size V
+Ids are megatron-core's tokenizers', as Megatron-LM's preprocessing writes them without
+--legacy-tokenizer (for Llama2Tokenizer: no BOS is prepended).
 
 Output, for each json key K: {prefix}_{K}_document.bin and .idx, written by megatron-core's
 `IndexedDatasetBuilder` as Megatron-LM writes them, so `--data-path {prefix}_{K}_document` works
@@ -43,8 +50,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local directory")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..V-1, EOD is V")
+    group.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local directory; the "
+                       "SentencePiece types: the model file; TikTokenizer: the vocabulary .json")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..V-1, EOD is V; "
+                       "TikTokenizer: the vocabulary size (default 2**17)")
+    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"),
+                       help="TikTokenizer: the pre-tokenization regex (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int,
+                       help="TikTokenizer: ids reserved for special tokens (default 1000)")
+    group.add_argument("--tokenizer-special-tokens", nargs="+",
+                       help="TikTokenizer: the special tokens (default <unk> <s> </s> <mask> "
+                       "<pad> <cls> <sep>)")
     group = parser.add_argument_group("input and output")
     group.add_argument("--input", required=True, help="JSONL file, one document a line")
     group.add_argument("--json-keys", nargs="+", default=["text"],
@@ -67,13 +83,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def tokenizer_arguments(args: argparse.Namespace) -> dict:
     """The keyword arguments of `build_tokenizer` that the command line gave."""
-    return {
-        "tokenizer_type": args.tokenizer_type,
+    given = {
         "vocab_file": args.vocab_file,
         "merge_file": args.merge_file,
         "tokenizer_model": args.tokenizer_model,
         "vocab_size": args.vocab_size,
+        "tiktoken_pattern": args.tiktoken_pattern,
+        "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
+        "special_tokens": args.tokenizer_special_tokens,
     }
+    return {"tokenizer_type": args.tokenizer_type, **given}
 
 
 def _init_worker(tokenizer_kwargs: dict) -> None:

@@ -582,7 +582,11 @@ def test_tokenizer_files(gpt2_files, tmp_path):
     assert "needs --tokenizer-model" in refused(argv=base + ["--tokenizer-type",
                                                              "HuggingFaceTokenizer"])
     assert "use one of GPT2BPETokenizer" in refused(argv=base + ["--tokenizer-type",
-                                                                 "Llama2Tokenizer"])
+                                                                 "BertWordPieceCase"])
+    # --vocab-size (in `base`) is read by NullTokenizer and TikTokenizer only.
+    assert ("--vocab-size: --tokenizer-type GPT2BPETokenizer takes its vocabulary from its "
+            "files: drop it") in refused(argv=base + gpt2 + ["--vocab-file", gpt2_files["vocab"],
+                                                             "--merge-file", gpt2_files["merges"]])
     no_tokenizer = [a for a in base if a not in ("--vocab-size", "100")]
     assert "no tokenizer" in refused(argv=no_tokenizer)
 

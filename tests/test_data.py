@@ -180,7 +180,12 @@ def test_missing_input_is_refused(demo, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tokenizer_type="SentencePieceTokenizer"), "unknown tokenizer type"),
+    (dict(tokenizer_type="BertWordPieceCase"), "unknown tokenizer type"),
+    (dict(tokenizer_type="Llama2Tokenizer"), "needs --tokenizer-model"),
+    (dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="m", vocab_size=8),
+     "does not use --vocab-size"),
+    (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="m", special_tokens=["<s>"]),
+     "does not use --tokenizer-special-tokens"),
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json"), "needs --merge-file"),
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="absent.json", merge_file="absent.txt"),
      "tokenizer file not found: absent.json"),

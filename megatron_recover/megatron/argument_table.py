@@ -92,8 +92,6 @@ _NO_EFFECT_GROUPS = (
      "--no-pin-cpu-params"),
     ("only read with --profile, which is refused", "--profile-step-start:1 --profile-step-end:1 "
      "--profile-ranks:*"),
-    ("only read by the TikTokenizer, which is not supported (see --tokenizer-type)",
-     "--tiktoken-pattern:1 --tiktoken-num-special-tokens:1 --tiktoken-special-tokens:*"),
     ("megatron-core's own GPT model is the only model here (Megatron-LM's default)",
      "--use-mcore-models"),
     ("a CUDA matmul setting; with bf16 on CPU there is no reduced-precision reduction to turn off",
@@ -260,10 +258,11 @@ _REFUSED_GROUPS = (
      "--sample-rate --fim-data --fim-rate --fim-spm-rate --fim-split-sample "
      "--fim-fragment-rate --fim-no-prefix --fim-prefix-token --fim-middle-token "
      "--fim-suffix-token --fim-pad-token --fim-eod-token --sft --sft-tokenizer-prompt-format"),
-    ("tokenizer option not supported: GPT2BPETokenizer, HuggingFaceTokenizer and NullTokenizer "
-     "load with their defaults from local files", "--legacy-tokenizer --padded-vocab-size "
+    ("tokenizer option not supported: every tokenizer type loads through megatron-core's "
+     "tokenizer classes with their defaults from local files (Megatron-LM's default system); "
+     "preprocess and train without it", "--legacy-tokenizer --padded-vocab-size "
      "--tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens --tokenizer-metadata "
-     "--tokenizer-sentencepiece-legacy --tokenizer-special-tokens --trust-remote-code"),
+     "--tokenizer-sentencepiece-legacy --trust-remote-code"),
     ("inference and serving options; pretrain_gpt_recover.py trains", "--flash-decode "
      "--inference-fuse-tp-communication --mlp-chunks-for-prefill --decode-only-cuda-graphs "
      "--disable-chunked-prefill --enable-chunked-prefill "
@@ -429,9 +428,10 @@ IMPLEMENTED_NOTES = {
                     "refused where --tokenizer-type does not read it",
     "--vocab-file": "refused where --tokenizer-type does not read it (Megatron-LM ignores it or "
                     "hands it to AutoTokenizer)",
-    "--tokenizer-model": "a local directory, loaded as the fast Hugging Face tokenizer "
-                         "(Megatron-LM: the slow one unless --tokenizer-hf-use-fast); refused "
-                         "where --tokenizer-type does not read it",
+    "--tokenizer-model": "local files only; HuggingFaceTokenizer: a directory, loaded as the "
+                         "fast tokenizer (Megatron-LM: the slow one unless "
+                         "--tokenizer-hf-use-fast); refused where --tokenizer-type does not "
+                         "read it",
     "--split": "a train share of 0 is refused (Megatron-LM then only evaluates); a split with "
                "no validation documents is not evaluated (Megatron-LM fails at its first "
                "evaluation); checked with --mock-data too, which splits evenly",
@@ -470,11 +470,20 @@ IMPLEMENTED_NOTES = {
                        "by the flag and fails without it)",
     "--log-world-size-to-tensorboard": "--recover: the live ranks, which fall after failures "
                                        "(Megatron-LM: the launch world size)",
-    "--eod-mask-loss": "without --calculate-per-token-loss the logged lm loss is the mean of the "
-                       "microbatches' means (Megatron-LM logs loss sum / loss tokens: differs "
-                       "when microbatches mask different token counts); gradients as Megatron-LM",
     "--vocab-size": "alone (no --tokenizer-type, --vocab-file or --tokenizer-model) selects "
-                    "NullTokenizer (Megatron-LM's pretrain_gpt defaults to GPT2BPETokenizer)",
+                    "NullTokenizer (Megatron-LM's pretrain_gpt defaults to GPT2BPETokenizer); "
+                    "refused with the tokenizer types that do not read it (all but "
+                    "NullTokenizer and TikTokenizer; Megatron-LM ignores it there)",
+    "--tiktoken-pattern": "needed with TikTokenizer, as Megatron-LM's training asserts; with "
+                          "another --tokenizer-type it has no effect and start-up says so",
+    "--tiktoken-num-special-tokens": "with another --tokenizer-type than TikTokenizer it has no "
+                                     "effect and start-up says so",
+    "--tokenizer-special-tokens": "TikTokenizer's special tokens only: refused with the other "
+                                  "types (Megatron-LM hands them to Hugging Face tokenizers, and "
+                                  "to SentencePiece ones only with "
+                                  "--tokenizer-sentencepiece-legacy, refused here)",
+    "--tiktoken-special-tokens": "Megatron-LM's deprecated name of --tokenizer-special-tokens, "
+                                 "read as that (start-up says so)",
     "--reset-attention-mask": "turns the dataloader's attention mask on even with "
                               "--no-create-attention-mask-in-dataloader (Megatron-LM builds none "
                               "then, and the reset has no effect)",
@@ -491,8 +500,11 @@ IMPLEMENTED_NOTES = {
               "(B kept); a Megatron-LM checkpoint stops the load (its per-rank file is not ours)",
     "--data-path": "a blend's prefixes must each have their .bin/.idx, and its weights be >= 0, "
                    "checked at start-up",
-    "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer or NullTokenizer, from local "
-                        "files; the other types are refused at start-up",
+    "--tokenizer-type": "GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, "
+                        "GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or "
+                        "NullTokenizer, from local files (BERT, multimodal and SFT types are "
+                        "refused at start-up); the data's ids are megatron-core's, as Megatron-LM "
+                        "builds them without --legacy-tokenizer (docs/training.md)",
     "--log-interval": "--recover: the iteration line adds live replicas, contributions/B and "
                       "failures (docs/observability.md); the first iteration's line, which "
                       "Megatron-LM prints whatever the interval, starts a new interval when "

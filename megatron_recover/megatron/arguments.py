@@ -34,10 +34,9 @@ from megatron_recover.megatron.config import (
     TrainConfig,
     split_is_valid,
 )
+from megatron_recover.megatron.tokenizer import TIKTOKEN, TOKENIZER_TYPES
 from megatron_recover.policy.rampup import GlobalBatches
 
-# The tokenizers that load offline from files the user names (tokenizer.py: nothing is downloaded).
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 # Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
@@ -187,6 +186,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--merge-file")
     g.add_argument("--tokenizer-model")
     g.add_argument("--vocab-size", type=int)
+    g.add_argument("--tiktoken-pattern")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
+    g.add_argument("--tokenizer-special-tokens", nargs="+")
+    g.add_argument("--tiktoken-special-tokens", nargs="+")  # Megatron-LM's deprecated name
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -701,14 +704,14 @@ def _tokenizer(ns) -> list[str]:
     kind = _tokenizer_type(ns)
     if kind is None:
         return ["no tokenizer: pass --tokenizer-type GPT2BPETokenizer with --vocab-file and "
-                "--merge-file, HuggingFaceTokenizer with --tokenizer-model, or NullTokenizer "
-                "with --vocab-size"]
+                "--merge-file, HuggingFaceTokenizer, SentencePieceTokenizer, "
+                "GPTSentencePieceTokenizer, Llama2Tokenizer or TikTokenizer with "
+                "--tokenizer-model, or NullTokenizer with --vocab-size"]
     if kind not in TOKENIZER_TYPES:
         return [f"--tokenizer-type {kind} is not supported: use one of "
                 f"{', '.join(TOKENIZER_TYPES)} (they load offline from local files)"]
     needs = {"GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
-             "HuggingFaceTokenizer": ("--tokenizer-model",),
-             "NullTokenizer": ()}[kind]
+             "NullTokenizer": ()}.get(kind, ("--tokenizer-model",))
     problems = []
     for flag in needs:
         path = getattr(ns, flag[2:].replace("-", "_"))
@@ -722,7 +725,25 @@ def _tokenizer(ns) -> list[str]:
                             f"pass the tokenizer type that does")
     if kind == "NullTokenizer" and ns.vocab_size is None:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    if kind not in ("NullTokenizer", TIKTOKEN) and ns.vocab_size is not None:
+        problems.append(f"--vocab-size: --tokenizer-type {kind} takes its vocabulary from its "
+                        "files: drop it")
+    if kind == TIKTOKEN:
+        # Megatron-LM's training builds its legacy TikTokenizer too, which needs the pattern.
+        if ns.tiktoken_pattern not in ("v1", "v2"):
+            problems.append(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 "
+                            f"(got {ns.tiktoken_pattern!r})")
+        if ns.tiktoken_num_special_tokens < 0:
+            problems.append("--tiktoken-num-special-tokens must be >= 0")
+    elif _special_tokens(ns) is not None:
+        problems.append(f"--tokenizer-special-tokens: only TikTokenizer takes a special-token "
+                        f"list here (--tokenizer-type {kind} has its own): drop it")
     return problems
+
+
+def _special_tokens(ns) -> list[str] | None:
+    """--tokenizer-special-tokens, or Megatron-LM's deprecated --tiktoken-special-tokens."""
+    return ns.tokenizer_special_tokens or ns.tiktoken_special_tokens
 
 
 def _checkpointing(ns) -> list[str]:
@@ -930,6 +951,18 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
     if ns.split is None and (ns.data_path is not None or ns.data_args_path is not None):
         lines.append(f"megatron-recover: --split not given: Megatron-LM's legacy default "
                      f"{LEGACY_DEFAULT_SPLIT!r} (it asks for --split with --data-path too)")
+    given = [flag for flag, value in (
+        ("--tiktoken-pattern", ns.tiktoken_pattern),
+        ("--tiktoken-num-special-tokens",
+         any(arg.split("=")[0] == "--tiktoken-num-special-tokens" for arg in argv)))
+        if value]
+    if given and _tokenizer_type(ns) != TIKTOKEN:
+        lines.append(f"megatron-recover: {' and '.join(given)} has no effect with "
+                     f"--tokenizer-type {_tokenizer_type(ns)} (only TikTokenizer reads it, as in "
+                     "Megatron-LM)")
+    if ns.tiktoken_special_tokens and not ns.tokenizer_special_tokens:
+        lines.append("megatron-recover: --tiktoken-special-tokens is Megatron-LM's deprecated "
+                     "name of --tokenizer-special-tokens (it reads it as that)")
     if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
         lines.append("megatron-recover: --sequence-parallel has no effect with "
                      "--tensor-model-parallel-size 1 (Megatron-LM drops it too)")
@@ -1025,7 +1058,10 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             or ns.reset_attention_mask,
             tokenizer_type=_tokenizer_type(ns), vocab_file=ns.vocab_file,
             merge_file=ns.merge_file, tokenizer_model=ns.tokenizer_model,
-            vocab_size=ns.vocab_size),
+            vocab_size=ns.vocab_size,
+            tiktoken_pattern=ns.tiktoken_pattern if _tokenizer_type(ns) == TIKTOKEN else None,
+            tiktoken_num_special_tokens=ns.tiktoken_num_special_tokens,
+            special_tokens=_special_tokens(ns) and tuple(_special_tokens(ns))),
         checkpoint=CheckpointConfig(
             save=ns.save, load=ns.load, save_interval=ns.save_interval,
             ckpt_format=ns.ckpt_format or ("torch" if ns.recover else "torch_dist")),

@@ -299,16 +299,23 @@ class DataConfig:
     --no-create-attention-mask-in-dataloader (attention builds the causal mask itself). Always on
     with --reset-attention-mask, whose mask is not the plain causal one."""
     tokenizer_type: str
-    """GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer (--tokenizer-type); inferred as
-    GPT2BPETokenizer from --vocab-file + --merge-file, NullTokenizer from --vocab-size alone."""
+    """One of `tokenizer.TOKENIZER_TYPES` (--tokenizer-type); inferred as GPT2BPETokenizer from
+    --vocab-file + --merge-file, NullTokenizer from --vocab-size alone."""
     vocab_file: str | None
     """GPT-2 vocab.json (--vocab-file)."""
     merge_file: str | None
     """GPT-2 merges.txt (--merge-file)."""
     tokenizer_model: str | None
-    """Local HuggingFace tokenizer directory or file (--tokenizer-model)."""
+    """A local HuggingFace tokenizer directory, SentencePiece model or tiktoken vocabulary
+    (--tokenizer-model)."""
     vocab_size: int | None
-    """Vocabulary size for NullTokenizer (--vocab-size)."""
+    """Vocabulary size for NullTokenizer and TikTokenizer (--vocab-size)."""
+    tiktoken_pattern: str | None = None
+    """TikTokenizer's pre-tokenization regex, v1 or v2 (--tiktoken-pattern); None otherwise."""
+    tiktoken_num_special_tokens: int = 1000
+    """Ids TikTokenizer reserves for special tokens (--tiktoken-num-special-tokens)."""
+    special_tokens: tuple | None = None
+    """TikTokenizer's special tokens (--tokenizer-special-tokens); None: megatron-core's."""
 
 
 @dataclass(frozen=True)

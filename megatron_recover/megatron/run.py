@@ -140,15 +140,21 @@ def _optimizer_and_scheduler(cfg, ddp_model, pg_collection):
 
 
 def microbatch_source(cfg):
-    """(MicrobatchSource, tokenizer vocabulary size) for the run's data arguments."""
+    """(MicrobatchSource, the model's unpadded vocabulary size) for the run's data arguments."""
     from megatron_recover.megatron.data import MicrobatchSource, MicrobatchSourceConfig
-    from megatron_recover.megatron.tokenizer import ARGUMENTS, build_tokenizer
+    from megatron_recover.megatron.tokenizer import (
+        build_arguments,
+        build_tokenizer,
+        model_vocab_size,
+    )
 
     d = cfg.data
     given = {"vocab_file": d.vocab_file, "merge_file": d.merge_file,
-             "tokenizer_model": d.tokenizer_model, "vocab_size": d.vocab_size}
-    tokenizer = build_tokenizer(d.tokenizer_type,
-                                **{k: given[k] for k in ARGUMENTS[d.tokenizer_type]})
+             "tokenizer_model": d.tokenizer_model, "vocab_size": d.vocab_size,
+             "tiktoken_pattern": d.tiktoken_pattern,
+             "tiktoken_num_special_tokens": d.tiktoken_num_special_tokens,
+             "special_tokens": d.special_tokens}
+    tokenizer = build_tokenizer(d.tokenizer_type, **build_arguments(d.tokenizer_type, given))
     # Reserve mode draws extra ids (B + j): at most one spare per replica and iteration.
     reserve = cfg.train_iters * cfg.b if cfg.recover.mode == RESERVE else 0
     source = MicrobatchSource(MicrobatchSourceConfig(
@@ -162,7 +168,7 @@ def microbatch_source(cfg):
         reserve_microbatches=reserve, cache_dir=d.data_cache_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.create_attention_mask))
-    return source, tokenizer.vocab_size
+    return source, model_vocab_size(d.tokenizer_type, tokenizer)
 
 
 def marker_path(cfg) -> Path:

@@ -22,25 +22,53 @@ Types:
                         `save_pretrained`; megatron-core's own class (Megatron-LM's non-legacy
                         path): ids of `tokenizer.tokenize` + `convert_tokens_to_ids`, no
                         BOS/EOS added; eod is the tokenizer's eos token.
+  SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer
+                        `tokenizer_model` is a SentencePiece model file; megatron-core's
+                        sentencepiece class, as Megatron-LM builds all three for its data and
+                        its preprocessing (without --legacy-tokenizer): ids of the model's
+                        `encode` with no BOS or EOS added (Megatron-LM's legacy Llama2 class
+                        prepends BOS), eod is the model's eos piece, vocab_size its piece count.
+  TikTokenizer          `tokenizer_model` is a tiktoken vocabulary in JSON (a list of {"rank",
+                        "token_bytes", "token_str"}, the 256 single bytes first); megatron-core's
+                        tiktoken class: ids are shifted up by `tiktoken_num_special_tokens`
+                        (default 1000) reserved for `special_tokens` (default <unk> <s> </s>
+                        <mask> <pad> <cls> <sep>, then <SPECIAL_i> fillers); special tokens in
+                        the text are parsed; eod is </s>; `tiktoken_pattern` v1 or v2 (default)
+                        selects the pre-tokenization regex; vocab_size (default 2**17) cuts the
+                        JSON to its first `vocab_size - tiktoken_num_special_tokens` entries.
   NullTokenizer         megatron-core's own class: the text is space-separated integer ids;
                         eod = `vocab_size` and the vocabulary has `vocab_size + 1` entries.
+
+`model_vocab_size` gives the vocabulary Megatron-LM pads for the model, which is the data's
+except for SentencePieceTokenizer.
 """
 
 import json
 import os
+import traceback
 from collections import OrderedDict
 from typing import List, Optional
 
 GPT2_BPE = "GPT2BPETokenizer"
 HUGGING_FACE = "HuggingFaceTokenizer"
+SENTENCE_PIECE = "SentencePieceTokenizer"
+GPT_SENTENCE_PIECE = "GPTSentencePieceTokenizer"
+LLAMA2 = "Llama2Tokenizer"
+TIKTOKEN = "TikTokenizer"
 NULL = "NullTokenizer"
-# The `build_tokenizer` arguments each type needs; it refuses the others.
+SENTENCE_PIECE_TYPES = (SENTENCE_PIECE, GPT_SENTENCE_PIECE, LLAMA2)
+# The `build_tokenizer` arguments each type needs, then those it reads when given; it refuses
+# the others.
 ARGUMENTS = {
-    GPT2_BPE: ("vocab_file", "merge_file"),
-    HUGGING_FACE: ("tokenizer_model",),
-    NULL: ("vocab_size",),
+    GPT2_BPE: (("vocab_file", "merge_file"), ()),
+    HUGGING_FACE: (("tokenizer_model",), ()),
+    **{kind: (("tokenizer_model",), ()) for kind in SENTENCE_PIECE_TYPES},
+    TIKTOKEN: (("tokenizer_model",),
+               ("tiktoken_pattern", "vocab_size", "tiktoken_num_special_tokens", "special_tokens")),
+    NULL: (("vocab_size",), ()),
 }
 TOKENIZER_TYPES = tuple(ARGUMENTS)
+TIKTOKEN_PATTERNS = ("v1", "v2")
 
 # GPT-2's end-of-text token; Megatron-LM's GPT2BPE tokenizer uses it as the end-of-document id.
 EOD_TOKEN = "<|endoftext|>"
@@ -88,39 +116,86 @@ def build_tokenizer(
     merge_file: Optional[str] = None,
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    tiktoken_pattern: Optional[str] = None,
+    tiktoken_num_special_tokens: Optional[int] = None,
+    special_tokens: Optional[List[str]] = None,
 ):
     """The tokenizer Megatron's `--tokenizer-type` names; see the module docstring.
 
-    Raises ValueError for an unknown type, a missing file, or an argument the type does not use
-    (`ARGUMENTS` lists the used ones), so that a mistyped flag is not silently ignored.
+    Raises ValueError for an unknown type, a missing file, a tokenizer file its library cannot
+    read, or an argument the type does not use (`ARGUMENTS` lists the used ones), so that a
+    mistyped flag is not silently ignored.
     """
     if tokenizer_type not in ARGUMENTS:
         raise ValueError(
             f"unknown tokenizer type {tokenizer_type!r}; supported: {', '.join(TOKENIZER_TYPES)}"
         )
-    _check_arguments(tokenizer_type, {
+    given = {
         "vocab_file": vocab_file,
         "merge_file": merge_file,
         "tokenizer_model": tokenizer_model,
         "vocab_size": vocab_size,
-    })
+        "tiktoken_pattern": tiktoken_pattern,
+        "tiktoken_num_special_tokens": tiktoken_num_special_tokens,
+        "special_tokens": special_tokens,
+    }
+    _check_arguments(tokenizer_type, given)
     if tokenizer_type == GPT2_BPE:
         return GPT2BPETokenizer(_existing_file(vocab_file), _existing_file(merge_file))
     if tokenizer_type == HUGGING_FACE:
         return _hugging_face_tokenizer(tokenizer_model)
+    if tokenizer_type in SENTENCE_PIECE_TYPES:
+        return _sentence_piece_tokenizer(tokenizer_type, _existing_file(tokenizer_model))
+    if tokenizer_type == TIKTOKEN:
+        options = {name: given[name] for name in ARGUMENTS[TIKTOKEN][1] if given[name] is not None}
+        return _tiktoken_tokenizer(_existing_file(tokenizer_model), options)
     return _null_tokenizer(vocab_size)
 
 
+def build_arguments(tokenizer_type: str, given: dict) -> dict:
+    """The `build_tokenizer` keyword arguments of `tokenizer_type` from `given` (a superset, by
+    argument name): the ones the type reads, less the optional ones that are None."""
+    required, optional = ARGUMENTS[tokenizer_type]
+    return {**{name: given[name] for name in required},
+            **{name: given[name] for name in optional if given.get(name) is not None}}
+
+
+def model_vocab_size(tokenizer_type: str, tokenizer) -> int:
+    """The unpadded vocabulary size Megatron-LM gives the model (`padded_vocab_size` pads it).
+
+    Megatron-LM sizes the model from its legacy tokenizer classes even where its data and its
+    preprocessing use megatron-core's. They agree except for SentencePieceTokenizer, whose
+    legacy class appends <CLS>, <SEP>, <EOD>, <MASK> and the pad, bos and eos pieces that the
+    model lacks (<PAD>, <BOS>, <EOS> where the model has no such id) after its pieces.
+    """
+    if tokenizer_type != SENTENCE_PIECE:
+        return tokenizer.vocab_size
+    import sentencepiece
+
+    model = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
+    pieces = {model.id_to_piece(i) for i in range(model.get_piece_size())}
+    appended = {"<CLS>", "<SEP>", "<EOD>", "<MASK>"}
+    for special_id, fallback in ((model.pad_id(), "<PAD>"), (model.bos_id(), "<BOS>"),
+                                 (model.eos_id(), "<EOS>")):
+        appended.add(model.id_to_piece(special_id)
+                     if 0 <= special_id < model.get_piece_size() else fallback)
+    return model.get_piece_size() + len(appended - pieces)
+
+
 def _check_arguments(tokenizer_type: str, given: dict) -> None:
-    required = ARGUMENTS[tokenizer_type]
+    required, optional = ARGUMENTS[tokenizer_type]
     missing = [name for name in required if given[name] is None]
     if missing:
-        flags = ", ".join("--" + name.replace("_", "-") for name in missing)
-        raise ValueError(f"{tokenizer_type} needs {flags}")
-    unused = [name for name, value in given.items() if value is not None and name not in required]
+        raise ValueError(f"{tokenizer_type} needs {_flags(missing)}")
+    unused = [name for name, value in given.items()
+              if value is not None and name not in required + optional]
     if unused:
-        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
-        raise ValueError(f"{tokenizer_type} does not use {flags}; drop it")
+        raise ValueError(f"{tokenizer_type} does not use {_flags(unused)}; drop it")
+
+
+def _flags(names) -> str:
+    return ", ".join("--" + ("tokenizer_" + name if name == "special_tokens" else name)
+                     .replace("_", "-") for name in names)
 
 
 def _existing_file(path: str) -> str:
@@ -148,6 +223,57 @@ def _hugging_face_tokenizer(tokenizer_model: str):
     if tokenizer.eod is None:
         raise ValueError(f"the tokenizer in {tokenizer_model} has no eos token to use as EOD")
     return tokenizer
+
+
+def _sentence_piece_tokenizer(tokenizer_type: str, model_file: str):
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    try:
+        tokenizer = MegatronTokenizer.from_pretrained(
+            tokenizer_path=model_file, metadata_path={"library": "sentencepiece"}
+        )
+    except (RuntimeError, OSError) as err:  # sentencepiece's message for a file it cannot parse
+        raise ValueError(f"{tokenizer_type}: --tokenizer-model {model_file} is not a "
+                         f"SentencePiece model ({err})") from None
+    if tokenizer.eod < 0:
+        raise ValueError(
+            f"{tokenizer_type}: the SentencePiece model {model_file} has no eos piece, which "
+            "Megatron uses as the end-of-document id: train it with an eos id (sentencepiece's "
+            "default, --eos_id=2)"
+        )
+    return tokenizer
+
+
+def _tiktoken_tokenizer(vocabulary_file: str, options: dict):
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    pattern = options.get("tiktoken_pattern")
+    if pattern is not None and pattern not in TIKTOKEN_PATTERNS:
+        raise ValueError(f"TikTokenizer: --tiktoken-pattern {pattern!r}: choose v1 or v2")
+    if not vocabulary_file.endswith(".json"):
+        raise ValueError(f"TikTokenizer: --tokenizer-model {vocabulary_file} must be the "
+                         "vocabulary's .json file (a list of rank, token_bytes, token_str)")
+    kwargs = {"pattern": pattern} if pattern is not None else {}
+    for name, keyword in (("vocab_size", "vocab_size"),
+                          ("tiktoken_num_special_tokens", "num_special_tokens"),
+                          ("special_tokens", "special_tokens")):
+        if name in options:
+            kwargs[keyword] = list(options[name]) if name == "special_tokens" else options[name]
+    try:
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=vocabulary_file, metadata_path={"library": "tiktoken"}, **kwargs
+        )
+    except (AssertionError, KeyError, ValueError, json.JSONDecodeError) as err:
+        # megatron-core checks the vocabulary and the special tokens with assertions, most of
+        # them without a message: name the check that failed.
+        check = str(err) or traceback.extract_tb(err.__traceback__)[-1].line
+        raise ValueError(
+            f"TikTokenizer: {vocabulary_file} does not load with {kwargs or 'the defaults'}: "
+            f"{type(err).__name__} {check!r}. The special tokens must be unique and include <unk> "
+            "<s> </s> <mask> <pad> <cls> <sep>, with len(special tokens) <= "
+            "--tiktoken-num-special-tokens < --vocab-size, and the file needs --vocab-size "
+            "minus --tiktoken-num-special-tokens entries, ranks 0.. in order"
+        ) from None
 
 
 def _null_tokenizer(vocab_size: int):

@@ -1,0 +1,284 @@
+"""Every --tokenizer-type megatron-recover accepts, on small tokenizer files built offline
+(scripts/make_demo_corpus.py writes the GPT-2 BPE files, their Hugging Face directory and
+tiktoken vocabulary, and a SentencePiece model; nothing is downloaded):
+
+- each type's ids, end-of-document id and vocabulary against its library called directly
+  (sentencepiece, tiktoken), and the vocabulary Megatron-LM gives the model (its legacy
+  classes' size: SentencePieceTokenizer appends five pieces to this model);
+- bad tokenizer input refused, saying what to change;
+- the data arguments of Megatron-LM's Mixtral example (Llama2Tokenizer, --mock-data,
+  --split 99990,8,2) accepted with a SentencePiece model, and its microbatches built;
+- end to end, for each type: scripts/preprocess_data.py writes the demo corpus and one
+  --recover iteration trains on it, with the embedding sized from the model vocabulary.
+
+Run: `make test` (the e2e runs are one CPU rank each, under a hard timeout).
+"""
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_recover.megatron.arguments import parse_args
+from megatron_recover.megatron.tokenizer import build_tokenizer, model_vocab_size
+from tests.training_harness import run_training
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_demo_corpus  # noqa: E402  (scripts/ is not a package)
+
+DOCUMENTS = 300
+SENTENCE_PIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TEXTS = ["Once upon a time, there was a small owl named Finn.",
+         "Ünïcode 日本 and </s> typed as text.", ""]
+# The tiktoken options the demo vocabulary needs: its 511 entries after 16 special ids.
+TIKTOKEN_SPECIALS = 16
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tokenizers")
+    make_demo_corpus.build(str(directory), DOCUMENTS, 5, 512)
+    return directory
+
+
+def tiktoken_options(demo):
+    entries = len(json.loads((demo / "tiktoken.json").read_text()))
+    return dict(tokenizer_model=str(demo / "tiktoken.json"), tiktoken_pattern="v2",
+                vocab_size=TIKTOKEN_SPECIALS + entries,
+                tiktoken_num_special_tokens=TIKTOKEN_SPECIALS)
+
+
+def sentence_piece(demo):
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=str(demo / "sentencepiece.model"))
+
+
+# ----------------------------------------------------------------------------- each type
+
+
+@pytest.mark.parametrize("kind", SENTENCE_PIECE_TYPES)
+def test_sentence_piece_types_encode_as_the_model_does(demo, kind):
+    model = sentence_piece(demo)
+    tokenizer = build_tokenizer(kind, tokenizer_model=str(demo / "sentencepiece.model"))
+    for text in TEXTS:
+        # No BOS, for Llama2Tokenizer too: megatron-core's class, as Megatron-LM preprocesses.
+        assert tokenizer.tokenize(text) == model.encode(text), text
+    assert tokenizer.eod == model.eos_id() == 2
+    assert tokenizer.vocab_size == model.get_piece_size()
+
+
+def test_model_vocabulary_is_megatron_lms_legacy_size(demo):
+    model = sentence_piece(demo)
+    pieces = model.get_piece_size()
+    # The demo model has <unk> <s> </s>, no pad piece and none of <CLS> <SEP> <EOD> <MASK>:
+    # Megatron-LM's legacy SentencePieceTokenizer appends those four and <PAD>.
+    assert model.pad_id() == -1
+    assert all(model.piece_to_id(p) == model.unk_id() for p in ("<CLS>", "<SEP>", "<EOD>",
+                                                                 "<MASK>", "<PAD>"))
+    path = str(demo / "sentencepiece.model")
+    expected = {"SentencePieceTokenizer": pieces + 5, "GPTSentencePieceTokenizer": pieces,
+                "Llama2Tokenizer": pieces}
+    for kind, size in expected.items():
+        assert model_vocab_size(kind, build_tokenizer(kind, tokenizer_model=path)) == size, kind
+    tiktoken = build_tokenizer("TikTokenizer", **tiktoken_options(demo))
+    assert model_vocab_size("TikTokenizer", tiktoken) == tiktoken.vocab_size
+
+
+def _tiktoken_reference(demo, pattern_name: str):
+    import tiktoken
+    from megatron.core.tokenizers.text.libraries import tiktoken_tokenizer as core
+
+    entries = json.loads((demo / "tiktoken.json").read_text())
+    ranks = {base64.b64decode(e["token_bytes"]): e["rank"] + TIKTOKEN_SPECIALS for e in entries}
+    specials = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
+    specials += [f"<SPECIAL_{i}>" for i in range(len(specials), TIKTOKEN_SPECIALS)]
+    pattern = {"v1": core._PATTERN_TIKTOKEN_V1, "v2": core._PATTERN_TIKTOKEN_V2}[pattern_name]
+    return tiktoken.Encoding(name="reference", pat_str=pattern, mergeable_ranks=ranks,
+                             special_tokens={t: i for i, t in enumerate(specials)})
+
+
+def test_tiktoken_ids_are_the_vocabulary_shifted_past_the_special_tokens(demo):
+    options = tiktoken_options(demo)
+    tokenizer = build_tokenizer("TikTokenizer", **options)
+    reference = _tiktoken_reference(demo, "v2")
+    for text in TEXTS:
+        assert tokenizer.tokenize(text) == reference.encode(text, allowed_special="all"), text
+    assert tokenizer.eod == 2  # </s>
+    assert tokenizer.vocab_size == options["vocab_size"]
+    assert tokenizer.detokenize(tokenizer.tokenize(TEXTS[0])) == TEXTS[0]
+    # The demo BPE gives the same pieces as GPT-2 BPE over the same merges.
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=str(demo / "vocab.json"),
+                           merge_file=str(demo / "merges.txt"))
+    pieces = [tokenizer.detokenize([i]) for i in tokenizer.tokenize(TEXTS[0])]
+    assert pieces == [gpt2.detokenize([i]) for i in gpt2.tokenize(TEXTS[0])]
+
+
+def test_tiktoken_pattern_selects_the_split(tmp_path):
+    # 256 bytes and one merge, "oW", that only the v1 pattern lets meet in "helloWorld" (v2
+    # splits words at a lower-to-upper case change).
+    tokens = [bytes([i]) for i in range(256)] + [b"oW"]
+    vocabulary = tmp_path / "v.json"
+    vocabulary.write_text(json.dumps([
+        {"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("latin-1")}
+        for r, t in enumerate(tokens)]))
+    ids = {}
+    for pattern in ("v1", "v2"):
+        tokenizer = build_tokenizer("TikTokenizer", tokenizer_model=str(vocabulary),
+                                    tiktoken_pattern=pattern, vocab_size=257 + 8,
+                                    tiktoken_num_special_tokens=8)
+        ids[pattern] = tokenizer.tokenize("helloWorld")
+    merged = 256 + 8
+    assert merged in ids["v1"] and merged not in ids["v2"], ids
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_tokenizer_files_are_refused(demo, tmp_path):
+    with pytest.raises(ValueError, match="is not a SentencePiece model"):
+        build_tokenizer("Llama2Tokenizer", tokenizer_model=str(demo / "tiktoken.json"))
+    import sentencepiece
+
+    no_eos = tmp_path / "no_eos.model"
+    with open(no_eos, "wb") as f:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(make_demo_corpus.generate_documents(50, 1)), model_writer=f,
+            vocab_size=100, hard_vocab_limit=False, eos_id=-1, minloglevel=2)
+    with pytest.raises(ValueError, match="has no eos piece"):
+        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=str(no_eos))
+    options = tiktoken_options(demo)
+    with pytest.raises(ValueError, match="must be the vocabulary's .json"):
+        build_tokenizer("TikTokenizer", **{**options,
+                                           "tokenizer_model": str(demo / "sentencepiece.model")})
+    with pytest.raises(ValueError, match="choose v1 or v2"):
+        build_tokenizer("TikTokenizer", **{**options, "tiktoken_pattern": "v3"})
+    with pytest.raises(ValueError, match="include <unk> <s> </s> <mask>"):
+        build_tokenizer("TikTokenizer", **options, special_tokens=["<unk>", "<s>", "</s>"])
+    with pytest.raises(ValueError, match="id2token"):  # the file is shorter than the vocabulary
+        build_tokenizer("TikTokenizer", **{**options, "vocab_size": options["vocab_size"] + 1})
+
+
+MODEL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+         "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--eval-iters", "0",
+         "--log-interval", "1"]
+
+
+def startup_problems(argv) -> list[str]:
+    with pytest.raises(ValueError) as info:
+        parse_args([*MODEL, *argv], world_size=1, cuda_available=False)
+    return str(info.value).splitlines()[1:]
+
+
+def test_tokenizer_flags_are_checked_at_start_up(demo):
+    model = ["--tokenizer-model", str(demo / "sentencepiece.model")]
+    tiktoken = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model",
+                str(demo / "tiktoken.json"), "--mock-data"]
+    cases = [
+        ([*tiktoken], "TikTokenizer needs --tiktoken-pattern v1 or v2"),
+        ([*tiktoken, "--tiktoken-pattern", "v2", "--tiktoken-num-special-tokens", "-1"],
+         "--tiktoken-num-special-tokens must be >= 0"),
+        (["--tokenizer-type", "Llama2Tokenizer", *model, "--mock-data", "--vocab-size", "9"],
+         "--vocab-size: --tokenizer-type Llama2Tokenizer takes its vocabulary from its files"),
+        (["--tokenizer-type", "Llama2Tokenizer", *model, "--mock-data",
+          "--tokenizer-special-tokens", "<s>"], "only TikTokenizer takes a special-token list"),
+        (["--tokenizer-type", "BertWordPieceCase", "--vocab-file", "v", "--mock-data"],
+         "--tokenizer-type BertWordPieceCase is not supported"),
+    ]
+    for argv, message in cases:
+        problems = startup_problems(argv)
+        assert len(problems) == 1 and message in problems[0], (argv, problems)
+
+
+def test_tiktoken_flags_without_tiktoken_are_named_at_start_up(demo):
+    cfg = parse_args([*MODEL, "--mock-data", "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", "64", "--tiktoken-pattern", "v2"],
+                     world_size=1, cuda_available=False)
+    assert ("megatron-recover: --tiktoken-pattern has no effect with --tokenizer-type "
+            "NullTokenizer (only TikTokenizer reads it, as in Megatron-LM)") in cfg.notices
+    assert cfg.data.tiktoken_pattern is None
+    cfg = parse_args([*MODEL, "--mock-data", "--tokenizer-type", "TikTokenizer",
+                      "--tokenizer-model", str(demo / "tiktoken.json"), "--tiktoken-pattern",
+                      "v1", "--tiktoken-special-tokens", "<unk>", "<s>", "</s>"],
+                     world_size=1, cuda_available=False)
+    assert cfg.data.special_tokens == ("<unk>", "<s>", "</s>")
+    assert any("--tiktoken-special-tokens is Megatron-LM's deprecated name" in line
+               for line in cfg.notices)
+
+
+# ----------------------------------------------------------------------------- Mixtral's data
+
+
+def test_mixtral_example_data_arguments_are_accepted(demo):
+    from megatron_recover.megatron import run
+
+    # examples/mixtral/train_mixtral_8x7b_distributed.sh, DATA_ARGS, with the demo model.
+    data_args = ["--tokenizer-type", "Llama2Tokenizer",
+                 "--tokenizer-model", str(demo / "sentencepiece.model"),
+                 "--mock-data", "--split", "99990,8,2"]
+    cfg = parse_args([*MODEL, *data_args], world_size=1, cuda_available=False)
+    assert (cfg.data.tokenizer_type, cfg.data.mock_data, cfg.data.split) == (
+        "Llama2Tokenizer", True, "99990,8,2")
+    source, vocab_size = run.microbatch_source(cfg)
+    assert vocab_size == sentence_piece(demo).get_piece_size()
+    batch = source.microbatch(1, 0)
+    assert tuple(batch["tokens"].shape) == (1, 32)
+    assert int(batch["tokens"].max()) < vocab_size
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _e2e_cases(demo) -> dict:
+    sp = ["--tokenizer-model", str(demo / "sentencepiece.model")]
+    options = tiktoken_options(demo)
+    return {
+        "GPT2BPETokenizer": ["--vocab-file", str(demo / "vocab.json"),
+                             "--merge-file", str(demo / "merges.txt")],
+        "HuggingFaceTokenizer": ["--tokenizer-model", str(demo / "hf_tokenizer")],
+        **{kind: sp for kind in SENTENCE_PIECE_TYPES},
+        "TikTokenizer": ["--tokenizer-model", options["tokenizer_model"],
+                         "--tiktoken-pattern", "v2", "--vocab-size", str(options["vocab_size"]),
+                         "--tiktoken-num-special-tokens", str(TIKTOKEN_SPECIALS)],
+        "NullTokenizer": ["--vocab-size", "300"],
+    }
+
+
+@pytest.mark.mpi
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer", *SENTENCE_PIECE_TYPES,
+                                  "TikTokenizer", "NullTokenizer"])
+def test_each_tokenizer_preprocesses_and_trains(demo, tmp_path, kind):
+    tokenizer_args = ["--tokenizer-type", kind, *_e2e_cases(demo)[kind]]
+    corpus = demo / "corpus.jsonl"
+    if kind == "NullTokenizer":  # its text is ids: the GPT-2 ids of the demo documents
+        gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=str(demo / "vocab.json"),
+                               merge_file=str(demo / "merges.txt"))
+        corpus = tmp_path / "ids.jsonl"
+        corpus.write_text("".join(
+            json.dumps({"text": " ".join(str(i % 300) for i in gpt2.tokenize(text))}) + "\n"
+            for text in make_demo_corpus.generate_documents(DOCUMENTS, 5)))
+    subprocess.run([sys.executable, str(ROOT / "scripts/preprocess_data.py"), "--input",
+                    str(corpus), "--output-prefix", str(tmp_path / "data"), *tokenizer_args,
+                    "--append-eod"], check=True, capture_output=True, timeout=120)
+    run = run_training(tmp_path / "run", 1, [
+        *MODEL, *tokenizer_args, "--data-path", str(tmp_path / "data_text_document"),
+        "--split", "100,0,0"], timeout_s=150)
+    assert [r["iteration"] for r in run.records] == [1]
+    # The model's vocabulary, from the tokenizer's own files (and Megatron-LM's legacy
+    # SentencePieceTokenizer's five appended pieces), padded to a multiple of 128.
+    expected = {"GPT2BPETokenizer": 512, "HuggingFaceTokenizer": 512, "NullTokenizer": 301,
+                "SentencePieceTokenizer": sentence_piece(demo).get_piece_size() + 5,
+                "TikTokenizer": tiktoken_options(demo)["vocab_size"]}.get(
+                    kind, sentence_piece(demo).get_piece_size())
+    padded = -(-expected // 128) * 128
+    assert (f" > padded vocab (size: {expected}) with {padded - expected} dummy tokens "
+            f"(new size: {padded})") in run.result.output
+    embedding = run.params(0)["embedding.word_embeddings.weight"]
+    assert embedding.shape[0] == padded
