@@ -5,7 +5,8 @@ tiktoken vocabulary, and a SentencePiece model; nothing is downloaded):
 - each type's ids, end-of-document id and vocabulary against its library called directly
   (sentencepiece, tiktoken), and the vocabulary Megatron-LM gives the model (its legacy
   classes' size: SentencePieceTokenizer appends five pieces to this model);
-- bad tokenizer input refused, saying what to change;
+- bad tokenizer input refused, saying what to change; datasets made with another vocabulary
+  refused at start-up, one corpus of a blend included;
 - the data arguments of Megatron-LM's Mixtral example (Llama2Tokenizer, --mock-data,
   --split 99990,8,2) accepted with a SentencePiece model, and its microbatches built;
 - end to end, for each type: scripts/preprocess_data.py writes the demo corpus and one
@@ -20,15 +21,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 
 from megatron_recover.megatron.arguments import parse_args
+from megatron_recover.megatron.data import MicrobatchSourceConfig
 from megatron_recover.megatron.tokenizer import build_tokenizer, model_vocab_size
 from tests.training_harness import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_demo_corpus  # noqa: E402  (scripts/ is not a package)
+import preprocess_data  # noqa: E402
 
 DOCUMENTS = 300
 SENTENCE_PIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -209,6 +213,44 @@ def test_tiktoken_flags_without_tiktoken_are_named_at_start_up(demo):
     assert cfg.data.special_tokens == ("<unk>", "<s>", "</s>")
     assert any("--tiktoken-special-tokens is Megatron-LM's deprecated name" in line
                for line in cfg.notices)
+
+
+def _preprocessed(demo, tmp_path, name, tokenizer_args) -> str:
+    preprocess_data.main(["--input", str(demo / "corpus.jsonl"), "--output-prefix",
+                          str(tmp_path / name), *tokenizer_args, "--append-eod"])
+    return str(tmp_path / f"{name}_text_document")
+
+
+def _source_config(tokenizer, blend):
+    return MicrobatchSourceConfig(tokenizer=tokenizer, sequence_length=32, micro_batch_size=1,
+                                  global_batch_size=2, train_iters=1, blend=(blend, None),
+                                  split="100,0,0")
+
+
+def test_datasets_of_another_vocabulary_are_refused(demo, tmp_path):
+    sp_args = ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+               str(demo / "sentencepiece.model")]
+    sentence_piece_data = _preprocessed(demo, tmp_path, "sp", sp_args)
+    gpt2_data = str(demo / "corpus_text_document")
+    # SentencePiece ids run up to the model's size; a 300-id tokenizer cannot have made them.
+    null = build_tokenizer("NullTokenizer", vocab_size=299)
+    largest = int(numpy.fromfile(sentence_piece_data + ".bin", dtype=numpy.uint16).max())
+    assert largest >= null.vocab_size
+    with pytest.raises(ValueError, match=f"{sentence_piece_data}: token id {largest} among its "
+                       f"first .* outside this tokenizer's 300 ids"):
+        _source_config(null, (sentence_piece_data,))
+    # int32 ids: written for a vocabulary of 65500 or more, one corpus of a blend.
+    (tmp_path / "wide.jsonl").write_text('{"text": "1 2 70000"}\n')
+    preprocess_data.main(["--input", str(tmp_path / "wide.jsonl"), "--output-prefix",
+                          str(tmp_path / "wide"), "--tokenizer-type", "NullTokenizer",
+                          "--vocab-size", "70001"])
+    wide = str(tmp_path / "wide_text_document")
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=str(demo / "vocab.json"),
+                           merge_file=str(demo / "merges.txt"))
+    with pytest.raises(ValueError, match=f"{wide}: its tokens are int32, while Megatron's "
+                       "preprocessing writes uint16 for this tokenizer's 512 ids"):
+        _source_config(gpt2, (gpt2_data, wide))
+    _source_config(gpt2, (gpt2_data, sentence_piece_data))  # the same size: accepted
 
 
 # ----------------------------------------------------------------------------- Mixtral's data

@@ -191,6 +191,7 @@ class MicrobatchSourceConfig:
                             f"blend prefix {prefix!r}: {prefix + suffix} not found (a prefix "
                             f"names the .bin/.idx pair, without the suffix)"
                         )
+                _check_vocabulary(prefix, self.tokenizer.vocab_size)
 
     @property
     def blends(self) -> list[tuple]:
@@ -401,6 +402,39 @@ def _exclusive_locks(directories: list[str]):
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             stack.callback(fcntl.flock, lock_file, fcntl.LOCK_UN)
         yield
+
+
+# Tokens of each dataset that start-up reads to check that they lie inside the vocabulary.
+VOCABULARY_CHECK_TOKENS = 1 << 20
+
+
+def _check_vocabulary(prefix: str, vocab_size: int) -> None:
+    """Refuse a dataset preprocessed with another vocabulary than the tokenizer's: its token
+    dtype is not the one Megatron's preprocessing writes for this vocabulary size
+    (`DType.optimal_dtype`), or one of its first `VOCABULARY_CHECK_TOKENS` ids lies outside it.
+    The id check is bounded so that start-up does not read a whole corpus; a dataset from a
+    tokenizer of the same size and dtype passes it."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    expected = DType.optimal_dtype(vocab_size)
+    remedy = ("preprocess it with this run's tokenizer (scripts/preprocess_data.py), or train "
+              "with the tokenizer it was made with")
+    if dataset.index.dtype != expected:
+        raise ValueError(
+            f"--data-path {prefix}: its tokens are {numpy.dtype(dataset.index.dtype).name}, "
+            f"while Megatron's preprocessing writes {numpy.dtype(expected).name} for this "
+            f"tokenizer's {vocab_size} ids, so it was made with another vocabulary: {remedy}")
+    count = min(int(dataset.sequence_lengths.sum()), VOCABULARY_CHECK_TOKENS)
+    if count == 0:
+        return
+    # The .bin file is the documents' tokens back to back, from its first byte.
+    largest = int(numpy.fromfile(prefix + ".bin", dtype=expected, count=count).max())
+    if largest >= vocab_size:
+        raise ValueError(
+            f"--data-path {prefix}: token id {largest} among its first {count} tokens is outside "
+            f"this tokenizer's {vocab_size} ids, so it was made with another vocabulary: {remedy}")
 
 
 def _check_int(name: str, value, minimum: int) -> None:
