@@ -298,6 +298,17 @@ def test_same_config_gives_bitwise_equal_microbatches(demo, gpt2, source, tmp_pa
                 assert torch.equal(got[key], expected[key]), (iteration, microbatch_id, key)
 
 
+def test_no_mmap_bin_files_reads_the_same_samples_without_a_memory_map(demo, gpt2, source):
+    unmapped = MicrobatchSource(source_config(demo, gpt2, reserve_microbatches=6,
+                                              mmap_bin_files=False))
+    # megatron-core's reader for --no-mmap-bin-files reads the file per sample.
+    assert type(unmapped.dataset.dataset.bin_reader).__name__ == "_FileBinReader"
+    assert type(source.dataset.dataset.bin_reader).__name__ == "_MMapBinReader"
+    for iteration, microbatch_id in [(1, 0), (3, 2)]:
+        assert torch.equal(unmapped.microbatch(iteration, microbatch_id)["tokens"],
+                           source.microbatch(iteration, microbatch_id)["tokens"])
+
+
 def test_reserve_does_not_change_the_main_stream_when_it_fits(demo, gpt2, source):
     plain = MicrobatchSource(source_config(demo, gpt2))
     assert len(plain.dataset) >= source.config.num_samples  # the epoch slack holds the reserve

@@ -75,7 +75,7 @@ _NO_EFFECT_GROUPS = (
      "--disable-tp-comm-split-ag --disable-tp-comm-split-rs "
      "--no-async-tensor-model-parallel-allreduce --disable-async-tensor-model-parallel-allreduce"),
     ("memory and scheduling knobs of the data loader and the garbage collector; the samples "
-     "and their order do not depend on them", "--num-workers:1 --no-mmap-bin-files "
+     "and their order do not depend on them", "--num-workers:1 "
      "--dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
      "--num-dataset-builder-threads:1 --manual-gc --manual-gc-interval:1 --no-manual-gc-eval "
      "--disable-manual-gc-eval --empty-unused-memory-level:1 --train-sync-interval:1 "

@@ -181,6 +181,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files")
     g.add_argument("--tokenizer-type")
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
@@ -1055,7 +1056,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             data_cache_path=ns.data_cache_path, reset_position_ids=ns.reset_position_ids,
             reset_attention_mask=ns.reset_attention_mask, eod_mask_loss=ns.eod_mask_loss,
             create_attention_mask=ns.create_attention_mask_in_dataloader
-            or ns.reset_attention_mask,
+            or ns.reset_attention_mask, mmap_bin_files=ns.mmap_bin_files,
             tokenizer_type=_tokenizer_type(ns), vocab_file=ns.vocab_file,
             merge_file=ns.merge_file, tokenizer_model=ns.tokenizer_model,
             vocab_size=ns.vocab_size,

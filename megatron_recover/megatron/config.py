@@ -298,6 +298,9 @@ class DataConfig:
     """A dense causal mask in every batch (Megatron-LM's default); off with
     --no-create-attention-mask-in-dataloader (attention builds the causal mask itself). Always on
     with --reset-attention-mask, whose mask is not the plain causal one."""
+    mmap_bin_files: bool
+    """Read the .bin files through a memory map (Megatron-LM's default); off with
+    --no-mmap-bin-files (file reads per sample)."""
     tokenizer_type: str
     """One of `tokenizer.TOKENIZER_TYPES` (--tokenizer-type); inferred as GPT2BPETokenizer from
     --vocab-file + --merge-file, NullTokenizer from --vocab-size alone."""

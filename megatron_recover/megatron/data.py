@@ -140,6 +140,7 @@ class MicrobatchSourceConfig:
     eval_iters: int = 0
     evaluations: int = 0
     create_attention_mask: bool = False
+    mmap_bin_files: bool = True
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
@@ -378,6 +379,7 @@ def _gpt_dataset_config(config: MicrobatchSourceConfig, cache_dir: Optional[str]
         reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=config.create_attention_mask,
+        mmap_bin_files=config.mmap_bin_files,
     )
 
 

@@ -167,7 +167,8 @@ def microbatch_source(cfg):
         split=d.split, seed=cfg.seed,
         reserve_microbatches=reserve, cache_dir=d.data_cache_path,
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.create_attention_mask))
+        eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.create_attention_mask,
+        mmap_bin_files=d.mmap_bin_files))
     return source, model_vocab_size(d.tokenizer_type, tokenizer)
 
 
