@@ -48,6 +48,15 @@ class DeviceFault(RuntimeError):
     `device-error` action raises it as torch raises torch.AcceleratorError)."""
 
 
+class NonFiniteResult(DeviceFault):
+    """A NaN or inf microbatch loss, or gradient-bucket norm, found on this rank before the
+    data-parallel reduction (Megatron's check_for_nan_in_loss_and_grad). Taken for a fault of
+    this replica's device: under --recover the rank leaves and the other replicas redo its
+    microbatches in the same iteration, so the bad numbers reach no other replica. A NaN that
+    comes from the data itself recurs on every replica that runs the microbatch, which then
+    leave one after another: that case is not told apart yet (docs/failures.md)."""
+
+
 def _kind_of(exc: BaseException) -> str | None:
     import torch  # not at import: the launcher's command line reads this module too
     import torch.distributed as dist

@@ -9,6 +9,7 @@ land in partially reduced iterations.
 """
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -98,6 +99,11 @@ DEVICE_AND_PEER = """entries:
   - {iteration: 4, replica: 2, local_rank: 0, location: backward, action: device-error}
   - {iteration: 7, replica: 4, local_rank: 0, location: during-reduce}
 """
+# docs/failures.md: a replica whose gradient turns NaN (a faulty device's backward) fails
+# Megatron's check before its buckets leave it, and leaves as a device fault does.
+NAN_GRADIENT = """entries:
+  - {iteration: 4, replica: 2, local_rank: 0, location: backward, action: nan}
+"""
 PROGRAM_ERROR = """entries:
   - {iteration: 4, replica: 2, local_rank: 0, location: backward, action: raise}
 """
@@ -117,6 +123,33 @@ def test_a_device_error_and_a_lost_peer_are_survived_in_step(tmp_path, reference
     assert failed == [(4, [2]), (7, [4])]
     assert_ledger_held(records, 20)
     assert_exact(run, reference, "device error and lost peer")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_nan_gradient_takes_its_replica_out_before_it_reaches_the_others(tmp_path,
+                                                                           reference):
+    run = train(tmp_path, "nan", [], NAN_GRADIENT)
+    records, statuses = run.records, run.result.statuses
+    assert [(m["rank"], m["iteration"], m["action"]) for m in run.markers] == [(2, 4, "nan")]
+    assert statuses[2]["state"] == "left" and statuses[2]["kind"] == "device", statuses[2]
+    assert ("NonFiniteResult: found NaN in local grad norm for bucket #0 before the "
+            "cross-replica reduction") in statuses[2]["error"], statuses[2]["error"][-2000:]
+    failed = [(r["iteration"], e["replicas"]) for r in records for e in r["events"]
+              if e["event"] == "failure"]
+    assert failed == [(4, [2])]
+    assert_ledger_held(records, 20)
+    assert_exact(run, reference, "NaN gradient")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_without_the_check_a_nan_gradient_poisons_every_replica(tmp_path):
+    """The negative control: --no-check-for-nan-in-loss-and-grad lets the NaN into the sum."""
+    run = train(tmp_path, "nan-unchecked", ["--no-check-for-nan-in-loss-and-grad",
+                                            "--exit-interval", "5"], NAN_GRADIENT)
+    assert [(m["rank"], m["iteration"], m["action"]) for m in run.markers] == [(2, 4, "nan")]
+    assert run.completed() == list(range(REPLICAS))
+    losses = [r["loss"] for r in run.records]
+    assert all(math.isfinite(loss) for loss in losses[:4]) and math.isnan(losses[4]), losses
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)

@@ -5,7 +5,10 @@ optionally with `action`: `kill` (default: SIGKILL, a crash), `stop` (SIGSTOP: a
 which the hang detector must turn into a failure), `stall` (compute for `seconds` without any
 communication: a healthy slow rank that must not be declared failed), `raise` (a Python error
 of the program, `InjectedError`, which must end the job: docs/failures.md) or `device-error`
-(a device fault raised into Python, `failures.DeviceFault`, which the survivors must absorb);
+(a device fault raised into Python, `failures.DeviceFault`, which the survivors must absorb)
+or `nan` (at `backward` only: the gradient of the victim's first microbatch of the iteration
+becomes NaN while its loss stays right, as a faulty device's backward would make it, which
+Megatron's check_for_nan_in_loss_and_grad must catch before the bucket leaves the replica);
 `raise` and `device-error` happen on the main thread, so not at the native points.
 Locations, in the order an iteration reaches them:
   pre-forward       before the first forward of the iteration
@@ -81,7 +84,7 @@ JOIN_LOCATIONS = ("join-transfer",)
 STANDBY_LOCATIONS = ("idle", "join-transfer")
 
 
-ACTIONS = ("kill", "stop", "stall", "raise", "device-error")
+ACTIONS = ("kill", "stop", "stall", "raise", "device-error", "nan")
 RAISED = ("raise", "device-error")  # actions that raise on the main thread
 NATIVE_LOCATIONS = {"during-reduce": "reduce", "during-consensus": "consensus"}
 
@@ -129,6 +132,9 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
             raise ValueError(f"{path}: entry {i}: action {entry.action} raises on the main "
                              f"thread, which is not where {entry.location} happens: use a "
                              "Python-side location (pre-forward, backward, optimizer-step, ...)")
+        if entry.action == "nan" and entry.location != "backward":
+            raise ValueError(f"{path}: entry {i}: action nan poisons a microbatch's backward: "
+                             "give it location backward")
         if entry.location not in LOCATIONS:
             raise ValueError(f"{path}: entry {i}: location '{entry.location}' is not one of "
                              f"{', '.join(LOCATIONS)}")
@@ -271,13 +277,16 @@ class ScheduledFaults:
                 return entry
         return None
 
-    def at(self, location: str, iteration: int) -> None:
-        """A Python-side point: die, freeze or stall here if scheduled."""
+    def at(self, location: str, iteration: int) -> bool:
+        """A Python-side point: die, freeze or stall here if scheduled. True when the caller is
+        to poison the gradient of the microbatch at hand (action `nan`)."""
         entry = self._due(location, iteration)
         if entry is None:
-            return
+            return False
         write_marker(self.marker_path, location, self.world_rank,
                      {"location": location, "iteration": iteration, "action": entry.action})
+        if entry.action == "nan":
+            return True
         if entry.action == "stall":
             end = time.monotonic() + entry.seconds
             while time.monotonic() < end:  # busy, like a long kernel: no communication at all
@@ -383,8 +392,8 @@ def injection_report(entries: list[ScheduleEntry], marker_path: Path,
 class NoFaults:
     """Stands in for ScheduledFaults when a run has no failure schedule."""
 
-    def at(self, location: str, iteration: int) -> None:
-        pass
+    def at(self, location: str, iteration: int) -> bool:
+        return False
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:
         return False

@@ -97,9 +97,6 @@ _NO_EFFECT_GROUPS = (
     ("a CUDA matmul setting; with bf16 on CPU there is no reduced-precision reduction to turn off",
      "--disable-bf16-reduced-precision-matmul"),
     ("the multi-storage client is not used: every path is a local file", "--disable-msc"),
-    ("it turns off Megatron-LM's check for NaN in the loss and gradients, which megatron-recover "
-     "does not run (the fp16 loss scaler still skips a step with inf/NaN gradients)",
-     "--no-check-for-nan-in-loss-and-grad"),
     ("checkpoint reads and writes are spread over the ranks already (each rank its own shard)",
      "--ckpt-fully-parallel-load --ckpt-fully-parallel-save"),
 )
@@ -421,6 +418,13 @@ IMPLEMENTED_NOTES = {
     "--decoupled-min-lr": "refused without --decoupled-lr (Megatron-LM accepts it, with no "
                           "effect)",
     "--grad-reduce-in-bf16": "refused without --bf16 (Megatron-LM ignores it then)",
+    "--no-check-for-nan-in-loss-and-grad": "the check it turns off is Megatron-LM's (a NaN or "
+                                           "inf microbatch loss or bucket gradient norm before "
+                                           "the data-parallel reduction); a stock run stops on "
+                                           "it as Megatron-LM's does, while under --recover the "
+                                           "replica that fails it leaves the job as a device "
+                                           "fault does and the others redo its microbatches "
+                                           "(docs/failures.md)",
     "--data-cache-path": "the cached index files are named from this project's tokenizer "
                          "identity and the absolute data path, so a cache Megatron-LM built is "
                          "not reused (the same indices are built again)",

@@ -139,6 +139,8 @@ def _add_precision_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--loss-scale", type=float)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
@@ -912,6 +914,11 @@ def _ffn_hidden_size(ns) -> int:
     return 4 * ns.hidden_size
 
 
+def _checks_for_nan(ns) -> bool:
+    """Megatron-LM's rule: on unless turned off, or fp16 scales the loss dynamically."""
+    return ns.check_for_nan_in_loss_and_grad and not (ns.fp16 and not ns.loss_scale)
+
+
 def _tokenizer_type(ns) -> str | None:
     if ns.tokenizer_type is not None:
         return ns.tokenizer_type
@@ -964,6 +971,10 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
     if ns.tiktoken_special_tokens and not ns.tokenizer_special_tokens:
         lines.append("megatron-recover: --tiktoken-special-tokens is Megatron-LM's deprecated "
                      "name of --tokenizer-special-tokens (it reads it as that)")
+    if ns.fp16 and not ns.loss_scale and ns.check_for_nan_in_loss_and_grad:
+        lines.append("megatron-recover: the check for NaN and inf in the loss and gradients is "
+                     "off, as Megatron-LM sets it with fp16's dynamic loss scaling, whose "
+                     "overflows are inf by design (the scaler skips those steps)")
     if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
         lines.append("megatron-recover: --sequence-parallel has no effect with "
                      "--tensor-model-parallel-size 1 (Megatron-LM drops it too)")
@@ -1038,7 +1049,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             initial_loss_scale=ns.initial_loss_scale, min_loss_scale=ns.min_loss_scale,
             loss_scale_window=ns.loss_scale_window, hysteresis=ns.hysteresis,
             accumulate_allreduce_grads_in_fp32=_grads_in_fp32(ns),
-            attention_softmax_in_fp32=ns.attention_softmax_in_fp32),
+            attention_softmax_in_fp32=ns.attention_softmax_in_fp32,
+            check_for_nan_in_loss_and_grad=_checks_for_nan(ns)),
         parallel=ParallelConfig(
             world_size=world_size, tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=ns.pipeline_model_parallel_size,

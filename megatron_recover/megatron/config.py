@@ -170,6 +170,11 @@ class PrecisionConfig:
     attention_softmax_in_fp32: bool
     """Attention masking and softmax in fp32 (--attention-softmax-in-fp32, default off as in
     Megatron-LM; megatron-core's own default is on)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Megatron-LM's check of every microbatch loss and every gradient bucket's norm for NaN
+    and inf before the data-parallel reduction (off with --no-check-for-nan-in-loss-and-grad,
+    and, as Megatron-LM sets it, with fp16's dynamic loss scaling, whose overflows are inf by
+    design). Under --recover a replica that fails it leaves the job as a device fault does."""
 
     @property
     def params_dtype(self):

@@ -153,13 +153,31 @@ def seed_microbatch(seed: int, iteration: int, microbatch_id: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(mixed)
 
 
-def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, output_tensor):
+class _NaNGradient(torch.autograd.Function):
+    """The identity whose backward gives NaN: the failure schedule's `nan` action (a device
+    fault in backward that leaves the forward right)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.clone()  # not a view: the schedule scales the loss in place
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, check_finite,
+               output_tensor):
     """Megatron-LM's GPT loss: the mean over the microbatch's loss tokens or, `per_token`
     (--calculate-per-token-loss), their sum with the token count, which the schedule then leaves
-    undivided."""
+    undivided. `check_finite`: Megatron-LM's check of the loss sum for NaN and inf
+    (check_for_nan_in_loss_and_grad), raising `failures.NonFiniteResult`."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
+    if check_finite and not torch.isfinite(loss):
+        kind = "NaN" if torch.isnan(loss) else "Inf"
+        raise failures.NonFiniteResult(f"found {kind} in local forward loss calculation")
     count = mask.sum()
     tokens = count.to(torch.int)
     # Reported: the sum over the loss tokens, whatever the flag; the logged loss is the
@@ -168,7 +186,8 @@ def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, out
     reported = {"id": microbatch_id, "lm loss": loss.detach().clone(), "tokens": int(tokens)}
     if not per_token:
         loss = loss / count.clamp(min=1)
-    on_first_loss()
+    if on_first_loss():
+        loss = _NaNGradient.apply(loss)
     if overflow():
         loss = loss * float("inf")  # a failure-schedule test of fp16's loss scaler
     return (loss, tokens, reported) if per_token else (loss, reported)
@@ -187,7 +206,7 @@ class MicrobatchPass:
     """
 
     def __init__(self, ddp_model, microbatch, seq_length: int, micro_batch_size: int, seed: int,
-                 faults, reseed_per_microbatch: bool):
+                 faults, reseed_per_microbatch: bool, check_finite: bool = False):
         self.model = ddp_model
         self.microbatch = microbatch
         self.seq_length = seq_length
@@ -195,6 +214,7 @@ class MicrobatchPass:
         self.seed = seed
         self.faults = faults
         self.reseed = reseed_per_microbatch
+        self.check_finite = check_finite
         self.forward_backward = get_forward_backward_func()
         self._fired_backward_for = None
 
@@ -213,14 +233,16 @@ class MicrobatchPass:
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                        labels=batch["labels"])
 
-        def on_first_loss():
+        def on_first_loss() -> bool:
             if self._fired_backward_for != iteration:
                 self._fired_backward_for = iteration
-                self.faults.at("backward", iteration)
+                return self.faults.at("backward", iteration)
+            return False
 
         return output, partial(_loss_func, batch["loss_mask"], microbatch_id, on_first_loss,
                                partial(self.faults.overflow, batch["iteration"], microbatch_id),
-                               self.model.config.calculate_per_token_loss)
+                               self.model.config.calculate_per_token_loss,
+                               self.check_finite)
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float],
             tokens: dict[int, int]) -> None:

@@ -82,6 +82,10 @@ def to_ddp_config(cfg: TrainConfig):
         # DDP (whose own data-parallel group is one instance) must cut the same buckets.
         bucket_size=(par.ddp_bucket_size if par.ddp_bucket_size is not None
                      else max(40_000_000, 1_000_000 * par.data_parallel_size)),
+        # Megatron's bucket check before the data-parallel reduction. Under --recover the
+        # buckets' reductions are ours, and so is the check (recovery/gradients.py).
+        check_for_nan_in_grad=(cfg.precision.check_for_nan_in_loss_and_grad
+                               and not cfg.recover.enabled),
     )
 
 

@@ -279,7 +279,8 @@ def _micro_pass(cfg, ctx, setup: RankSetup, microbatch) -> MicrobatchPass:
     # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
     reseed = cfg.recover.enabled and cfg.recover.mode == EXACT
     return MicrobatchPass(setup.ddp_model, microbatch, cfg.model.seq_length,
-                          cfg.micro_batch_size, cfg.seed, faults, reseed_per_microbatch=reseed)
+                          cfg.micro_batch_size, cfg.seed, faults, reseed_per_microbatch=reseed,
+                          check_finite=cfg.precision.check_for_nan_in_loss_and_grad)
 
 
 def _optimizer_fault_points(faults, optimizer, ddp_model) -> None:
@@ -355,6 +356,7 @@ def _resilient_trainer(cfg, setup: RankSetup, dataset, micro_pass: MicrobatchPas
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
         group=setup.group, policy=policy, per_token_loss=cfg.model.calculate_per_token_loss,
+        check_finite=cfg.precision.check_for_nan_in_loss_and_grad,
         computes_loss=parallel_state.is_pipeline_last_stage(),
         replica=replica, replica_of_rank=replica_of_rank, faults=micro_pass.faults,
         audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
+from megatron_recover.failures import NonFiniteResult
 from megatron_recover.recovery.ledger import Entry, Ledger
 
 
@@ -67,15 +68,18 @@ class GradientRecovery:
     """The cross-replica reduction of one rank's gradient buckets, with rewind."""
 
     def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
-                 shard_group=None, deferred: list[torch.Tensor] = (), after_first_post=None):
+                 shard_group=None, deferred: list[torch.Tensor] = (), after_first_post=None,
+                 check_finite: bool = False):
         """`grads`: the gradient buckets, in the order every member reduces them (`deferred`
         ones, synced inside the replica after backward, moved to the end).
         `before_first_reduce()` runs before the first reduction of each pass is posted,
         `after_first_post()` right after its first ulfm all-reduce was (fault points).
         `shard_group`: with a distributed optimizer in the replica, the torch group of the ranks
         holding the other shards of these buckets (Megatron's intra-instance data-parallel
-        group); None without one."""
+        group); None without one. `check_finite`: Megatron's check_for_nan_in_grad, before
+        every reduction (`reduce_bucket`)."""
         self.group = group
+        self.check_finite = check_finite
         self.shard_group = shard_group
         self.contributing = True
         self.before_first_reduce = before_first_reduce
@@ -190,6 +194,8 @@ class GradientRecovery:
             self.before_first_reduce()
         self._posted_in_pass += 1
         bucket = self._state(grad)
+        if self.check_finite:
+            self._check_finite(bucket)
         bucket.snapshot.copy_(grad)
         bucket.snapshot_ledger = bucket.ledger.copy()
         if not self.contributing:
@@ -199,6 +205,16 @@ class GradientRecovery:
         # From here on `grad` holds the replica's (then the replicas') sum, not this rank's own.
         bucket.ledger = Ledger(known=False)
         self._post(bucket)
+
+    def _check_finite(self, bucket: _Bucket) -> None:
+        """Megatron's check of a bucket before its data-parallel reduction: the norm of this
+        rank's own gradient must be finite, or the rank raises before anything leaves it."""
+        norm = bucket.grad.norm(p=2)
+        if not torch.isfinite(norm):
+            index = list(self._buckets.values()).index(bucket)
+            kind = "NaN" if torch.isnan(norm) else "Inf"
+            raise NonFiniteResult(f"found {kind} in local grad norm for bucket #{index} before "
+                                  "the cross-replica reduction")
 
     def _post(self, bucket: _Bucket) -> None:
         grad = bucket.grad

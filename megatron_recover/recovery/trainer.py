@@ -121,6 +121,9 @@ class TrainerParts:
     restore: bool = True  # False: the --recover-no-restore negative control
     per_token_loss: bool = False  # --calculate-per-token-loss
     overlap_grad_reduce: bool = False  # post first-pass buckets during backward
+    # Megatron's check_for_nan_in_loss_and_grad on the buckets: a non-finite one raises
+    # `failures.NonFiniteResult` before its reduction is posted.
+    check_finite: bool = False
     # Whether this rank asks to stop after the iteration; the request rides in the commit lane,
     # so all survivors agree.
     wants_exit: Callable[[], bool] = lambda: False
@@ -149,7 +152,8 @@ class ResilientTrainer:
                                          before_first_reduce=self._before_reduce,
                                          after_first_post=self._after_post,
                                          shard_group=parts.shard_group,
-                                         deferred=parts.buffers.deferred())
+                                         deferred=parts.buffers.deferred(),
+                                         check_finite=parts.check_finite)
         if parts.shard_control is None:
             self._shard, self._shards = 0, 1
         else:

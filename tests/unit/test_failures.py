@@ -25,6 +25,7 @@ pytestmark = pytest.mark.unit
     (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
      failures.DEVICE),
     (failures.DeviceFault("injected"), failures.DEVICE),
+    (failures.NonFiniteResult("found NaN in local grad norm"), failures.DEVICE),
     (ValueError("a bad sample"), failures.PROGRAM),
     (torch.cuda.OutOfMemoryError("at this batch shape"), failures.PROGRAM),
     # gloo's only report of a dead peer: its text is not read.
@@ -167,6 +168,19 @@ def test_schedule_actions_raise_where_they_are_due(tmp_path):
         device.at("pre-forward", 3)
     assert failures.classify(failures.DeviceFault("x")) == failures.DEVICE
     assert failures.classify(InjectedError("x")) == failures.PROGRAM
+
+
+def test_the_nan_action_poisons_once_and_only_at_backward(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("entries:\n  - {iteration: 2, replica: 0, local_rank: 0, location: backward, "
+                    "action: nan}\n")
+    faults = ScheduledFaults(load_schedule(path, num_replicas=1, ranks_per_replica=1,
+                                           train_iters=4), 0, 0, 0, tmp_path / "markers")
+    assert [faults.at("backward", t) for t in (1, 2, 3)] == [False, True, False]
+    path.write_text("entries:\n  - {iteration: 2, replica: 0, local_rank: 0, "
+                    "location: pre-forward, action: nan}\n")
+    with pytest.raises(ValueError, match="action nan poisons a microbatch's backward"):
+        load_schedule(path, num_replicas=1, ranks_per_replica=1, train_iters=4)
 
 
 @pytest.mark.parametrize("location", ["during-reduce", "during-consensus", "join-transfer"])

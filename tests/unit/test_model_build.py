@@ -90,3 +90,24 @@ def test_on_a_load_the_scheduler_values_come_from_where_megatron_lm_says():
     assert from_checkpoint.max_lr == 1e-3
     with pytest.raises(ValueError, match="contradict each other"):
         config("--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler")
+
+
+def test_the_loss_check_and_the_nan_gradient_of_the_failure_schedule():
+    from megatron_recover import failures
+    from megatron_recover.megatron.gpt import _loss_func
+
+    mask = torch.ones(1, 4)
+    never = lambda: False  # noqa: E731
+    output = torch.tensor([[1.0, 2.0, float("nan"), 3.0]])
+    with pytest.raises(failures.NonFiniteResult, match="found NaN in local forward loss"):
+        _loss_func(mask, 0, never, never, False, True, output)
+    with pytest.raises(failures.NonFiniteResult, match="found Inf in local forward loss"):
+        _loss_func(mask, 0, never, never, False, True, output.nan_to_num(posinf=0) + float("inf"))
+    loss, _ = _loss_func(mask, 0, never, never, False, False, output)  # unchecked: it passes
+    assert torch.isnan(loss)
+    # The `nan` action: the loss stays right, its gradient is NaN.
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]], requires_grad=True)
+    loss, report = _loss_func(mask, 0, lambda: True, never, False, True, logits)
+    assert float(loss) == 2.5 and float(report["lm loss"]) == 10.0
+    loss.backward()
+    assert torch.isnan(logits.grad).all()
