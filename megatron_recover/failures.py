@@ -49,12 +49,19 @@ class DeviceFault(RuntimeError):
 
 
 class NonFiniteResult(DeviceFault):
-    """A NaN or inf microbatch loss, or gradient-bucket norm, found on this rank before the
-    data-parallel reduction (Megatron's check_for_nan_in_loss_and_grad). Taken for a fault of
-    this replica's device: under --recover the rank leaves and the other replicas redo its
-    microbatches in the same iteration, so the bad numbers reach no other replica. A NaN that
-    comes from the data itself recurs on every replica that runs the microbatch, which then
-    leave one after another: that case is not told apart yet (docs/failures.md)."""
+    """A NaN or inf gradient-bucket norm found on this rank before the data-parallel reduction
+    while the microbatch losses were finite (Megatron's check_for_nan_in_loss_and_grad). Taken
+    for a fault of this replica's device: under --recover the rank leaves and the other
+    replicas redo its microbatches in the same iteration, so the bad numbers reach no other
+    replica (docs/failures.md)."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """A NaN or inf microbatch loss (the same check, in the forward). The forward is a
+    deterministic function of the parameters, equal on every replica, and of the microbatch:
+    such a loss recurs wherever the microbatch runs, so it is a program error (of the data or
+    of the model's state) and, under --recover, ends the job with its iteration and microbatch
+    (`--recover-program-errors survive` takes it for a failure of the rank instead)."""
 
 
 def _kind_of(exc: BaseException) -> str | None:

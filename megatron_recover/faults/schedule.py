@@ -52,6 +52,11 @@ backward of that microbatch, on whichever replica runs it (again, after a failur
 inf, so the loss scaler must skip the step. Each firing leaves a marker with location `overflow`.
 A schedule may hold only overflows (`entries: []`): the failure-free reference of such a run.
 
+An optional top-level `bad_samples` list of {iteration, microbatch_id} makes that microbatch's
+loss NaN on whichever replica runs it (again after a failure), as a sample that drives the
+model to NaN does: Megatron's check must end the job there. Each firing leaves a marker with
+location `bad-sample`.
+
 An optional top-level `slow_snapshot_writes` list of {iteration, seconds} makes every rank's
 snapshot writer (--recover-snapshot-interval) of that iteration pause for `seconds` halfway
 through its file, as the write of a large model takes that long: a node lost meanwhile tears
@@ -195,24 +200,34 @@ class Overflow:
 def load_overflows(path: Path, b_at, train_iters: int) -> list[Overflow]:
     """The schedule's forced fp16 overflows; ValueError names the entry and what to change.
     `b_at(iteration)`: that iteration's B (its microbatch ids are 0..B-1)."""
+    return _load_microbatches(path, "overflows", "overflow", b_at, train_iters)
+
+
+def load_bad_samples(path: Path, b_at, train_iters: int) -> list[Overflow]:
+    """The schedule's microbatches whose loss turns NaN wherever they run (`bad_samples`)."""
+    return _load_microbatches(path, "bad_samples", "bad sample", b_at, train_iters)
+
+
+def _load_microbatches(path: Path, key: str, name: str, b_at,
+                       train_iters: int) -> list[Overflow]:
     data = yaml.safe_load(Path(path).read_text()) or {}
-    raws = data.get("overflows", []) if isinstance(data, dict) else []
+    raws = data.get(key, []) if isinstance(data, dict) else []
     if not isinstance(raws, list):
-        raise ValueError(f"{path}: 'overflows' must be a list of {{iteration, microbatch_id}}")
-    overflows = []
+        raise ValueError(f"{path}: '{key}' must be a list of {{iteration, microbatch_id}}")
+    found = []
     for i, raw in enumerate(raws):
         if not isinstance(raw, dict) or set(raw) != {"iteration", "microbatch_id"}:
-            raise ValueError(f"{path}: overflow {i} must have exactly the keys iteration, "
+            raise ValueError(f"{path}: {name} {i} must have exactly the keys iteration, "
                              "microbatch_id")
-        overflow = Overflow(int(raw["iteration"]), int(raw["microbatch_id"]))
-        if not 1 <= overflow.iteration <= train_iters:
-            raise ValueError(f"{path}: overflow {i}: iteration must be in 1..{train_iters}")
-        b = b_at(overflow.iteration)
-        if not 0 <= overflow.microbatch_id < b:
-            raise ValueError(f"{path}: overflow {i}: microbatch_id must be in 0..{b - 1} (the "
-                             f"ids of iteration {overflow.iteration})")
-        overflows.append(overflow)
-    return overflows
+        entry = Overflow(int(raw["iteration"]), int(raw["microbatch_id"]))
+        if not 1 <= entry.iteration <= train_iters:
+            raise ValueError(f"{path}: {name} {i}: iteration must be in 1..{train_iters}")
+        b = b_at(entry.iteration)
+        if not 0 <= entry.microbatch_id < b:
+            raise ValueError(f"{path}: {name} {i}: microbatch_id must be in 0..{b - 1} (the "
+                             f"ids of iteration {entry.iteration})")
+        found.append(entry)
+    return found
 
 
 def load_slow_snapshot_writes(path: Path, train_iters: int) -> dict[int, float]:
@@ -263,9 +278,11 @@ class ScheduledFaults:
     """The entries that concern this rank, fired at their points by the trainer."""
 
     def __init__(self, entries: list[ScheduleEntry], replica: int, local_rank: int,
-                 world_rank: int, marker_path: Path, overflows: list[Overflow] = ()):
+                 world_rank: int, marker_path: Path, overflows: list[Overflow] = (),
+                 bad_samples: list[Overflow] = ()):
         self.mine = [e for e in entries if (e.replica, e.local_rank) == (replica, local_rank)]
         self.overflows = {(o.iteration, o.microbatch_id) for o in overflows}
+        self.bad_samples = {(o.iteration, o.microbatch_id) for o in bad_samples}
         self.iteration = 0  # the iteration in progress (set by arm_iteration)
         self._group = None  # a group with an armed native point (phase reports go to it)
         self.world_rank = world_rank
@@ -306,6 +323,15 @@ class ScheduledFaults:
             return False
         write_marker(self.marker_path, "overflow", self.world_rank,
                      {"location": "overflow", "iteration": iteration,
+                      "microbatch_id": microbatch_id})
+        return True
+
+    def bad_sample(self, iteration: int, microbatch_id: int) -> bool:
+        """Whether this microbatch's loss is to be NaN (leaves a marker when it is)."""
+        if (iteration, microbatch_id) not in self.bad_samples:
+            return False
+        write_marker(self.marker_path, "bad-sample", self.world_rank,
+                     {"location": "bad-sample", "iteration": iteration,
                       "microbatch_id": microbatch_id})
         return True
 
@@ -396,6 +422,9 @@ class NoFaults:
         return False
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:
+        return False
+
+    def bad_sample(self, iteration: int, microbatch_id: int) -> bool:
         return False
 
     def wants(self, location: str) -> bool:

@@ -421,10 +421,11 @@ IMPLEMENTED_NOTES = {
     "--no-check-for-nan-in-loss-and-grad": "the check it turns off is Megatron-LM's (a NaN or "
                                            "inf microbatch loss or bucket gradient norm before "
                                            "the data-parallel reduction); a stock run stops on "
-                                           "it as Megatron-LM's does, while under --recover the "
-                                           "replica that fails it leaves the job as a device "
-                                           "fault does and the others redo its microbatches "
-                                           "(docs/failures.md)",
+                                           "it as Megatron-LM's does; under --recover a NaN loss "
+                                           "ends the job as a program error, and a replica with "
+                                           "a non-finite gradient but finite losses leaves as a "
+                                           "device fault does, the others redoing its "
+                                           "microbatches (docs/failures.md)",
     "--data-cache-path": "the cached index files are named from this project's tokenizer "
                          "identity and the absolute data path, so a cache Megatron-LM built is "
                          "not reused (the same indices are built again)",

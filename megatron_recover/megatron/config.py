@@ -174,7 +174,8 @@ class PrecisionConfig:
     """Megatron-LM's check of every microbatch loss and every gradient bucket's norm for NaN
     and inf before the data-parallel reduction (off with --no-check-for-nan-in-loss-and-grad,
     and, as Megatron-LM sets it, with fp16's dynamic loss scaling, whose overflows are inf by
-    design). Under --recover a replica that fails it leaves the job as a device fault does."""
+    design). Under --recover a NaN loss ends the job as a program error, and a replica whose
+    gradient alone is not finite leaves as a device fault does (docs/failures.md)."""
 
     @property
     def params_dtype(self):

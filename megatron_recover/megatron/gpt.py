@@ -167,17 +167,20 @@ class _NaNGradient(torch.autograd.Function):
 
 
 def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, check_finite,
-               output_tensor):
+               output_tensor, bad_sample=lambda: False):
     """Megatron-LM's GPT loss: the mean over the microbatch's loss tokens or, `per_token`
     (--calculate-per-token-loss), their sum with the token count, which the schedule then leaves
     undivided. `check_finite`: Megatron-LM's check of the loss sum for NaN and inf
-    (check_for_nan_in_loss_and_grad), raising `failures.NonFiniteResult`."""
+    (check_for_nan_in_loss_and_grad), raising `failures.NonFiniteLoss`. `bad_sample()`: the
+    failure schedule makes this microbatch's loss NaN."""
     losses = output_tensor.float().view(-1)
+    if bad_sample():
+        losses = losses * float("nan")
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     if check_finite and not torch.isfinite(loss):
         kind = "NaN" if torch.isnan(loss) else "Inf"
-        raise failures.NonFiniteResult(f"found {kind} in local forward loss calculation")
+        raise failures.NonFiniteLoss(f"found {kind} in local forward loss calculation")
     count = mask.sum()
     tokens = count.to(torch.int)
     # Reported: the sum over the loss tokens, whatever the flag; the logged loss is the
@@ -242,7 +245,8 @@ class MicrobatchPass:
         return output, partial(_loss_func, batch["loss_mask"], microbatch_id, on_first_loss,
                                partial(self.faults.overflow, batch["iteration"], microbatch_id),
                                self.model.config.calculate_per_token_loss,
-                               self.check_finite)
+                               self.check_finite, bad_sample=partial(
+                                   self.faults.bad_sample, batch["iteration"], microbatch_id))
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float],
             tokens: dict[int, int]) -> None:

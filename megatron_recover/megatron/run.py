@@ -26,6 +26,7 @@ from megatron_recover.faults.schedule import (
     NoFaults,
     ScheduledFaults,
     StandbyFaults,
+    load_bad_samples,
     load_overflows,
     load_schedule,
     load_slow_snapshot_writes,
@@ -80,6 +81,11 @@ def check_start(cfg) -> None:
             raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
                              "scaler, which skips the step; without --fp16 the inf gradient "
                              "would reach the parameters: add --fp16 or drop 'overflows'")
+        if (load_bad_samples(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters)
+                and not cfg.precision.check_for_nan_in_loss_and_grad):
+            raise ValueError(f"{cfg.recover.failure_schedule}: bad_samples test Megatron's NaN "
+                             "check, which this job runs without (fp16 with dynamic loss "
+                             "scaling, or --no-check-for-nan-in-loss-and-grad): drop them")
         pauses = load_slow_snapshot_writes(cfg.recover.failure_schedule, cfg.train_iters)
         if any(t % max(cfg.recover.snapshot_interval, 1) or not cfg.recover.snapshot_interval
                for t in pauses):
@@ -318,7 +324,9 @@ def _faults(cfg, ctx, setup: RankSetup):
                     Path(cfg.recover.log).with_suffix(".schedule.yaml"))
     return ScheduledFaults(entries, setup.replica_index, setup.local_rank, ctx.rank,
                            marker_path(cfg),
-                           load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters))
+                           load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters),
+                           load_bad_samples(cfg.recover.failure_schedule, cfg.b_at,
+                                            cfg.train_iters))
 
 
 def _standby_faults(cfg, ctx):

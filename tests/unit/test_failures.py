@@ -26,6 +26,7 @@ pytestmark = pytest.mark.unit
      failures.DEVICE),
     (failures.DeviceFault("injected"), failures.DEVICE),
     (failures.NonFiniteResult("found NaN in local grad norm"), failures.DEVICE),
+    (failures.NonFiniteLoss("found NaN in local forward loss calculation"), failures.PROGRAM),
     (ValueError("a bad sample"), failures.PROGRAM),
     (torch.cuda.OutOfMemoryError("at this batch shape"), failures.PROGRAM),
     # gloo's only report of a dead peer: its text is not read.

@@ -99,9 +99,9 @@ def test_the_loss_check_and_the_nan_gradient_of_the_failure_schedule():
     mask = torch.ones(1, 4)
     never = lambda: False  # noqa: E731
     output = torch.tensor([[1.0, 2.0, float("nan"), 3.0]])
-    with pytest.raises(failures.NonFiniteResult, match="found NaN in local forward loss"):
+    with pytest.raises(failures.NonFiniteLoss, match="found NaN in local forward loss"):
         _loss_func(mask, 0, never, never, False, True, output)
-    with pytest.raises(failures.NonFiniteResult, match="found Inf in local forward loss"):
+    with pytest.raises(failures.NonFiniteLoss, match="found Inf in local forward loss"):
         _loss_func(mask, 0, never, never, False, True, output.nan_to_num(posinf=0) + float("inf"))
     loss, _ = _loss_func(mask, 0, never, never, False, False, output)  # unchecked: it passes
     assert torch.isnan(loss)
