@@ -12,7 +12,8 @@ tiktoken vocabulary, and a SentencePiece model; nothing is downloaded):
 - end to end, for each type: scripts/preprocess_data.py writes the demo corpus and one
   --recover iteration trains on it, with the embedding sized from the model vocabulary.
 
-Run: `make test` (the e2e runs are one CPU rank each, under a hard timeout).
+Run: `make test` (the e2e runs are one CPU rank each, under a hard timeout; GPT2BPETokenizer's
+and GPTSentencePieceTokenizer's run in `make test-long`).
 """
 
 import base64
@@ -294,8 +295,12 @@ def _e2e_cases(demo) -> dict:
 @pytest.mark.mpi
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer", *SENTENCE_PIECE_TYPES,
-                                  "TikTokenizer", "NullTokenizer"])
+@pytest.mark.parametrize("kind", [
+    # make test's budget: GPT-2 BPE is preprocessed and trained by every blend test too, and
+    # GPTSentencePieceTokenizer is Llama2Tokenizer's class (the unit tests check both).
+    pytest.param("GPT2BPETokenizer", marks=pytest.mark.long), "HuggingFaceTokenizer",
+    "SentencePieceTokenizer", pytest.param("GPTSentencePieceTokenizer", marks=pytest.mark.long),
+    "Llama2Tokenizer", "TikTokenizer", "NullTokenizer"])
 def test_each_tokenizer_preprocesses_and_trains(demo, tmp_path, kind):
     tokenizer_args = ["--tokenizer-type", kind, *_e2e_cases(demo)[kind]]
     corpus = demo / "corpus.jsonl"
