@@ -319,19 +319,18 @@ class ScheduledFaults:
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:
         """Whether this microbatch's backward is to overflow (leaves a marker when it does)."""
-        if (iteration, microbatch_id) not in self.overflows:
-            return False
-        write_marker(self.marker_path, "overflow", self.world_rank,
-                     {"location": "overflow", "iteration": iteration,
-                      "microbatch_id": microbatch_id})
-        return True
+        return self._listed(self.overflows, "overflow", iteration, microbatch_id)
 
     def bad_sample(self, iteration: int, microbatch_id: int) -> bool:
         """Whether this microbatch's loss is to be NaN (leaves a marker when it is)."""
-        if (iteration, microbatch_id) not in self.bad_samples:
+        return self._listed(self.bad_samples, "bad-sample", iteration, microbatch_id)
+
+    def _listed(self, listed: set, location: str, iteration: int, microbatch_id: int) -> bool:
+        """Whether (iteration, microbatch_id) is in `listed`; leaves a marker at `location`."""
+        if (iteration, microbatch_id) not in listed:
             return False
-        write_marker(self.marker_path, "bad-sample", self.world_rank,
-                     {"location": "bad-sample", "iteration": iteration,
+        write_marker(self.marker_path, location, self.world_rank,
+                     {"location": location, "iteration": iteration,
                       "microbatch_id": microbatch_id})
         return True
 
