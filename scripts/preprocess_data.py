@@ -90,7 +90,7 @@ def tokenizer_arguments(args: argparse.Namespace) -> dict:
         "vocab_size": args.vocab_size,
         "tiktoken_pattern": args.tiktoken_pattern,
         "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
-        "special_tokens": args.tokenizer_special_tokens,
+        "tokenizer_special_tokens": args.tokenizer_special_tokens,
     }
     return {"tokenizer_type": args.tokenizer_type, **given}
 

@@ -163,7 +163,8 @@ def test_bad_tokenizer_files_are_refused(demo, tmp_path):
     with pytest.raises(ValueError, match="choose v1 or v2"):
         build_tokenizer("TikTokenizer", **{**options, "tiktoken_pattern": "v3"})
     with pytest.raises(ValueError, match="include <unk> <s> </s> <mask>"):
-        build_tokenizer("TikTokenizer", **options, special_tokens=["<unk>", "<s>", "</s>"])
+        build_tokenizer("TikTokenizer", **options,
+                        tokenizer_special_tokens=["<unk>", "<s>", "</s>"])
     with pytest.raises(ValueError, match="id2token"):  # the file is shorter than the vocabulary
         build_tokenizer("TikTokenizer", **{**options, "vocab_size": options["vocab_size"] + 1})
 
@@ -211,7 +212,7 @@ def test_tiktoken_flags_without_tiktoken_are_named_at_start_up(demo):
                       "--tokenizer-model", str(demo / "tiktoken.json"), "--tiktoken-pattern",
                       "v1", "--tiktoken-special-tokens", "<unk>", "<s>", "</s>"],
                      world_size=1, cuda_available=False)
-    assert cfg.data.special_tokens == ("<unk>", "<s>", "</s>")
+    assert cfg.data.tokenizer_special_tokens == ("<unk>", "<s>", "</s>")
     assert any("--tiktoken-special-tokens is Megatron-LM's deprecated name" in line
                for line in cfg.notices)
 

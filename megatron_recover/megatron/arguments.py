@@ -34,7 +34,9 @@ from megatron_recover.megatron.config import (
     TrainConfig,
     split_is_valid,
 )
-from megatron_recover.megatron.tokenizer import TIKTOKEN, TOKENIZER_TYPES
+from megatron_recover.megatron.tokenizer import ARGUMENTS as TOKENIZER_ARGUMENTS
+from megatron_recover.megatron.tokenizer import TIKTOKEN, TIKTOKEN_PATTERNS, TOKENIZER_TYPES
+from megatron_recover.megatron.tokenizer import flag as tokenizer_flag
 from megatron_recover.policy.rampup import GlobalBatches
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -713,35 +715,38 @@ def _tokenizer(ns) -> list[str]:
     if kind not in TOKENIZER_TYPES:
         return [f"--tokenizer-type {kind} is not supported: use one of "
                 f"{', '.join(TOKENIZER_TYPES)} (they load offline from local files)"]
-    needs = {"GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
-             "NullTokenizer": ()}.get(kind, ("--tokenizer-model",))
+    # What each type reads is tokenizer.py's table (its names are the flags' dests).
+    required, optional = TOKENIZER_ARGUMENTS[kind]
     problems = []
-    for flag in needs:
-        path = getattr(ns, flag[2:].replace("-", "_"))
-        if path is None:
-            problems.append(f"--tokenizer-type {kind} needs {flag}")
-        elif not Path(path).exists():
-            problems.append(f"{flag} {path}: no such file or directory")
-    for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
-        if flag not in needs and getattr(ns, flag[2:].replace("-", "_")) is not None:
-            problems.append(f"{flag}: --tokenizer-type {kind} does not read it: drop it, or "
-                            f"pass the tokenizer type that does")
-    if kind == "NullTokenizer" and ns.vocab_size is None:
-        problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    if kind not in ("NullTokenizer", TIKTOKEN) and ns.vocab_size is not None:
+    for name in _TOKENIZER_FILES:
+        path = getattr(ns, name)
+        if name in required and path is None:
+            problems.append(f"--tokenizer-type {kind} needs {tokenizer_flag(name)}")
+        elif name in required and not Path(path).exists():
+            problems.append(f"{tokenizer_flag(name)} {path}: no such file or directory")
+        elif name not in required and path is not None:
+            problems.append(f"{tokenizer_flag(name)}: --tokenizer-type {kind} does not read it: "
+                            "drop it, or pass the tokenizer type that does")
+    if "vocab_size" in required and ns.vocab_size is None:
+        problems.append(f"--tokenizer-type {kind} needs --vocab-size")
+    if "vocab_size" not in required + optional and ns.vocab_size is not None:
         problems.append(f"--vocab-size: --tokenizer-type {kind} takes its vocabulary from its "
                         "files: drop it")
     if kind == TIKTOKEN:
         # Megatron-LM's training builds its legacy TikTokenizer too, which needs the pattern.
-        if ns.tiktoken_pattern not in ("v1", "v2"):
+        if ns.tiktoken_pattern not in TIKTOKEN_PATTERNS:
             problems.append(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 "
                             f"(got {ns.tiktoken_pattern!r})")
         if ns.tiktoken_num_special_tokens < 0:
             problems.append("--tiktoken-num-special-tokens must be >= 0")
-    elif _special_tokens(ns) is not None:
+    if "tokenizer_special_tokens" not in optional and _special_tokens(ns) is not None:
         problems.append(f"--tokenizer-special-tokens: only TikTokenizer takes a special-token "
                         f"list here (--tokenizer-type {kind} has its own): drop it")
     return problems
+
+
+# The tokenizer arguments that name files (the others are sizes, a pattern, a token list).
+_TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 def _special_tokens(ns) -> list[str] | None:
@@ -971,7 +976,7 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
     if ns.tiktoken_special_tokens and not ns.tokenizer_special_tokens:
         lines.append("megatron-recover: --tiktoken-special-tokens is Megatron-LM's deprecated "
                      "name of --tokenizer-special-tokens (it reads it as that)")
-    if ns.fp16 and not ns.loss_scale and ns.check_for_nan_in_loss_and_grad:
+    if ns.check_for_nan_in_loss_and_grad and not _checks_for_nan(ns):
         lines.append("megatron-recover: the check for NaN and inf in the loss and gradients is "
                      "off, as Megatron-LM sets it with fp16's dynamic loss scaling, whose "
                      "overflows are inf by design (the scaler skips those steps)")
@@ -1074,7 +1079,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             vocab_size=ns.vocab_size,
             tiktoken_pattern=ns.tiktoken_pattern if _tokenizer_type(ns) == TIKTOKEN else None,
             tiktoken_num_special_tokens=ns.tiktoken_num_special_tokens,
-            special_tokens=_special_tokens(ns) and tuple(_special_tokens(ns))),
+            tokenizer_special_tokens=_special_tokens(ns) and tuple(_special_tokens(ns))),
         checkpoint=CheckpointConfig(
             save=ns.save, load=ns.load, save_interval=ns.save_interval,
             ckpt_format=ns.ckpt_format or ("torch" if ns.recover else "torch_dist")),

@@ -323,7 +323,7 @@ class DataConfig:
     """TikTokenizer's pre-tokenization regex, v1 or v2 (--tiktoken-pattern); None otherwise."""
     tiktoken_num_special_tokens: int = 1000
     """Ids TikTokenizer reserves for special tokens (--tiktoken-num-special-tokens)."""
-    special_tokens: tuple | None = None
+    tokenizer_special_tokens: tuple | None = None
     """TikTokenizer's special tokens (--tokenizer-special-tokens); None: megatron-core's."""
 
 

@@ -159,7 +159,7 @@ def microbatch_source(cfg):
              "tokenizer_model": d.tokenizer_model, "vocab_size": d.vocab_size,
              "tiktoken_pattern": d.tiktoken_pattern,
              "tiktoken_num_special_tokens": d.tiktoken_num_special_tokens,
-             "special_tokens": d.special_tokens}
+             "tokenizer_special_tokens": d.tokenizer_special_tokens}
     tokenizer = build_tokenizer(d.tokenizer_type, **build_arguments(d.tokenizer_type, given))
     # Reserve mode draws extra ids (B + j): at most one spare per replica and iteration.
     reserve = cfg.train_iters * cfg.b if cfg.recover.mode == RESERVE else 0

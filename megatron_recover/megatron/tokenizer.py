@@ -31,7 +31,7 @@ Types:
   TikTokenizer          `tokenizer_model` is a tiktoken vocabulary in JSON (a list of {"rank",
                         "token_bytes", "token_str"}, the 256 single bytes first); megatron-core's
                         tiktoken class: ids are shifted up by `tiktoken_num_special_tokens`
-                        (default 1000) reserved for `special_tokens` (default <unk> <s> </s>
+                        (default 1000) reserved for `tokenizer_special_tokens` (default <unk> <s> </s>
                         <mask> <pad> <cls> <sep>, then <SPECIAL_i> fillers); special tokens in
                         the text are parsed; eod is </s>; `tiktoken_pattern` v1 or v2 (default)
                         selects the pre-tokenization regex; vocab_size (default 2**17) cuts the
@@ -58,13 +58,14 @@ TIKTOKEN = "TikTokenizer"
 NULL = "NullTokenizer"
 SENTENCE_PIECE_TYPES = (SENTENCE_PIECE, GPT_SENTENCE_PIECE, LLAMA2)
 # The `build_tokenizer` arguments each type needs, then those it reads when given; it refuses
-# the others.
+# the others. Each is named as its Megatron flag (`tokenizer_model`: --tokenizer-model).
 ARGUMENTS = {
     GPT2_BPE: (("vocab_file", "merge_file"), ()),
     HUGGING_FACE: (("tokenizer_model",), ()),
     **{kind: (("tokenizer_model",), ()) for kind in SENTENCE_PIECE_TYPES},
     TIKTOKEN: (("tokenizer_model",),
-               ("tiktoken_pattern", "vocab_size", "tiktoken_num_special_tokens", "special_tokens")),
+               ("tiktoken_pattern", "vocab_size", "tiktoken_num_special_tokens",
+                "tokenizer_special_tokens")),
     NULL: (("vocab_size",), ()),
 }
 TOKENIZER_TYPES = tuple(ARGUMENTS)
@@ -118,7 +119,7 @@ def build_tokenizer(
     vocab_size: Optional[int] = None,
     tiktoken_pattern: Optional[str] = None,
     tiktoken_num_special_tokens: Optional[int] = None,
-    special_tokens: Optional[List[str]] = None,
+    tokenizer_special_tokens: Optional[List[str]] = None,
 ):
     """The tokenizer Megatron's `--tokenizer-type` names; see the module docstring.
 
@@ -137,7 +138,7 @@ def build_tokenizer(
         "vocab_size": vocab_size,
         "tiktoken_pattern": tiktoken_pattern,
         "tiktoken_num_special_tokens": tiktoken_num_special_tokens,
-        "special_tokens": special_tokens,
+        "tokenizer_special_tokens": tokenizer_special_tokens,
     }
     _check_arguments(tokenizer_type, given)
     if tokenizer_type == GPT2_BPE:
@@ -194,8 +195,12 @@ def _check_arguments(tokenizer_type: str, given: dict) -> None:
 
 
 def _flags(names) -> str:
-    return ", ".join("--" + ("tokenizer_" + name if name == "special_tokens" else name)
-                     .replace("_", "-") for name in names)
+    return ", ".join(flag(name) for name in names)
+
+
+def flag(name: str) -> str:
+    """The Megatron flag of a `build_tokenizer` argument."""
+    return "--" + name.replace("_", "-")
 
 
 def _existing_file(path: str) -> str:
@@ -256,9 +261,10 @@ def _tiktoken_tokenizer(vocabulary_file: str, options: dict):
     kwargs = {"pattern": pattern} if pattern is not None else {}
     for name, keyword in (("vocab_size", "vocab_size"),
                           ("tiktoken_num_special_tokens", "num_special_tokens"),
-                          ("special_tokens", "special_tokens")):
+                          ("tokenizer_special_tokens", "special_tokens")):
         if name in options:
-            kwargs[keyword] = list(options[name]) if name == "special_tokens" else options[name]
+            kwargs[keyword] = (list(options[name]) if keyword == "special_tokens"
+                               else options[name])
     try:
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=vocabulary_file, metadata_path={"library": "tiktoken"}, **kwargs
