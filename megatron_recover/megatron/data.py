@@ -429,10 +429,12 @@ def _check_vocabulary(prefix: str, vocab_size: int) -> None:
             f"--data-path {prefix}: its tokens are {numpy.dtype(dataset.index.dtype).name}, "
             f"while Megatron's preprocessing writes {numpy.dtype(expected).name} for this "
             f"tokenizer's {vocab_size} ids, so it was made with another vocabulary: {remedy}")
-    count = min(int(dataset.sequence_lengths.sum()), VOCABULARY_CHECK_TOKENS)
+    # The .bin file is the documents' tokens back to back, from its first byte: its size counts
+    # them without reading the index's sequence lengths (one per sequence of the corpus).
+    tokens = os.path.getsize(prefix + ".bin") // numpy.dtype(expected).itemsize
+    count = min(tokens, VOCABULARY_CHECK_TOKENS)
     if count == 0:
         return
-    # The .bin file is the documents' tokens back to back, from its first byte.
     largest = int(numpy.fromfile(prefix + ".bin", dtype=expected, count=count).max())
     if largest >= vocab_size:
         raise ValueError(
