@@ -56,6 +56,19 @@ class NonFiniteResult(DeviceFault):
     replica (docs/failures.md)."""
 
 
+class SilentCorruption(DeviceFault):
+    """Sampled verification found this replica's gradient of some microbatches different from
+    what two other replicas computed for the same ids (`recovery.verification`): its device is
+    taken for faulty, the rank leaves before the commit and the survivors redo its microbatches
+    in the same iteration (docs/verification.md)."""
+
+
+class UnresolvedCorruption(RuntimeError):
+    """Two replicas computed different gradients for the same microbatches and no third one
+    could tell which is right (none was left, or all three differ): nothing of the iteration is
+    committed and the job ends, on every rank, with the iteration, the replicas and the ids."""
+
+
 class NonFiniteLoss(RuntimeError):
     """A NaN or inf microbatch loss (the same check, in the forward). The forward is a
     deterministic function of the parameters, equal on every replica, and of the microbatch:

@@ -8,7 +8,12 @@ of the program, `InjectedError`, which must end the job: docs/failures.md) or `d
 (a device fault raised into Python, `failures.DeviceFault`, which the survivors must absorb)
 or `nan` (at `backward` only: the gradient of the victim's first microbatch of the iteration
 becomes NaN while its loss stays right, as a faulty device's backward would make it, which
-Megatron's check_for_nan_in_loss_and_grad must catch before the bucket leaves the replica);
+Megatron's check_for_nan_in_loss_and_grad must catch before the bucket leaves the replica)
+or `bitflip` (at `before-reduce` only: one bit of one element of the victim's first gradient
+bucket is flipped, after its first pass's backward and before anything of it is reduced or
+fingerprinted: silent corruption, finite, which only sampled verification can catch; `bit`
+names the bit, by default the fourth exponent bit of the bucket's type, scaling the element by
+2^16 up or down);
 `raise` and `device-error` happen on the main thread, so not at the native points.
 Locations, in the order an iteration reaches them:
   pre-forward       before the first forward of the iteration
@@ -89,7 +94,10 @@ JOIN_LOCATIONS = ("join-transfer",)
 STANDBY_LOCATIONS = ("idle", "join-transfer")
 
 
-ACTIONS = ("kill", "stop", "stall", "raise", "device-error", "nan")
+ACTIONS = ("kill", "stop", "stall", "raise", "device-error", "nan", "bitflip")
+# The bit a bitflip flips by default: the fourth exponent bit of the element's type.
+_MANTISSA_BITS = {"torch.float32": 23, "torch.bfloat16": 7, "torch.float16": 10,
+                  "torch.float64": 52}
 RAISED = ("raise", "device-error")  # actions that raise on the main thread
 NATIVE_LOCATIONS = {"during-reduce": "reduce", "during-consensus": "consensus"}
 
@@ -106,6 +114,7 @@ class ScheduleEntry:
     location: str
     action: str = "kill"
     seconds: float = 0.0  # stall only
+    bit: int | None = None  # bitflip only: which bit of the element (None: the default)
 
 
 def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
@@ -118,12 +127,14 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
     entries = []
     for i, raw in enumerate(data["entries"]):
         keys = {"iteration", "replica", "local_rank", "location"}
-        if not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"action", "seconds"}:
+        if not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"action", "seconds",
+                                                                          "bit"}:
             raise ValueError(f"{path}: entry {i} must have the keys {sorted(keys)} "
-                             "(and optionally action, seconds)")
+                             "(and optionally action, seconds, bit)")
         entry = ScheduleEntry(int(raw["iteration"]), int(raw["replica"]), int(raw["local_rank"]),
                               str(raw["location"]), str(raw.get("action", "kill")),
-                              float(raw.get("seconds", 0.0)))
+                              float(raw.get("seconds", 0.0)),
+                              None if raw.get("bit") is None else int(raw["bit"]))
         if entry.action not in ACTIONS:
             raise ValueError(f"{path}: entry {i}: action '{entry.action}' is not one of "
                              f"{', '.join(ACTIONS)}")
@@ -140,6 +151,12 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
         if entry.action == "nan" and entry.location != "backward":
             raise ValueError(f"{path}: entry {i}: action nan poisons a microbatch's backward: "
                              "give it location backward")
+        if entry.action == "bitflip" and entry.location != "before-reduce":
+            raise ValueError(f"{path}: entry {i}: action bitflip corrupts a gradient bucket "
+                             "before it is reduced: give it location before-reduce")
+        if entry.bit is not None and (entry.action != "bitflip" or not 0 <= entry.bit < 64):
+            raise ValueError(f"{path}: entry {i}: 'bit' goes with action bitflip (and only), "
+                             "between 0 and 63")
         if entry.location not in LOCATIONS:
             raise ValueError(f"{path}: entry {i}: location '{entry.location}' is not one of "
                              f"{', '.join(LOCATIONS)}")
@@ -287,10 +304,13 @@ class ScheduledFaults:
         self._group = None  # a group with an armed native point (phase reports go to it)
         self.world_rank = world_rank
         self.marker_path = Path(marker_path)
+        self._flipped: set[ScheduleEntry] = set()
 
-    def _due(self, location: str, iteration: int) -> ScheduleEntry | None:
+    def _due(self, location: str, iteration: int,
+             flips: bool = False) -> ScheduleEntry | None:
         for entry in self.mine:
-            if entry.location == location and entry.iteration == iteration:
+            if (entry.location == location and entry.iteration == iteration
+                    and (entry.action == "bitflip") == flips):
                 return entry
         return None
 
@@ -316,6 +336,23 @@ class ScheduledFaults:
             raise DeviceFault(f"failure schedule: a device fault at {location} of iteration "
                               f"{iteration}")
         os.kill(os.getpid(), signal.SIGSTOP if entry.action == "stop" else signal.SIGKILL)
+
+    def corrupt(self, iteration: int, grad) -> None:
+        """Action `bitflip`: flip one bit of an element of `grad` (`flip_target`), once (a
+        marker names the element, the bit and the values before and after)."""
+        entry = self._due("before-reduce", iteration, flips=True)
+        if entry is None or entry in self._flipped:
+            return
+        self._flipped.add(entry)
+        flat = grad.view(-1)
+        element = flip_target(flat)
+        bit = _MANTISSA_BITS[str(grad.dtype)] + 4 if entry.bit is None else entry.bit
+        before = float(flat[element])
+        flip_bit(flat[element:element + 1], bit)
+        write_marker(self.marker_path, "before-reduce", self.world_rank,
+                     {"location": "before-reduce", "iteration": iteration, "action": "bitflip",
+                      "element": element, "bit": bit, "before": before,
+                      "after": float(flat[element])})
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:
         """Whether this microbatch's backward is to overflow (leaves a marker when it does)."""
@@ -414,11 +451,38 @@ def injection_report(entries: list[ScheduleEntry], marker_path: Path,
     return {"injected": injected, "not_injected": not_injected}
 
 
+def flip_target(flat) -> int:
+    """The element a bitflip corrupts: the first non-zero one from the middle of the flat
+    tensor on (the middle one if none is). An exponent bit of a zero changes it by less than
+    any sum's rounding: that flip would be harmless and, to the fingerprints, invisible."""
+    middle = flat.numel() // 2
+    nonzero = flat[middle:].nonzero()
+    return middle + int(nonzero[0, 0]) if nonzero.numel() else middle
+
+
+def flip_bit(element, bit: int) -> None:
+    """Flip bit `bit` of every element of the tensor `element` in place (its bits as an
+    integer)."""
+    import torch  # not at import: `megatron-recover schedule` reads this module without torch
+
+    size = element.element_size()
+    if not 0 <= bit < 8 * size:
+        raise ValueError(f"bit {bit} outside a {size}-byte element")
+    mask = 1 << bit
+    if mask >= 1 << (8 * size - 1):
+        mask -= 1 << (8 * size)  # the sign bit, as the signed integer type holds it
+    integer = {8: torch.int64, 4: torch.int32, 2: torch.int16}[size]
+    element.view(integer).bitwise_xor_(mask)
+
+
 class NoFaults:
     """Stands in for ScheduledFaults when a run has no failure schedule."""
 
     def at(self, location: str, iteration: int) -> bool:
         return False
+
+    def corrupt(self, iteration: int, grad) -> None:
+        pass
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:
         return False

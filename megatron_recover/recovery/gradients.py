@@ -62,6 +62,7 @@ class _Bucket:
     sent: Ledger | None = None  # what the latest reduction of this pass summed from this rank
     deferred: bool = False  # synced inside the replica after backward: posted after the pass
     ready: bool = False  # overlapped pass: megatron found the bucket's gradients complete
+    index: int = 0  # its place in the reduction order
 
 
 class GradientRecovery:
@@ -95,12 +96,16 @@ class GradientRecovery:
         self._overlapped = False  # this pass posted during backward
         # Shards, overlapped: (bucket, its reduce-scatter in flight), in posting order.
         self._scattering: list[tuple[_Bucket, object]] = []
+        # Sampled verification: `fingerprint(index, grad)` of each bucket as it is handed to
+        # its reduction, while set (the trainer sets it for a checked replica's first pass).
+        self.fingerprint = None
+        self.fingerprints: dict[int, torch.Tensor] = {}
 
     def _state(self, grad: torch.Tensor) -> _Bucket:
         key = grad.data_ptr()
         if key not in self._buckets:
             self._buckets[key] = _Bucket(grad=grad, snapshot=torch.empty_like(grad),
-                                         shard=self._shard(grad))
+                                         shard=self._shard(grad), index=len(self._buckets))
         return self._buckets[key]
 
     def _shard(self, grad: torch.Tensor) -> torch.Tensor:
@@ -196,6 +201,8 @@ class GradientRecovery:
         bucket = self._state(grad)
         if self.check_finite:
             self._check_finite(bucket)
+        if self.fingerprint is not None:
+            self.fingerprints[bucket.index] = self.fingerprint(bucket.index, grad)
         bucket.snapshot.copy_(grad)
         bucket.snapshot_ledger = bucket.ledger.copy()
         if not self.contributing:
@@ -211,10 +218,9 @@ class GradientRecovery:
         rank's own gradient must be finite, or the rank raises before anything leaves it."""
         norm = bucket.grad.norm(p=2)
         if not torch.isfinite(norm):
-            index = list(self._buckets.values()).index(bucket)
             kind = "NaN" if torch.isnan(norm) else "Inf"
-            raise NonFiniteResult(f"found {kind} in local grad norm for bucket #{index} before "
-                                  "the cross-replica reduction")
+            raise NonFiniteResult(f"found {kind} in local grad norm for bucket "
+                                  f"#{bucket.index} before the cross-replica reduction")
 
     def _post(self, bucket: _Bucket) -> None:
         grad = bucket.grad

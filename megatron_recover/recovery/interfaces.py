@@ -99,5 +99,9 @@ class FaultPoints(Protocol):
     def at(self, location: str, iteration: int) -> None:
         """A named point of the round was reached (may kill or stall this rank)."""
 
+    def corrupt(self, iteration: int, grad: torch.Tensor) -> None:
+        """Before the first reduction of a pass is posted: flip a bit of `grad` if a `bitflip`
+        is due (the failure schedule's silent corruption)."""
+
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         """Arm the group's native points for `iteration` (the k-th bucket's reduce)."""

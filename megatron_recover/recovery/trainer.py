@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 
 from megatron_recover.collective import ULFMGroup
+from megatron_recover.failures import SilentCorruption, UnresolvedCorruption
 from megatron_recover.policy import ADAPTIVE, RESERVE, WorkloadPolicy
 from megatron_recover.recovery.gradients import GradientRecovery
 from megatron_recover.recovery.interfaces import (
@@ -64,6 +65,16 @@ from megatron_recover.recovery.interfaces import (
 )
 from megatron_recover.recovery.ledger import LaneLayout
 from megatron_recover.recovery.lane import CommitLane, LaneHead, Verdict, VerdictCodec
+from megatron_recover.recovery.verification import (
+    Fingerprint,
+    Judgement,
+    Slots,
+    Verification,
+    arbiter,
+    judge,
+    pairs,
+    sum_fingerprints,
+)
 
 
 @dataclass
@@ -94,6 +105,7 @@ class StepReport:
     # some reduction was running, how much of that before the pass returned (hidden under
     # backward), and this rank's snapshot and gradient-buffer bytes.
     reduction: dict = field(default_factory=dict)
+    verified: int = 0  # microbatches whose gradients two replicas computed and agreed on
 
 
 @dataclass
@@ -129,6 +141,8 @@ class TrainerParts:
     wants_exit: Callable[[], bool] = lambda: False
     # Replicas known dead when the trainer starts (a standby joining a run takes its donor's).
     dead_replicas: frozenset[int] = frozenset()
+    # Sampled cross-replica verification (`verification.py`); None: off.
+    verification: Verification | None = None
 
 
 class ResilientTrainer:
@@ -145,8 +159,15 @@ class ResilientTrainer:
         self._schedule_end = 0.0  # when the first pass's schedule returned (reduction timing)
         self._own_contributions = 0
         config = parts.policy.config
+        verify = parts.verification
         self.lane = CommitLane(LaneLayout(config.b, reserve=config.mode == RESERVE
-                                          and config.policy != ADAPTIVE))
+                                          and config.policy != ADAPTIVE),
+                               None if verify is None else Slots(config.w_init))
+        self._fingerprint = None if verify is None else Fingerprint(verify.seed)
+        self._checks: dict[int, int] = {}  # this iteration's owner -> checker
+        self._check_ids: dict[int, list[int]] = {}  # owner -> its first-pass ids
+        self._fingerprints: dict[str, dict[int, torch.Tensor]] = {}  # what this rank computed
+        self._arbiters: dict[int, int] = {}  # owner -> the replica that arbitrates it
         self.verdicts = VerdictCodec(config.w_init)
         self.recovery = GradientRecovery(parts.group, parts.buffers.buckets(),
                                          before_first_reduce=self._before_reduce,
@@ -172,6 +193,7 @@ class ResilientTrainer:
 
     def _before_reduce(self) -> None:
         self.p.faults.at("before-reduce", self._iteration)
+        self.p.faults.corrupt(self._iteration, self.recovery.grads[0])
 
     def _after_post(self) -> None:
         self.p.faults.at("after-post", self._iteration)
@@ -193,11 +215,15 @@ class ResilientTrainer:
         p.optimizer.zero_grad()
         self.recovery.begin_iteration()
         self._extended = False
+        self._begin_checks(iteration)
         self.recovery.begin_pass()
         self.recovery.contributing = work.contributes_first_pass
         p.faults.at("pre-forward", iteration)
         self._run(iteration, self._mine(work.first_pass), losses, tokens,
                   overlap=p.overlap_grad_reduce)
+        if self.recovery.fingerprint is not None:  # every bucket went out: each fingerprinted
+            self._fingerprints["own"] = {p.replica: sum_fingerprints(self.recovery.fingerprints)}
+            self.recovery.fingerprint = None  # re-reductions send the same or other ids
         reduction = None
 
         while True:
@@ -209,7 +235,7 @@ class ResilientTrainer:
             ok = int(not failed_locally and not lane_record.has_failure
                      and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
             agreed = p.group.consensus([ok]).wait()
-            totals, problems = None, []
+            totals, problems, judgement = None, [], None
             round_ok = not agreed.failed_ranks and agreed.census[0] == agreed.size
             summed = self.lane.decode_head(lane)
             if round_ok:
@@ -218,22 +244,38 @@ class ResilientTrainer:
                 # Only the last pipeline stage saw the loss tokens.
                 counted = summed.tokens if p.per_token_loss and p.computes_loss else None
                 problems = p.audit.problems(iteration, totals, self._divisor(), counted)
-            verdict = self._replica_verdict(agreed, summed, not round_ok, bool(problems))
-            if verdict.commit:
+                if p.verification is not None:
+                    judgement = judge(self.lane.decode_fingerprints(lane), self._checks,
+                                      self._live(), p.verification.tolerance)
+            verdict = self._replica_verdict(agreed, summed, not round_ok, bool(problems),
+                                            judgement)
+            if verdict.commit and not verdict.corrupt:
                 self._last_progress = time.time()
                 break
             detected = time.time()
-            new_dead = sorted(verdict.dead - self.dead_replicas)
+            if verdict.commit:  # no failure, but two replicas computed different gradients
+                new_dead = self._on_corruption(iteration, verdict, events, detected)
+                ranks = sorted(rank for rank, replica in p.replica_of_rank.items()
+                               if replica in new_dead)
+                if not new_dead:  # arbitrated: reduce the same contributions again
+                    self._blocking_restore(iteration, work)
+                    events[-1]["restored"] = time.time()
+                    continue
+            else:
+                new_dead = sorted(verdict.dead - self.dead_replicas)
+                ranks = list(agreed.failed_ranks)
             if new_dead:
                 self.dead_replicas.update(new_dead)
                 decision = p.policy.on_failure(new_dead)
                 work = p.policy.work(p.replica)
                 events.append({"event": "failure", "replicas": new_dead,
-                               "ranks": list(agreed.failed_ranks), "epoch": agreed.epoch,
+                               "ranks": ranks, "epoch": agreed.epoch,
                                "detected": detected, "repaired": detected,
                                "since_last_progress_s": detected - self._last_progress,
                                "restore": decision.restore_mode, "g_ext": decision.g_ext,
                                "promotions": [list(x) for x in decision.promotions]})
+                if verdict.commit:
+                    events[-1]["cause"] = "silent corruption"
                 if decision.boundary:
                     self._extension_pass(iteration, work, losses, tokens)
                     events[-1]["restored"] = time.time()
@@ -247,7 +289,94 @@ class ResilientTrainer:
         report = self._commit(iteration, totals, problems, verdict, agreed, start, events)
         report.reduction = reduction
         report.g_cur = state.layout.g_cur
+        report.verified = self._verified(judgement)
         return report
+
+    def _verified(self, judgement: Judgement | None) -> int:
+        """Microbatches of the committed round whose owner's and checker's fingerprints
+        agreed."""
+        if judgement is None:
+            return 0
+        return sum(len(self._check_ids[owner]) for owner in judgement.checked)
+
+    def _live(self) -> list[int]:
+        return sorted(r for r in self.p.policy.layout.replicas if r not in self.dead_replicas)
+
+    def _begin_checks(self, iteration: int) -> None:
+        """Sampled verification: which owners are checked this iteration, and by whom; this
+        replica runs the first pass of the owner it checks from empty buffers, fingerprints it
+        and empties the buffers again, so its own pass starts as it would without checks."""
+        p, verify = self.p, self.p.verification
+        self._checks, self._check_ids, self._fingerprints, self._arbiters = {}, {}, {}, {}
+        if verify is None:
+            return
+        live = self._live()
+        owners = [r for r in live if p.policy.work(r).contributes_first_pass
+                  and p.policy.work(r).first_pass]
+        self._checks = pairs(verify.seed, iteration, owners, live, verify.rate)
+        self._check_ids = {owner: list(p.policy.work(owner).first_pass) for owner in self._checks}
+        for owner, checker in self._checks.items():
+            if checker == p.replica:
+                self._fingerprints["check"] = {owner: self._run_for(iteration, owner)}
+                p.buffers.zero()
+                p.optimizer.zero_grad()
+                self.recovery.begin_iteration()
+        if p.replica in self._checks:
+            self.recovery.fingerprint = self._fingerprint.bucket
+            self.recovery.fingerprints = {}
+
+    def _run_for(self, iteration: int, owner: int) -> torch.Tensor:
+        """Run `owner`'s first-pass ids (this rank's share of them) on empty buckets and return
+        their fingerprint; the buckets then hold that gradient (the caller empties or rewinds
+        them). Losses are not reported: the owner reports its own."""
+        self.recovery.zero()
+        mine = self._mine(self._check_ids[owner])
+        if mine:
+            self.p.buffers.new_pass()
+            self.p.run_pass(iteration, mine, self.p.policy.state.b, {}, {})
+        return self._fingerprint.buckets(self.recovery.grads)
+
+    def _on_corruption(self, iteration: int, verdict: Verdict, events: list[dict],
+                       detected: float) -> list[int]:
+        """Two replicas' fingerprints of the same ids differ. With an arbitration's result: the
+        replicas to evict (this rank raises if its replica is one); before one: this
+        iteration's arbiters rerun the suspects' ids (nothing to evict yet). Without a possible
+        arbitration the job ends."""
+        p = self.p
+        if verdict.unresolved:
+            owner = min(verdict.unresolved)
+            third = self._arbiters.get(owner)
+            why = (f"replica {third}, which ran them a third time, agrees with neither"
+                   if third is not None else "no third live replica can tell which is right")
+            raise UnresolvedCorruption(
+                f"iteration {iteration}: replicas {owner} and {self._checks[owner]} computed "
+                f"different gradients for microbatches {self._check_ids[owner]}, and {why}; "
+                "nothing of the iteration is committed (kernels that are not deterministic "
+                "need a measured --recover-sdc-tolerance)")
+        if verdict.evict:
+            evicted = sorted(verdict.evict)
+            events.append({"event": "corruption", "evicted": evicted, "detected": detected,
+                           "owners": sorted(o for o, c in self._checks.items()
+                                            if {o, c} & set(evicted))})
+            if p.replica in verdict.evict:
+                raise SilentCorruption(
+                    f"iteration {iteration}: this replica's gradient fingerprint differs from "
+                    "what two other replicas computed for the same microbatches: its device is "
+                    "taken for faulty and the replica leaves before the commit")
+            return sorted(verdict.evict - self.dead_replicas)
+        live = self._live()
+        for owner in sorted(verdict.suspects):
+            self._arbiters[owner] = arbiter(owner, self._checks[owner], live)
+        events.append({"event": "mismatch", "owners": sorted(verdict.suspects),
+                       "checkers": [self._checks[o] for o in sorted(verdict.suspects)],
+                       "arbiters": [self._arbiters[o] for o in sorted(verdict.suspects)],
+                       "detected": detected})
+        for owner in sorted(verdict.suspects):
+            if self._arbiters[owner] == p.replica:
+                self._fingerprints.setdefault("arbiter", {})[owner] = self._run_for(iteration,
+                                                                                    owner)
+                self.recovery.rewind()  # back to what this replica reduced
+        return []
 
     def add_event(self, event: dict) -> None:
         """An event between iterations (a join): reported with the next committed iteration."""
@@ -350,19 +479,21 @@ class ResilientTrainer:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
             token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
         head = LaneHead(loss_sum, token_sum, self.p.wants_exit())
-        lane = self.lane.encode(head, sent, iteration, poison=int(not consistent))
+        lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
+                                fingerprints=self._fingerprints)
         if self.p.shard_control is not None:
             self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane
 
     def _replica_verdict(self, agreed, summed: LaneHead, failed: bool,
-                         ledger_bad: bool) -> Verdict:
+                         ledger_bad: bool, judgement: Judgement | None = None) -> Verdict:
         """The round's outcome for this replica, equal on all of its ranks: this position's
-        view (`agreed` record, the summed lane's head, whether its round failed and whether its
-        audit found a problem), combined with the replica's other positions."""
+        view (`agreed` record, the summed lane's head, whether its round failed, whether its
+        audit found a problem and what its fingerprints say), combined with the replica's other
+        positions."""
         p = self.p
         dead = {p.replica_of_rank[rank] for rank in agreed.failed_ranks}
-        vector = self.verdicts.encode(dead, failed, summed, ledger_bad)
+        vector = self.verdicts.encode(dead, failed, summed, ledger_bad, judgement)
         if p.replica_control is not None:
             # A peer that died makes this raise; the rank then leaves with its replica.
             p.replica_control.max(vector)

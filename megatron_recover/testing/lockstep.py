@@ -14,7 +14,10 @@ Each replica is one rank on its own thread, with the real `ResilientTrainer`,
     exact in float64 whatever the grouping: a committed gradient equals its expectation bitwise,
     and survivors equal the failure-free run bitwise.
   * `FakeOptimizer`: SGD on one flat parameter vector with step 1/8 (exact in binary).
-  * `FakeFaults`: the failure schedule's named points, killing the rank's thread.
+  * `FakeFaults`: the failure schedule's named points, killing the rank's thread; and silent
+    corruption for sampled verification: `bitflip` flips a bit of the first bucket before its
+    first reduction (the schedule's action), `faulty` adds 1 to an element after every pass the
+    replica runs in that iteration (a device that is wrong whatever it computes).
 
 `run_lockstep(Setup)` runs the iterations and returns what every rank saw; `expected_gradient`
 computes a committed gradient from the dataset alone, without the protocol.
@@ -27,10 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_recover.faults.schedule import flip_bit, flip_target
 from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.data import batch_checksum
 from megatron_recover.policy import ADAPTIVE, PolicyConfig, WorkloadPolicy
 from megatron_recover.recovery import ResilientTrainer, StepReport, TrainerParts
+from megatron_recover.recovery.verification import Verification
 from megatron_recover.testing.fake_ulfm import FakeWorld, RankKilled
 
 SEQ_LENGTH = 8
@@ -42,6 +47,8 @@ TRAINER_POINTS = ("pre-forward", "before-reduce", "after-post", "during-restore"
                   "during-extension", "optimizer-step")
 COLLECTIVE_POINTS = ("during-reduce", "reduce-contributed", "during-lane", "in-consensus")
 LOCATIONS = TRAINER_POINTS + COLLECTIVE_POINTS
+CORRUPTIONS = ("bitflip", "faulty")  # silent: the replica goes on computing
+FLIPPED_BIT = 56  # the fourth exponent bit of a float64: the element scaled by 2^16
 
 
 class FakeDataset:
@@ -130,6 +137,8 @@ class FakePass:
             losses[k] = loss
             tokens[k] = count
             self.ran.append((iteration, k))
+        if ids and replica.faults.faulty(iteration):
+            replica.buffers.grads[0][3] += 1.0
         # The last microbatch's backward completes every bucket, first bucket first.
         for grad in replica.buffers.grads:
             recovery.bucket_ready([grad])
@@ -173,11 +182,22 @@ class FakeFaults:
         self.world = world
         self.rank = rank
         self.failures = [f for f in failures if f.replica == rank]
+        self.flipped: set[Failure] = set()
 
     def at(self, location, iteration):
         for f in self.failures:
             if (f.iteration, f.location) == (iteration, location):
                 self.world.kill(self.rank, f"at {location} of iteration {iteration}")
+
+    def corrupt(self, iteration, grad):
+        for f in self.failures:
+            if (f.iteration, f.location) == (iteration, "bitflip") and f not in self.flipped:
+                self.flipped.add(f)
+                element = flip_target(grad)
+                flip_bit(grad[element:element + 1], FLIPPED_BIT)
+
+    def faulty(self, iteration) -> bool:
+        return any((f.iteration, f.location) == (iteration, "faulty") for f in self.failures)
 
     def arm_iteration(self, group, iteration, bucket_index):
         for f in self.failures:
@@ -216,6 +236,8 @@ class Setup:
     failures: tuple[Failure, ...] = ()
     micro_batch_size: int = 1
     restore: bool = True  # False: the negative control
+    sdc_check_rate: float = 0.0  # sampled verification (0: off)
+    seed: int = 1234
 
 
 class Replica:
@@ -231,12 +253,15 @@ class Replica:
         self.buffers = FakeBuffers()
         self.optimizer = FakeOptimizer(self.buffers)
         self.run_pass = FakePass(self)
+        self.faults = FakeFaults(world, rank, list(setup.failures))
+        verification = (Verification(setup.sdc_check_rate, setup.seed)
+                        if setup.sdc_check_rate > 0 else None)
         self.trainer = ResilientTrainer(TrainerParts(
             buffers=self.buffers, run_pass=self.run_pass, optimizer=self.optimizer,
             group=world.group(rank), policy=WorkloadPolicy(config), replica=rank,
             replica_of_rank={r: r for r in range(setup.w_init)},
-            faults=FakeFaults(world, rank, list(setup.failures)), audit=self.audit,
-            overlap_grad_reduce=setup.overlap, restore=setup.restore))
+            faults=self.faults, audit=self.audit, overlap_grad_reduce=setup.overlap,
+            restore=setup.restore, verification=verification))
 
 
 @dataclass

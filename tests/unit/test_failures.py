@@ -27,6 +27,8 @@ pytestmark = pytest.mark.unit
     (failures.DeviceFault("injected"), failures.DEVICE),
     (failures.NonFiniteResult("found NaN in local grad norm"), failures.DEVICE),
     (failures.NonFiniteLoss("found NaN in local forward loss calculation"), failures.PROGRAM),
+    (failures.SilentCorruption("a fingerprint two replicas contradict"), failures.DEVICE),
+    (failures.UnresolvedCorruption("no third replica"), failures.PROGRAM),
     (ValueError("a bad sample"), failures.PROGRAM),
     (torch.cuda.OutOfMemoryError("at this batch shape"), failures.PROGRAM),
     # gloo's only report of a dead peer: its text is not read.
@@ -182,6 +184,35 @@ def test_the_nan_action_poisons_once_and_only_at_backward(tmp_path):
                     "location: pre-forward, action: nan}\n")
     with pytest.raises(ValueError, match="action nan poisons a microbatch's backward"):
         load_schedule(path, num_replicas=1, ranks_per_replica=1, train_iters=4)
+
+
+def test_the_bitflip_action_flips_one_bit_once_before_the_reduction(tmp_path):
+    from megatron_recover.faults.injection import read_markers
+
+    path = tmp_path / "s.yaml"
+    path.write_text("entries:\n  - {iteration: 2, replica: 0, local_rank: 0, "
+                    "location: before-reduce, action: bitflip}\n")
+    faults = ScheduledFaults(load_schedule(path, num_replicas=1, ranks_per_replica=1,
+                                           train_iters=4), 0, 0, 0, tmp_path / "markers")
+    grad = torch.zeros(10)
+    grad[7] = 3e-3  # the middle element is zero: the first non-zero one after it is flipped
+    before = grad.clone()
+    assert faults.at("before-reduce", 2) is False  # `at` leaves it to `corrupt`
+    faults.corrupt(1, grad)
+    assert torch.equal(grad, before)
+    faults.corrupt(2, grad)
+    changed = (grad != before).nonzero().flatten().tolist()
+    assert changed == [7] and float(grad[7]) == pytest.approx(3e-3 / 2 ** 16)  # bit 27 was set
+    faults.corrupt(2, grad)  # once: a restore's reduction is not flipped back
+    assert changed == (grad != before).nonzero().flatten().tolist()
+    [marker] = read_markers(tmp_path / "markers")
+    assert (marker["element"], marker["bit"], marker["action"]) == (7, 27, "bitflip")
+    for bad, why in [("location: backward, action: bitflip", "give it location before-reduce"),
+                     ("location: pre-forward, bit: 3", "'bit' goes with action bitflip"),
+                     ("location: before-reduce, action: bitflip, bit: 64", "between 0 and 63")]:
+        path.write_text(f"entries:\n  - {{iteration: 2, replica: 0, local_rank: 0, {bad}}}\n")
+        with pytest.raises(ValueError, match=why):
+            load_schedule(path, num_replicas=1, ranks_per_replica=1, train_iters=4)
 
 
 @pytest.mark.parametrize("location", ["during-reduce", "during-consensus", "join-transfer"])

@@ -89,8 +89,8 @@ CODEC_MUTATIONS = [
      "values = torch.tensor([head.tokens, head.loss_sum, float(head.exit_requested)],",
      Setup(w_init=3, g_init=2)),
     ("replica verdict: replica 0's death unseen", "megatron_recover/recovery/lane.py",
-     "return Verdict(dead=frozenset(r for r in range(w) if vector[r] > 0),",
-     "return Verdict(dead=frozenset(r for r in range(1, w) if vector[r] > 0),",
+     "return Verdict(dead=self._set(vector, 0),",
+     "return Verdict(dead=self._set(vector, 0) - {0},",
      Setup(w_init=4, g_init=2, failures=(Failure(0, 2, "during-reduce", 1),))),
 ]
 
