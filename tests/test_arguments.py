@@ -227,6 +227,27 @@ def test_recover_options():
     assert small("--recover", "--recover-mode", "reserve").recover.mode == "reserve"
 
 
+def test_verification_options():
+    r = small("--recover", "--recover-sdc-check-rate", "0.25",
+              "--recover-sdc-tolerance", "1e-6").recover
+    assert (r.sdc_check_rate, r.sdc_tolerance) == (0.25, 1e-6)
+    assert small("--recover").recover.sdc_check_rate == 0.0
+    assert "given without --recover" in refused("--recover-sdc-check-rate", "1")
+    assert "a probability in [0, 1], got 1.5" in refused("--recover", "--recover-sdc-check-rate",
+                                                         "1.5")
+    assert "must be >= 0 (0: bitwise), got -1.0" in refused(
+        "--recover", "--recover-sdc-check-rate", "1", "--recover-sdc-tolerance", "-1")
+    assert "without --recover-sdc-check-rate" in refused("--recover", "--recover-sdc-tolerance",
+                                                         "0.1")
+    assert "equal only in exact mode" in refused("--recover", "--recover-mode", "reserve",
+                                                 "--recover-sdc-check-rate", "0.5")
+    one = refused("--recover", "--recover-sdc-check-rate", "0.5", "--tensor-model-parallel-size",
+                  "4")
+    assert "needs a second replica" in one and "this job has 1" in one
+    assert small("--recover", "--recover-sdc-check-rate", "0", "--tensor-model-parallel-size",
+                 "4").recover.sdc_check_rate == 0.0
+
+
 def test_warmup_resolved_from_fraction():
     cfg = small("--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10")
     gbs = cfg.global_batch_size

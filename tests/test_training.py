@@ -25,6 +25,7 @@ from tests.training_harness import (
     assert_exact,
     assert_ledger_held,
     loss_rdiff,
+    param_rdiff,
     run_training,
 )
 
@@ -125,10 +126,16 @@ def test_a_device_error_and_a_lost_peer_are_survived_in_step(tmp_path, reference
     assert_exact(run, reference, "device error and lost peer")
 
 
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    """Replica 2's NaN gradient of iteration 4, taken out by Megatron's check (shared: the
+    flipped-bit run must equal it bitwise)."""
+    return train(tmp_path_factory.mktemp("nan"), "nan", [], NAN_GRADIENT)
+
+
 @pytest.mark.timeout(2 * TIMEOUT_S)
-def test_a_nan_gradient_takes_its_replica_out_before_it_reaches_the_others(tmp_path,
-                                                                           reference):
-    run = train(tmp_path, "nan", [], NAN_GRADIENT)
+def test_a_nan_gradient_takes_its_replica_out_before_it_reaches_the_others(nan_run, reference):
+    run = nan_run
     records, statuses = run.records, run.result.statuses
     assert [(m["rank"], m["iteration"], m["action"]) for m in run.markers] == [(2, 4, "nan")]
     assert statuses[2]["state"] == "left" and statuses[2]["kind"] == "device", statuses[2]
@@ -150,6 +157,62 @@ def test_without_the_check_a_nan_gradient_poisons_every_replica(tmp_path):
     assert run.completed() == list(range(REPLICAS))
     losses = [r["loss"] for r in run.records]
     assert all(math.isfinite(loss) for loss in losses[:4]) and math.isnan(losses[4]), losses
+
+
+# docs/verification.md: one exponent bit of one gradient element flipped on replica 2 before
+# its buckets leave it: finite, so Megatron's NaN check passes it; sampled verification at rate 1
+# catches it (replica 3 checks replica 2, replica 4 arbitrates) and evicts replica 2.
+BITFLIP = """entries:
+  - {iteration: 4, replica: 2, local_rank: 0, location: before-reduce, action: bitflip}
+"""
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_flipped_bit_is_caught_by_verification_and_its_replica_evicted(tmp_path, reference,
+                                                                         nan_run):
+    run = train(tmp_path, "bitflip", ["--recover-sdc-check-rate", "1"], BITFLIP)
+    records, statuses = run.records, run.result.statuses
+    [marker] = run.markers
+    assert (marker["rank"], marker["iteration"], marker["action"]) == (2, 4, "bitflip")
+    assert marker["after"] != marker["before"] and math.isfinite(marker["after"]), marker
+    assert statuses[2]["state"] == "left" and statuses[2]["kind"] == "device", statuses[2]
+    assert "SilentCorruption" in statuses[2]["error"], statuses[2]["error"][-2000:]
+    events = [(r["iteration"], e["event"]) for r in records for e in r["events"]]
+    assert events[:3] == [(4, "mismatch"), (4, "corruption"), (4, "failure")], events
+    mismatch, corruption = records[3]["events"][:2]
+    assert (mismatch["owners"], mismatch["checkers"], mismatch["arbiters"]) == ([2], [3], [4])
+    assert corruption["evicted"] == [2]
+    # Every microbatch of the iterations before was computed twice, and agreed bitwise; the
+    # check passes left the trajectory as it is without them, bit for bit.
+    assert [r["verified"] for r in records[:3]] == [20, 20, 20]
+    assert [r["loss"] for r in records[:3]] == [r["loss"] for r in reference.records[:3]]
+    assert_ledger_held(records, 20)
+    assert_exact(run, reference, "bit flip, verified")
+    # Replica 2 evicted before the commit is replica 2 failed at the same place: the NaN run,
+    # whose check took it out before its buckets left it. Bit for bit: nothing of the flipped
+    # gradient reached the survivors.
+    assert [r["loss"] for r in records] == [r["loss"] for r in nan_run.records]
+    assert run.completed() == nan_run.completed() == [0, 1, 3, 4]
+    for rank in run.completed():
+        assert param_rdiff(run.params(rank), nan_run.params(rank)) == 0.0, rank
+    assert "evicted for corruption: 1 |" in run.result.output
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_without_verification_a_flipped_bit_departs_from_the_trajectory(tmp_path, reference):
+    """The negative control: the same flip at rate 0 passes every check and is committed."""
+    run = train(tmp_path, "bitflip-unverified", [], BITFLIP)
+    [marker] = run.markers
+    assert (marker["rank"], marker["iteration"], marker["action"]) == (2, 4, "bitflip")
+    assert run.completed() == list(range(REPLICAS))
+    records = run.records
+    # The same run as the reference up to the flip, then another: the flipped element went into
+    # iteration 4's step on every replica (with Adam, one element's update moves little).
+    assert [r["loss"] for r in records[:4]] == [r["loss"] for r in reference.records[:4]]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[4]["loss"] != reference.records[4]["loss"]
+    assert all(param_rdiff(run.params(rank), reference.params(rank)) > 0
+               for rank in range(REPLICAS))
 
 
 # A sample whose loss is NaN wherever it runs: the forward is the same on every replica, so

@@ -268,6 +268,18 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                         "iteration and the microbatch id, since it would recur on every replica "
                         "that runs that microbatch; survive: the rank leaves as a failed one and "
                         "the survivors absorb it (docs/failures.md)")
+    g.add_argument("--recover-sdc-check-rate", type=float, metavar="P",
+                   help="sampled cross-replica verification: each iteration every contributing "
+                        "replica's first pass is, with probability P, run a second time by the "
+                        "next replica, and the two gradients' fingerprints must agree; a "
+                        "mismatch is arbitrated by a third replica and the one that disagrees "
+                        "is evicted before the commit, its microbatches redone in-step. Costs "
+                        "about P of the compute (default 0: off; exact mode; "
+                        "docs/verification.md)")
+    g.add_argument("--recover-sdc-tolerance", type=float, metavar="T",
+                   help="how far two fingerprints of the same microbatches may differ, relative "
+                        "to the larger (default 0: bitwise, which deterministic kernels give; "
+                        "kernels that are not deterministic need a measured tolerance)")
     g.add_argument("--recover-no-restore", action="store_true",
                    help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
                         "(shows what gradient restoration buys; breaks the trajectory)")
@@ -791,7 +803,8 @@ def _recover(ns) -> list[str]:
     given = [flag for flag in ("--recover-policy", "--recover-mode", "--recover-failure-schedule",
                                "--recover-log", "--recover-hang-timeout",
                                "--recover-standby-replicas", "--recover-snapshot-interval",
-                               "--recover-snapshot-dir", "--recover-program-errors")
+                               "--recover-snapshot-dir", "--recover-program-errors",
+                               "--recover-sdc-check-rate", "--recover-sdc-tolerance")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
     if ns.recover_no_restore:
         given.append("--recover-no-restore")
@@ -813,6 +826,30 @@ def _recover(ns) -> list[str]:
         problems.append(f"--recover-standby-replicas must be >= 0, got "
                         f"{ns.recover_standby_replicas}")
     problems += _snapshots(ns)
+    return problems
+
+
+def _verification(ns, world_size: int) -> list[str]:
+    """--recover-sdc-check-rate and --recover-sdc-tolerance (after the layout checks)."""
+    rate, tolerance = ns.recover_sdc_check_rate, ns.recover_sdc_tolerance
+    if rate is None:
+        return (["--recover-sdc-tolerance without --recover-sdc-check-rate: add the rate or "
+                 "drop the tolerance"] if tolerance is not None else [])
+    problems = []
+    if not 0.0 <= rate <= 1.0:
+        problems.append(f"--recover-sdc-check-rate is a probability in [0, 1], got {rate}")
+    if tolerance is not None and not tolerance >= 0.0:
+        problems.append(f"--recover-sdc-tolerance must be >= 0 (0: bitwise), got {tolerance}")
+    if ns.recover_mode == "reserve":
+        problems.append("--recover-sdc-check-rate compares two replicas' gradients of the same "
+                        "microbatch ids, which are equal only in exact mode (each microbatch "
+                        "draws its dropout from its id): drop --recover-mode reserve")
+    dp = _sizes(ns, world_size)[0]
+    replicas = _optimizer_instances(ns, dp) if ns.use_distributed_optimizer else dp
+    if rate > 0 and replicas < 2:
+        problems.append(f"--recover-sdc-check-rate needs a second replica to run a replica's "
+                        f"microbatches again (and a third to tell which of two disagreeing ones "
+                        f"is wrong); this job has {replicas}: drop the flag or add replicas")
     return problems
 
 
@@ -889,6 +926,8 @@ def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
     if not problems:
         problems = (_model_shape(ns) + _parallel_layout(ns, world_size)
                     + _schedule(ns, world_size) + _recompute(ns))
+        if ns.recover:
+            problems += _verification(ns, world_size)
     problems += (_device_refusals(ns, cuda_available, te_available) + _precision(ns)
                  + _weight_decay_and_decoupled_lr(ns) + _data(ns) + _tokenizer(ns)
                  + _checkpointing(ns) + _logging(ns, wandb_available) + _recover(ns))
@@ -1095,7 +1134,9 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo"),
             standby_replicas=ns.recover_standby_replicas or 0,
             snapshot_interval=ns.recover_snapshot_interval or 0,
-            snapshot_dir=_snapshot_dir(ns)),
+            snapshot_dir=_snapshot_dir(ns),
+            sdc_check_rate=ns.recover_sdc_check_rate or 0.0,
+            sdc_tolerance=ns.recover_sdc_tolerance or 0.0),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
         rampup_batch_size=(None if ns.rampup_batch_size is None

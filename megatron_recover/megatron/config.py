@@ -373,6 +373,11 @@ class RecoverConfig:
     """--recover-snapshot-interval: iterations between in-memory snapshots (0: none)."""
     snapshot_dir: Path | None = None
     """--recover-snapshot-dir, or the launcher's per-job default: where a node keeps them."""
+    sdc_check_rate: float = 0.0
+    """--recover-sdc-check-rate: the probability that a replica's first pass is verified by a
+    second replica in an iteration (0: off); `recovery/verification.py`."""
+    sdc_tolerance: float = 0.0
+    """--recover-sdc-tolerance: relative fingerprint tolerance (0: bitwise)."""
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,9 @@ class ResilientStepper:
             skipped=report.skipped, global_batch_size=report.B * cfg.micro_batch_size,
             events=report.events, exit_requested=report.exit_requested,
             recover={"live replicas": report.live_replicas, "contributions": report.contributions,
-                     "B": report.B, "recovery seconds": recovery_s})
+                     "B": report.B, "recovery seconds": recovery_s,
+                     **({"verified microbatches": report.verified}
+                        if cfg.recover.sdc_check_rate > 0 else {})})
 
     def save(self, iteration: int) -> None:
         """The lowest live replica (every rank agrees on it through the policy) writes."""

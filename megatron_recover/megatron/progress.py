@@ -112,6 +112,7 @@ class Progress:
         cfg, log = self.cfg, self.cfg.logging
         lost = sum(len(e["replicas"]) for e in events if e["event"] == "failure")
         self.stats.add(loss, skipped, iteration_ms, lost)
+        self.stats.evicted += sum(len(e["evicted"]) for e in events if e["event"] == "corruption")
         writer = self.is_writer()
         lr = self.setup.optimizer.param_groups[0]["lr"]  # after the step, as Megatron-LM logs
         consumed = cfg.global_batches.consumed_after(iteration)
@@ -124,6 +125,8 @@ class Progress:
                 print(line, flush=True)
         if recover is not None:
             recover = {**recover, "failures": self.stats.failures}
+            if "verified microbatches" in recover:
+                recover["evicted for corruption"] = self.stats.evicted
         ends_interval = iteration % log.log_interval == 0
         due = first or ends_interval
         if writer and due:

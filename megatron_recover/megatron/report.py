@@ -41,6 +41,7 @@ class IntervalStats:
 
     def __init__(self):
         self.failures = 0  # replicas lost so far (the whole run)
+        self.evicted = 0  # of them, evicted by sampled verification
         self.restart()
 
     def restart(self) -> None:
@@ -94,6 +95,9 @@ class IntervalStats:
             line += (f" live replicas: {recover['live replicas']} |"
                      f" contributions: {recover['contributions']}/{recover['B']} |"
                      f" failures: {self.failures} |")
+            if "verified microbatches" in recover:
+                line += (f" verified microbatches: {recover['verified microbatches']} |"
+                         f" evicted for corruption: {self.evicted} |")
         if restart:
             self.restart()
         return line
@@ -108,6 +112,15 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
                          f" replica(s) {event['replicas']} rejoined on standby ranks "
                          f"{event['ranks']}, epoch {event['epoch']}, state received "
                          f"{event['state_received'] - event['called']:.2f} s after the call")
+        if event["event"] == "mismatch":
+            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+                         f" gradient fingerprints differ for the first pass of replica(s) "
+                         f"{event['owners']} against checker(s) {event['checkers']}: arbitrated "
+                         f"by replica(s) {event['arbiters']}")
+        if event["event"] == "corruption":
+            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+                         f" replica(s) {event['evicted']} computed gradients two other replicas "
+                         "contradict: evicted before the commit (silent data corruption)")
         if event["event"] != "failure":
             continue
         # The ranks this position's group saw fail; another position of the replica may have

@@ -55,6 +55,7 @@ from megatron_recover.policy import (
     WorkloadPolicy,
 )
 from megatron_recover.recovery import ResilientTrainer
+from megatron_recover.recovery.verification import Verification
 
 # Waits that outlive LAST_RESORT_FACTOR x --recover-hang-timeout make a rank leave; a healthy
 # long compute of a few times the hang timeout stays far below it.
@@ -373,6 +374,9 @@ def _resilient_trainer(cfg, setup: RankSetup, dataset, micro_pass: MicrobatchPas
                           rampup_batch_size=cfg.rampup_batch_size,
                           committed_reserve=continued.get("committed_reserve", ())),
         restore=cfg.recover.restore, wants_exit=wants_exit,
+        verification=(Verification(cfg.recover.sdc_check_rate, cfg.seed,
+                                   cfg.recover.sdc_tolerance)
+                      if cfg.recover.sdc_check_rate > 0 else None),
         dead_replicas=frozenset(continued.get("dead_replicas", ())))
     _install_calculator(cfg, trainer)
     return trainer

@@ -17,6 +17,7 @@ PENDING = 1000  # logged iterations a rank keeps until it sees them written
 
 # Ours, besides Megatron-LM's.
 OUR_TAGS = ("live replicas", "failures", "recovery seconds")
+VERIFICATION_TAGS = ("verified microbatches", "evicted for corruption")  # with the check on
 
 
 def training_scalars(cfg, *, iteration: int, consumed_samples: int, lr: float,
@@ -42,7 +43,8 @@ def training_scalars(cfg, *, iteration: int, consumed_samples: int, lr: float,
         if throughput is not None:
             scalars.append(("throughput", throughput, iteration))
     if recover is not None:
-        scalars += [(tag, float(recover[tag]), iteration) for tag in OUR_TAGS]
+        scalars += [(tag, float(recover[tag]), iteration)
+                    for tag in OUR_TAGS + VERIFICATION_TAGS if tag in recover]
     return scalars
 
 
