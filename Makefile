@@ -10,7 +10,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-node-loss goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-node-loss bench-sdc goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -68,6 +68,10 @@ bench-grow-back: build
 # Three fake nodes of this machine (root: Linux namespaces): about 4 minutes.
 bench-node-loss: build
 	$(PY) scripts/bench_node_loss.py
+
+# Sampled verification: detection per check rate and its failure-free cost (about 5 minutes).
+bench-sdc: build
+	$(PY) scripts/bench_sdc.py --json --rounds 2
 
 # The goodput simulator: its validation anchors, then ETTR from 1k to 100k GPUs (pure Python;
 # the cpu-benchmark anchor reads runs/bench/summary.json from `make bench-restart`).
