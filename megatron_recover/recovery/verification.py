@@ -101,7 +101,8 @@ class Fingerprint:
         return self._weights[key]
 
     def bucket(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        """The fingerprint of bucket `index`: WIDTH float64 values on the host."""
+        """The fingerprint of bucket `index`: WIDTH float64 values on the bucket's device (no
+        host sync: the owner's are taken during backward with --overlap-grad-reduce)."""
         weights = self._of(index, grad.device)
         flat = grad.detach().view(-1)
         total = torch.zeros(WIDTH, dtype=torch.float64, device=grad.device)
@@ -111,7 +112,7 @@ class Fingerprint:
             total += (rows.double() @ weights).sum(0)
         if full < flat.numel():
             total += flat[full:].double() @ weights[:flat.numel() - full]
-        return total.cpu()
+        return total
 
     def buckets(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The fingerprint of all of a rank's buckets (their sum, in bucket order)."""
@@ -119,11 +120,12 @@ class Fingerprint:
 
 
 def sum_fingerprints(by_bucket: dict[int, torch.Tensor]) -> torch.Tensor:
-    """Bucket fingerprints summed in bucket order (the same order on owner and checker)."""
-    total = torch.zeros(WIDTH, dtype=torch.float64)
+    """Bucket fingerprints summed in bucket order (the same order on owner and checker), on the
+    host."""
+    total = None
     for index in sorted(by_bucket):
-        total = total + by_bucket[index]
-    return total
+        total = by_bucket[index] if total is None else total + by_bucket[index]
+    return torch.zeros(WIDTH, dtype=torch.float64) if total is None else total.cpu()
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
