@@ -79,6 +79,10 @@ COMMANDS = {
     "make bench-node-loss": ("long", ".venv/bin/python scripts/bench_node_loss.py --iterations 12 "
                                      "--interval 2 --pairs 1 --out runs/readme-node-loss"),
     "scripts/bench_node_loss.py --json": ("skip", "as make bench-node-loss"),
+    "make bench-sdc": ("long", ".venv/bin/python scripts/bench_sdc.py --json --rates 0,1 "
+                               "--trials 2 --flips 20 --ranks 2 --iterations 7"),
+    "scripts/bench_sdc.py --json --rounds 2": ("skip", "the command make bench-sdc runs, above"),
+    "scripts/bench_sdc.py --json": ("skip", "as make bench-sdc"),
     ".venv/bin/megatron-recover launch --hostfile hosts --spare-hosts node9 --max-relaunches 2 "
     "-- .venv/bin/python pretrain_gpt_recover.py ARGS --recover --recover-snapshot-interval 10":
         ("skip", "needs several hosts; tests/test_node_loss.py runs the same launcher on fake "
