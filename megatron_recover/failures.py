@@ -69,6 +69,14 @@ class UnresolvedCorruption(RuntimeError):
     committed and the job ends, on every rank, with the iteration, the replicas and the ids."""
 
 
+class NonFiniteData(RuntimeError):
+    """With --recover-nonfinite-rerun: microbatches whose gradient was non-finite on one replica
+    gave a non-finite gradient again when it reran them and when another replica ran them (or
+    no other replica was left to run them). The fault is in the data or the model's state, not
+    in a device: a program error, which ends the job with the iteration, the microbatch ids and
+    their samples, nothing of the iteration committed (`recovery.rerun`)."""
+
+
 class NonFiniteLoss(RuntimeError):
     """A NaN or inf microbatch loss (the same check, in the forward). The forward is a
     deterministic function of the parameters, equal on every replica, and of the microbatch:

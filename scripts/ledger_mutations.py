@@ -37,7 +37,7 @@ DATA = "megatron_recover/megatron/data.py"
 GRADIENTS = "megatron_recover/recovery/gradients.py"
 SNAPSHOT = ("        bucket.snapshot.copy_(grad)\n"
             "        bucket.snapshot_ledger = bucket.ledger.copy()\n")
-POST = ("        if not self.contributing:\n"
+POST = ("        if not self.contributing or self.nonfinite:\n"
         "            grad.zero_()\n"
         "            bucket.ledger.clear()\n"
         "        bucket.sent = bucket.ledger.copy()\n"
@@ -62,8 +62,8 @@ class Mutation:
 ADD_BACK = "            self.recovery.add_snapshots()\n"
 MUTATIONS = [
     Mutation("blocking restore zeroes a spare's extension ids (the old contributing line)",
-             TRAINER, "self.recovery.contributing = work.contributes_first_pass or self._extended",
-             "self.recovery.contributing = work.contributes_first_pass", 7, 7,
+             TRAINER, "contributing = (work.contributes_first_pass or self._extended) and not held",
+             "contributing = work.contributes_first_pass and not held", 7, 7,
              SPARE_THEN_BLOCKING),
     Mutation("add_snapshots skipped", TRAINER, ADD_BACK, "            pass\n", 3, 6, BOUNDARY),
     Mutation("add_snapshots applied twice", TRAINER, ADD_BACK, ADD_BACK + ADD_BACK, 3, 6,

@@ -100,6 +100,12 @@ class GradientRecovery:
         # its reduction, while set (the trainer sets it for a checked replica's first pass).
         self.fingerprint = None
         self.fingerprints: dict[int, torch.Tensor] = {}
+        # Non-finite reruns (`rerun.py`): while `hold_nonfinite` is set, a bucket that fails
+        # the check does not raise; the rank holds its gradient out of the reduction from that
+        # bucket on (it sends zeros and an empty ledger, as a spare does), for this iteration,
+        # and `nonfinite` says so (until the trainer clears it).
+        self.hold_nonfinite = False
+        self.nonfinite = False
 
     def _state(self, grad: torch.Tensor) -> _Bucket:
         key = grad.data_ptr()
@@ -121,6 +127,7 @@ class GradientRecovery:
 
     def begin_iteration(self) -> None:
         """The gradient buffers were just zeroed for a new iteration: every ledger is empty."""
+        self.nonfinite = False
         for bucket in self._buckets.values():
             bucket.ledger.clear()
             bucket.snapshot_ledger.clear()
@@ -200,12 +207,16 @@ class GradientRecovery:
         self._posted_in_pass += 1
         bucket = self._state(grad)
         if self.check_finite:
-            self._check_finite(bucket)
+            found = self.nonfinite_norm(grad)
+            if found is not None and not self.hold_nonfinite:
+                raise NonFiniteResult(f"found {found} in local grad norm for bucket "
+                                      f"#{bucket.index} before the cross-replica reduction")
+            self.nonfinite = self.nonfinite or found is not None
         if self.fingerprint is not None:
             self.fingerprints[bucket.index] = self.fingerprint(bucket.index, grad)
         bucket.snapshot.copy_(grad)
         bucket.snapshot_ledger = bucket.ledger.copy()
-        if not self.contributing:
+        if not self.contributing or self.nonfinite:
             grad.zero_()
             bucket.ledger.clear()
         bucket.sent = bucket.ledger.copy()
@@ -213,14 +224,15 @@ class GradientRecovery:
         bucket.ledger = Ledger(known=False)
         self._post(bucket)
 
-    def _check_finite(self, bucket: _Bucket) -> None:
-        """Megatron's check of a bucket before its data-parallel reduction: the norm of this
-        rank's own gradient must be finite, or the rank raises before anything leaves it."""
-        norm = bucket.grad.norm(p=2)
-        if not torch.isfinite(norm):
-            kind = "NaN" if torch.isnan(norm) else "Inf"
-            raise NonFiniteResult(f"found {kind} in local grad norm for bucket "
-                                  f"#{bucket.index} before the cross-replica reduction")
+    @staticmethod
+    def nonfinite_norm(grad: torch.Tensor) -> str | None:
+        """Megatron's check of a bucket before its data-parallel reduction: "NaN" or "Inf" when
+        the norm of this rank's own gradient is not finite (the rank then raises before
+        anything leaves it, or holds it out), None when it is."""
+        norm = grad.norm(p=2)
+        if torch.isfinite(norm):
+            return None
+        return "NaN" if torch.isnan(norm) else "Inf"
 
     def _post(self, bucket: _Bucket) -> None:
         grad = bucket.grad

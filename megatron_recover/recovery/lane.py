@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_recover.recovery.ledger import LaneLayout, LaneTotals, Ledger
+from megatron_recover.recovery.rerun import RerunSlots, RerunView
 from megatron_recover.recovery.verification import Slots
 
 
@@ -36,24 +37,32 @@ class LaneHead:
 
 class CommitLane:
     """Encodes and decodes the commit lane: [loss sum, tokens, exit request, ledger...], then,
-    with sampled verification, the fingerprint slots (`verification.Slots`)."""
+    with sampled verification, the fingerprint slots (`verification.Slots`), then, with
+    non-finite reruns, their flags (`rerun.RerunSlots`)."""
 
     HEAD = 3
 
-    def __init__(self, layout: LaneLayout, slots: Slots | None = None):
+    def __init__(self, layout: LaneLayout, slots: Slots | None = None,
+                 reruns: RerunSlots | None = None):
         self.layout = layout
         self.slots = slots
-        self.size = self.HEAD + layout.size + (0 if slots is None else slots.size)
+        self.reruns = reruns
+        self._reruns_at = self.HEAD + layout.size + (0 if slots is None else slots.size)
+        self.size = self._reruns_at + (0 if reruns is None else reruns.size)
 
     def encode(self, head: LaneHead, sent: Ledger | None, iteration: int,
-               poison: int = 0, fingerprints: dict | None = None) -> torch.Tensor:
+               poison: int = 0, fingerprints: dict | None = None,
+               reruns: RerunView | None = None) -> torch.Tensor:
         """The lane vector of this rank; `sent` is None when its buckets sent nothing;
-        `fingerprints` (kind -> replica id -> fingerprint) is what this rank computed."""
+        `fingerprints` (kind -> replica id -> fingerprint) is what this rank computed, `reruns`
+        what it found non-finite."""
         values = torch.tensor([head.loss_sum, head.tokens, float(head.exit_requested)],
                               dtype=torch.float64)
         parts = [values, self.layout.encode(sent, iteration, poison=poison)]
         if self.slots is not None:
             parts.append(self.slots.encode(fingerprints or {}))
+        if self.reruns is not None:
+            parts.append(self.reruns.encode(reruns or RerunView()))
         return torch.cat(parts)
 
     def decode_head(self, lane: torch.Tensor) -> LaneHead:
@@ -65,7 +74,13 @@ class CommitLane:
 
     def decode_fingerprints(self, lane: torch.Tensor) -> dict:
         """The summed lane's fingerprints: kind -> replica id -> fingerprint."""
-        return self.slots.decode(lane[self.HEAD + self.layout.size:])
+        return self.slots.decode(lane[self.HEAD + self.layout.size:self._reruns_at])
+
+    def decode_reruns(self, lane: torch.Tensor) -> RerunView:
+        """The summed lane's non-finite flags (empty without non-finite reruns)."""
+        if self.reruns is None:
+            return RerunView()
+        return self.reruns.decode(lane[self._reruns_at:])
 
     def empty(self) -> torch.Tensor:
         """A lane that sent nothing and asks nothing (an evaluation round)."""
@@ -85,6 +100,7 @@ class Verdict:
     suspects: frozenset[int] = frozenset()  # owners whose fingerprints differ: to arbitrate
     evict: frozenset[int] = frozenset()  # replicas whose fingerprint the other two contradict
     unresolved: frozenset[int] = frozenset()  # owners whose mismatch nobody can arbitrate
+    reruns: RerunView = RerunView()  # non-finite first passes and reruns (`rerun.py`)
 
     @property
     def corrupt(self) -> bool:
@@ -96,11 +112,12 @@ class VerdictCodec:
     """Encodes one position's view of a round so that the element-wise MAX over a replica's
     positions decodes to the replica's verdict: [dead flag per replica id 0..w_init-1, round
     failed, loss sum, ledger problem, tokens, exit request, then a flag per replica id for each
-    of suspects, evict and unresolved]."""
+    of suspects, evict and unresolved, then the non-finite flags (`rerun.RerunSlots`)]."""
 
     def __init__(self, w_init: int):
         self.w_init = w_init
-        self.size = 4 * w_init + 5
+        self._reruns = RerunSlots(w_init)
+        self.size = 4 * w_init + 5 + self._reruns.size
 
     def _flags(self, vector: torch.Tensor, at: int, replicas) -> None:
         w = self.w_init
@@ -113,9 +130,9 @@ class VerdictCodec:
         return frozenset(r for r in range(self.w_init) if vector[at + r] > 0)
 
     def encode(self, dead: set[int], failed: bool, head: LaneHead, ledger_bad: bool,
-               judgement=None) -> torch.Tensor:
+               judgement=None, reruns: RerunView | None = None) -> torch.Tensor:
         """`judgement`: this position's `verification.Judgement`, if its fingerprints were
-        judged."""
+        judged; `reruns`: its summed lane's non-finite flags."""
         w = self.w_init
         vector = torch.zeros(self.size, dtype=torch.float64)
         self._flags(vector, 0, dead)
@@ -128,6 +145,8 @@ class VerdictCodec:
             self._flags(vector, w + 5, judgement.suspects)
             self._flags(vector, 2 * w + 5, judgement.evict)
             self._flags(vector, 3 * w + 5, judgement.unresolved)
+        if reruns is not None:
+            vector[4 * w + 5:] = self._reruns.encode(reruns)
         return vector
 
     def decode(self, vector: torch.Tensor) -> Verdict:
@@ -138,4 +157,5 @@ class VerdictCodec:
                        invariant_ok=bool(vector[w + 2] == 0),
                        exit_requested=bool(vector[w + 4] > 0),
                        suspects=self._set(vector, w + 5), evict=self._set(vector, 2 * w + 5),
-                       unresolved=self._set(vector, 3 * w + 5))
+                       unresolved=self._set(vector, 3 * w + 5),
+                       reruns=self._reruns.decode(vector[4 * w + 5:]))

@@ -52,7 +52,12 @@ from typing import Callable
 import torch
 
 from megatron_recover.collective import ULFMGroup
-from megatron_recover.failures import SilentCorruption, UnresolvedCorruption
+from megatron_recover.failures import (
+    NonFiniteData,
+    NonFiniteResult,
+    SilentCorruption,
+    UnresolvedCorruption,
+)
 from megatron_recover.policy import ADAPTIVE, RESERVE, WorkloadPolicy
 from megatron_recover.recovery.gradients import GradientRecovery
 from megatron_recover.recovery.interfaces import (
@@ -65,6 +70,18 @@ from megatron_recover.recovery.interfaces import (
 )
 from megatron_recover.recovery.ledger import LaneLayout
 from megatron_recover.recovery.lane import CommitLane, LaneHead, Verdict, VerdictCodec
+from megatron_recover.recovery.rerun import (
+    CHECKER,
+    DATA,
+    KEEP,
+    OFF,
+    PERSISTENT,
+    TRANSIENT,
+    RerunSlots,
+    RerunView,
+    checkers,
+    classify,
+)
 from megatron_recover.recovery.verification import (
     Fingerprint,
     Judgement,
@@ -143,6 +160,11 @@ class TrainerParts:
     dead_replicas: frozenset[int] = frozenset()
     # Sampled cross-replica verification (`verification.py`); None: off.
     verification: Verification | None = None
+    # --recover-nonfinite-rerun (`rerun.py`): off (a non-finite bucket raises), evict or keep.
+    nonfinite_rerun: str = OFF
+    # The samples of microbatch id k of iteration t, for the message that ends a job on data
+    # that gives a non-finite gradient anywhere; None: the message gives the ids alone.
+    samples_of: Callable[[int, int], range] | None = None
 
 
 class ResilientTrainer:
@@ -162,12 +184,20 @@ class ResilientTrainer:
         verify = parts.verification
         self.lane = CommitLane(LaneLayout(config.b, reserve=config.mode == RESERVE
                                           and config.policy != ADAPTIVE),
-                               None if verify is None else Slots(config.w_init))
+                               None if verify is None else Slots(config.w_init),
+                               None if parts.nonfinite_rerun == OFF
+                               else RerunSlots(config.w_init))
         self._fingerprint = None if verify is None else Fingerprint(verify.seed)
         self._checks: dict[int, int] = {}  # this iteration's owner -> checker
         self._check_ids: dict[int, list[int]] = {}  # owner -> its first-pass ids
         self._fingerprints: dict[str, dict[int, torch.Tensor]] = {}  # what this rank computed
         self._arbiters: dict[int, int] = {}  # owner -> the replica that arbitrates it
+        # Non-finite reruns: suspect -> its checker, for the reruns whose findings the next
+        # round's lane carries; and what this rank's reruns found non-finite.
+        self._reruns: dict[int, int | None] = {}
+        self._rerun_ids: dict[int, list[int]] = {}  # suspect -> its first-pass ids
+        self._rerun_bad = RerunView()
+        self._kept: set[int] = set()  # suspects kept after a finite rerun, this iteration
         self.verdicts = VerdictCodec(config.w_init)
         self.recovery = GradientRecovery(parts.group, parts.buffers.buckets(),
                                          before_first_reduce=self._before_reduce,
@@ -215,6 +245,8 @@ class ResilientTrainer:
         p.optimizer.zero_grad()
         self.recovery.begin_iteration()
         self._extended = False
+        self._reruns, self._rerun_ids, self._rerun_bad, self._kept = {}, {}, RerunView(), set()
+        self.recovery.hold_nonfinite = p.nonfinite_rerun != OFF
         self._begin_checks(iteration)
         self.recovery.begin_pass()
         self.recovery.contributing = work.contributes_first_pass
@@ -248,15 +280,28 @@ class ResilientTrainer:
                     judgement = judge(self.lane.decode_fingerprints(lane), self._checks,
                                       self._live(), p.verification.tolerance)
             verdict = self._replica_verdict(agreed, summed, not round_ok, bool(problems),
-                                            judgement)
-            if verdict.commit and not verdict.corrupt:
+                                            judgement,
+                                            self.lane.decode_reruns(lane) if round_ok else None)
+            held = self._reruns or verdict.reruns.nonfinite - self.dead_replicas
+            if verdict.commit and not verdict.corrupt and not held:
                 self._last_progress = time.time()
                 break
             detected = time.time()
-            if verdict.commit:  # no failure, but two replicas computed different gradients
+            cause = None
+            if verdict.commit and held:  # a first pass was held out as non-finite
+                new_dead = self._on_nonfinite(iteration, verdict, events, detected)
+                ranks = sorted(rank for rank, replica in p.replica_of_rank.items()
+                               if replica in new_dead)
+                cause = "non-finite gradient"
+                if not new_dead:  # reruns to run, or a transient fault kept
+                    self._blocking_restore(iteration, work)
+                    events[-1]["restored"] = time.time()
+                    continue
+            elif verdict.commit:  # no failure, but two replicas computed different gradients
                 new_dead = self._on_corruption(iteration, verdict, events, detected)
                 ranks = sorted(rank for rank, replica in p.replica_of_rank.items()
                                if replica in new_dead)
+                cause = "silent corruption"
                 if not new_dead:  # arbitrated: reduce the same contributions again
                     self._blocking_restore(iteration, work)
                     events[-1]["restored"] = time.time()
@@ -264,6 +309,7 @@ class ResilientTrainer:
             else:
                 new_dead = sorted(verdict.dead - self.dead_replicas)
                 ranks = list(agreed.failed_ranks)
+                new_dead = self._interrupt_reruns(iteration, new_dead)
             if new_dead:
                 self.dead_replicas.update(new_dead)
                 decision = p.policy.on_failure(new_dead)
@@ -274,8 +320,8 @@ class ResilientTrainer:
                                "since_last_progress_s": detected - self._last_progress,
                                "restore": decision.restore_mode, "g_ext": decision.g_ext,
                                "promotions": [list(x) for x in decision.promotions]})
-                if verdict.commit:
-                    events[-1]["cause"] = "silent corruption"
+                if cause is not None:
+                    events[-1]["cause"] = cause
                 if decision.boundary:
                     self._extension_pass(iteration, work, losses, tokens)
                     events[-1]["restored"] = time.time()
@@ -317,7 +363,8 @@ class ResilientTrainer:
         self._check_ids = {owner: list(p.policy.work(owner).first_pass) for owner in self._checks}
         for owner, checker in self._checks.items():
             if checker == p.replica:
-                self._fingerprints["check"] = {owner: self._run_for(iteration, owner)}
+                self._fingerprints["check"] = {owner: self._run_for(iteration,
+                                                                    self._check_ids[owner])}
                 p.buffers.zero()
                 p.optimizer.zero_grad()
                 self.recovery.begin_iteration()
@@ -325,15 +372,18 @@ class ResilientTrainer:
             self.recovery.fingerprint = self._fingerprint.bucket
             self.recovery.fingerprints = {}
 
-    def _run_for(self, iteration: int, owner: int) -> torch.Tensor:
-        """Run `owner`'s first-pass ids (this rank's share of them) on empty buckets and return
-        their fingerprint; the buckets then hold that gradient (the caller empties or rewinds
-        them). Losses are not reported: the owner reports its own."""
+    def _run_for(self, iteration: int, ids: list[int]) -> torch.Tensor | None:
+        """Run a replica's `ids` (this rank's share of them) on empty buckets and return their
+        fingerprint (None without sampled verification); the buckets then hold that gradient
+        (the caller empties, rewinds or keeps them). Losses are not reported: the replica
+        whose ids they are reports its own."""
         self.recovery.zero()
-        mine = self._mine(self._check_ids[owner])
+        mine = self._mine(ids)
         if mine:
             self.p.buffers.new_pass()
             self.p.run_pass(iteration, mine, self.p.policy.state.b, {}, {})
+        if self._fingerprint is None:
+            return None
         return self._fingerprint.buckets(self.recovery.grads)
 
     def _on_corruption(self, iteration: int, verdict: Verdict, events: list[dict],
@@ -373,10 +423,132 @@ class ResilientTrainer:
                        "detected": detected})
         for owner in sorted(verdict.suspects):
             if self._arbiters[owner] == p.replica:
-                self._fingerprints.setdefault("arbiter", {})[owner] = self._run_for(iteration,
-                                                                                    owner)
+                self._fingerprints.setdefault("arbiter", {})[owner] = self._run_for(
+                    iteration, self._check_ids[owner])
                 self.recovery.rewind()  # back to what this replica reduced
         return []
+
+    def _on_nonfinite(self, iteration: int, verdict: Verdict, events: list[dict],
+                      detected: float) -> list[int]:
+        """Some replica's first pass failed the NaN/inf check and was held out of the round.
+        Before reruns: each suspect reruns its ids in place and its checker runs them too
+        (nothing to evict yet). After them (this round's lane carried their findings): the
+        replicas to evict (this rank raises if its replica is one, and every rank raises when
+        the microbatches themselves give a non-finite gradient); a transient fault kept
+        (`keep`) contributes its rerun's gradient from the next round on."""
+        p = self.p
+        if not self._reruns:
+            suspects = sorted(verdict.reruns.nonfinite - self.dead_replicas)
+            again = sorted(set(suspects) & self._kept)
+            if again:  # kept after a finite rerun, non-finite again in the same iteration
+                events.append({"event": "rerun", "outcomes": {str(n): PERSISTENT for n in again},
+                               "evicted": again, "kept": [], "detected": detected})
+                if p.replica in again:
+                    raise NonFiniteResult(
+                        f"iteration {iteration}: this replica's gradient was non-finite again "
+                        "after its rerun had been kept: its device is taken for faulty; the "
+                        "replica leaves before the commit")
+                return again
+            self._reruns = checkers(suspects, self._live())
+            self._rerun_ids = {n: list(p.policy.work(n).first_pass) for n in suspects}
+            events.append({"event": "nonfinite", "replicas": suspects,
+                           "checkers": [self._reruns[n] for n in suspects],
+                           "detected": detected})
+            # A checker first (a suspect may check another when only suspects are left), then
+            # the suspect's own rerun, which stays in its buckets.
+            check_bad = frozenset(n for n in suspects if self._reruns[n] == p.replica
+                                  and self._check_rerun(iteration, n))
+            own_bad = frozenset(n for n in suspects if n == p.replica
+                                and self._rerun(iteration, n))
+            self._rerun_bad = RerunView(own_bad=own_bad, check_bad=check_bad)
+            return []
+        outcomes = {n: classify(n in verdict.reruns.own_bad, checker,
+                                n in verdict.reruns.check_bad)
+                    for n, checker in self._reruns.items()}
+        events.append({"event": "rerun", "outcomes": {str(n): o for n, o in outcomes.items()},
+                       "checkers": {str(n): c for n, c in self._reruns.items()},
+                       "detected": detected})
+        unexplained = {n: o for n, o in outcomes.items()
+                       if o not in (TRANSIENT, PERSISTENT, CHECKER)}
+        if unexplained:
+            n = min(unexplained)
+            raise NonFiniteData(self._data_message(iteration, n, self._reruns[n]))
+        evict = {n for n, o in outcomes.items()
+                 if o == PERSISTENT or (o in (TRANSIENT, CHECKER) and p.nonfinite_rerun != KEEP)}
+        evict |= {self._reruns[n] for n, o in outcomes.items() if o == CHECKER}
+        kept = sorted(set(outcomes) - evict)
+        events[-1].update(evicted=sorted(evict), kept=kept)
+        if p.replica in evict:
+            raise NonFiniteResult(self._evicted_message(iteration, outcomes))
+        self._reruns, self._rerun_bad = {}, RerunView()
+        self._kept.update(kept)
+        if p.replica in kept:
+            self.recovery.nonfinite = False  # its buckets' snapshot holds the rerun's gradient
+        return sorted(evict - self.dead_replicas)
+
+    def _evicted_message(self, iteration: int, outcomes: dict[int, str]) -> str:
+        """Why this rank's replica is evicted after the reruns (`outcomes` by suspect)."""
+        me = self.p.replica
+        if me in outcomes:  # a suspect: persistent, or transient (its checker's run may
+            # have failed too: CHECKER) and evicted as the flag asks
+            why = ("again when this replica ran them a second time, and not on replica "
+                   f"{self._reruns[me]}: its device is taken for faulty"
+                   if outcomes[me] == PERSISTENT else
+                   "once, not when this replica ran them again: a transient fault, evicted as "
+                   "--recover-nonfinite-rerun evict asks")
+            ids = self._rerun_ids[me]
+        else:
+            suspect = next(n for n, o in outcomes.items()
+                           if o == CHECKER and self._reruns[n] == me)
+            ids = self._rerun_ids[suspect]
+            why = (f"when this replica ran them, and not when replica {suspect}, whose "
+                   "microbatches they are, ran them again: its device is taken for faulty")
+        return (f"iteration {iteration}: microbatches {ids} gave a non-finite gradient {why}; "
+                "the replica leaves before the commit")
+
+    def _rerun(self, iteration: int, suspect: int) -> bool:
+        """This replica is `suspect`: run its first-pass ids again from empty buffers; whether
+        the gradient is non-finite. The buckets keep the rerun's gradient: the next round's
+        reductions snapshot it (and send zeros), so a kept replica contributes it afterwards."""
+        fingerprint = self._run_for(iteration, self._rerun_ids[suspect])
+        if fingerprint is not None and "own" in self._fingerprints:
+            self._fingerprints["own"] = {suspect: fingerprint}  # what it would now send
+        return any(self.recovery.nonfinite_norm(grad) is not None for grad in self.recovery.grads)
+
+    def _check_rerun(self, iteration: int, suspect: int) -> bool:
+        """This replica checks `suspect`: run its ids from empty buffers; whether the gradient
+        is non-finite. The buckets then hold it: the restore that follows rewinds them (or this
+        replica's own rerun empties them first)."""
+        self._run_for(iteration, self._rerun_ids[suspect])
+        return any(self.recovery.nonfinite_norm(grad) is not None for grad in self.recovery.grads)
+
+    def _data_message(self, iteration: int, suspect: int, checker: int | None) -> str:
+        ids = self._rerun_ids[suspect]
+        where = (f"on replica {suspect} twice and on replica {checker}" if checker is not None
+                 else f"on replica {suspect} twice, and no other replica is left to tell the "
+                      "data from the device")
+        samples = ""
+        if self.p.samples_of is not None:
+            ranges = [self.p.samples_of(iteration, k) for k in ids]
+            samples = " (samples " + ", ".join(
+                f"{r.start}" if len(r) == 1 else f"{r.start}-{r.stop - 1}" for r in ranges) + ")"
+        return (f"iteration {iteration}: microbatches {ids}{samples} give a non-finite gradient "
+                f"{where}: the data or the model's state is at fault, not a device; nothing of "
+                "the iteration is committed")
+
+    def _interrupt_reruns(self, iteration: int, new_dead: list[int]) -> list[int]:
+        """A replica died while suspects were being classified: the suspects leave too, as
+        without reruns (their microbatches are redone with the dead replicas')."""
+        if not self._reruns:
+            return new_dead
+        suspects = set(self._reruns) - self.dead_replicas
+        self._reruns, self._rerun_bad = {}, RerunView()
+        if self.p.replica in suspects:
+            raise NonFiniteResult(
+                f"iteration {iteration}: this replica's gradient was non-finite and a failure of "
+                f"replica(s) {new_dead} interrupted its rerun: it leaves as without "
+                "--recover-nonfinite-rerun")
+        return sorted(set(new_dead) | suspects)
 
     def add_event(self, event: dict) -> None:
         """An event between iterations (a join): reported with the next committed iteration."""
@@ -479,21 +651,25 @@ class ResilientTrainer:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
             token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
         head = LaneHead(loss_sum, token_sum, self.p.wants_exit())
+        reruns = RerunView(
+            nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else []),
+            own_bad=self._rerun_bad.own_bad, check_bad=self._rerun_bad.check_bad)
         lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
-                                fingerprints=self._fingerprints)
+                                fingerprints=self._fingerprints, reruns=reruns)
         if self.p.shard_control is not None:
             self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane
 
     def _replica_verdict(self, agreed, summed: LaneHead, failed: bool,
-                         ledger_bad: bool, judgement: Judgement | None = None) -> Verdict:
+                         ledger_bad: bool, judgement: Judgement | None = None,
+                         reruns: RerunView | None = None) -> Verdict:
         """The round's outcome for this replica, equal on all of its ranks: this position's
         view (`agreed` record, the summed lane's head, whether its round failed, whether its
-        audit found a problem and what its fingerprints say), combined with the replica's other
-        positions."""
+        audit found a problem, what its fingerprints say and its non-finite flags), combined
+        with the replica's other positions."""
         p = self.p
         dead = {p.replica_of_rank[rank] for rank in agreed.failed_ranks}
-        vector = self.verdicts.encode(dead, failed, summed, ledger_bad, judgement)
+        vector = self.verdicts.encode(dead, failed, summed, ledger_bad, judgement, reruns)
         if p.replica_control is not None:
             # A peer that died makes this raise; the rank then leaves with its replica.
             p.replica_control.max(vector)
@@ -519,12 +695,15 @@ class ResilientTrainer:
         The snapshot holds what the replica's latest reduction started from: its first pass
         (which an unpromoted spare keeps out of the reduce) or, after an extension pass, exactly
         the ids it contributes (extension ids, plus its earlier contributions added back).
+        A suspect of a non-finite gradient under classification keeps its rerun in the buckets
+        and holds it out (`_on_nonfinite`).
         """
         self.p.faults.at("during-restore", iteration)
+        held = self.p.replica in self._reruns
         self.recovery.begin_pass()
-        if self.p.restore:
+        if self.p.restore and not held:
             self.recovery.rewind()
-        self.recovery.contributing = work.contributes_first_pass or self._extended
+        self.recovery.contributing = (work.contributes_first_pass or self._extended) and not held
         self.recovery.reduce_all()
 
     def _extension_pass(self, iteration: int, work, losses: dict[int, float],
@@ -533,6 +712,7 @@ class ResilientTrainer:
         the new gradients), then add back what this replica already counts, then reduce."""
         self.recovery.begin_pass()
         self._extended = True
+        self.recovery.hold_nonfinite = False  # reruns classify first passes only
         extension = work.extension
         counted_before = len(work.contributed) - len(extension)
         if self.p.restore:

@@ -95,6 +95,7 @@ class FakeWorld:
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.rounds: dict[int, dict] = {}  # consensus round -> census by rank, result
         self.log: list[tuple] = []  # (event, rank, detail): what happened, for the tests
+        self.nonfinite_sent: list[tuple] = []  # (rank, slot): a data operation's NaN/inf input
 
     def group(self, rank: int) -> "FakeGroup":
         return FakeGroup(self, rank)
@@ -173,6 +174,8 @@ class FakeWorld:
             view.seq += 1
             slot = self.slots.setdefault(key, _Slot(key=key, members=view.members))
             slot.arrived[rank] = tensor.clone()
+            if not bool(torch.isfinite(tensor).all()):
+                self.nonfinite_sent.append((rank, key))
             if kill is not None:
                 slot.victims.add(rank)
                 slot.lucky |= set(kill.lucky)

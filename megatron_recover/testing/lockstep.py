@@ -17,7 +17,11 @@ Each replica is one rank on its own thread, with the real `ResilientTrainer`,
   * `FakeFaults`: the failure schedule's named points, killing the rank's thread; and silent
     corruption for sampled verification: `bitflip` flips a bit of the first bucket before its
     first reduction (the schedule's action), `faulty` adds 1 to an element after every pass the
-    replica runs in that iteration (a device that is wrong whatever it computes).
+    replica runs in that iteration (a device that is wrong whatever it computes); and non-finite
+    gradients for the reruns: `nan` makes an element of the first bucket NaN before its first
+    reduction, once (a transient fault), `nan-always` after every pass the replica runs in that
+    iteration (a faulty device), and `Setup.nan_ids` make a microbatch's gradient NaN wherever
+    it runs (bad data).
 
 `run_lockstep(Setup)` runs the iterations and returns what every rank saw; `expected_gradient`
 computes a committed gradient from the dataset alone, without the protocol.
@@ -48,6 +52,7 @@ TRAINER_POINTS = ("pre-forward", "before-reduce", "after-post", "during-restore"
 COLLECTIVE_POINTS = ("during-reduce", "reduce-contributed", "during-lane", "in-consensus")
 LOCATIONS = TRAINER_POINTS + COLLECTIVE_POINTS
 CORRUPTIONS = ("bitflip", "faulty")  # silent: the replica goes on computing
+NONFINITE = ("nan", "nan-always")  # caught by the NaN check
 FLIPPED_BIT = 56  # the fourth exponent bit of a float64: the element scaled by 2^16
 
 
@@ -133,12 +138,16 @@ class FakePass:
                                                sample_range(replica.audit, iteration, k))
             for grad, part in zip(replica.buffers.grads, gradient(checksum)):
                 grad.add_(part)
+            if (iteration, k) in replica.nan_ids:
+                replica.buffers.grads[0][5] = float("nan")
             recovery.register(iteration, k, checksum)
             losses[k] = loss
             tokens[k] = count
             self.ran.append((iteration, k))
         if ids and replica.faults.faulty(iteration):
             replica.buffers.grads[0][3] += 1.0
+        if ids and replica.faults.faulty(iteration, "nan-always"):
+            replica.buffers.grads[0][3] = float("nan")
         # The last microbatch's backward completes every bucket, first bucket first.
         for grad in replica.buffers.grads:
             recovery.bucket_ready([grad])
@@ -191,13 +200,18 @@ class FakeFaults:
 
     def corrupt(self, iteration, grad):
         for f in self.failures:
-            if (f.iteration, f.location) == (iteration, "bitflip") and f not in self.flipped:
+            if f.iteration != iteration or f in self.flipped:
+                continue
+            if f.location == "bitflip":
                 self.flipped.add(f)
                 element = flip_target(grad)
                 flip_bit(grad[element:element + 1], FLIPPED_BIT)
+            elif f.location == "nan":
+                self.flipped.add(f)
+                grad[flip_target(grad)] = float("nan")
 
-    def faulty(self, iteration) -> bool:
-        return any((f.iteration, f.location) == (iteration, "faulty") for f in self.failures)
+    def faulty(self, iteration, kind: str = "faulty") -> bool:
+        return any((f.iteration, f.location) == (iteration, kind) for f in self.failures)
 
     def arm_iteration(self, group, iteration, bucket_index):
         for f in self.failures:
@@ -238,6 +252,8 @@ class Setup:
     restore: bool = True  # False: the negative control
     sdc_check_rate: float = 0.0  # sampled verification (0: off)
     seed: int = 1234
+    nonfinite_rerun: str = "off"  # --recover-nonfinite-rerun
+    nan_ids: tuple[tuple[int, int], ...] = ()  # (iteration, id): a NaN gradient anywhere
 
 
 class Replica:
@@ -254,6 +270,7 @@ class Replica:
         self.optimizer = FakeOptimizer(self.buffers)
         self.run_pass = FakePass(self)
         self.faults = FakeFaults(world, rank, list(setup.failures))
+        self.nan_ids = set(setup.nan_ids)
         verification = (Verification(setup.sdc_check_rate, setup.seed)
                         if setup.sdc_check_rate > 0 else None)
         self.trainer = ResilientTrainer(TrainerParts(
@@ -261,7 +278,9 @@ class Replica:
             group=world.group(rank), policy=WorkloadPolicy(config), replica=rank,
             replica_of_rank={r: r for r in range(setup.w_init)},
             faults=self.faults, audit=self.audit, overlap_grad_reduce=setup.overlap,
-            restore=setup.restore, verification=verification))
+            restore=setup.restore, verification=verification, check_finite=True,
+            nonfinite_rerun=setup.nonfinite_rerun,
+            samples_of=lambda iteration, k: sample_range(self.audit, iteration, k)))
 
 
 @dataclass
