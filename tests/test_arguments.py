@@ -248,6 +248,18 @@ def test_verification_options():
                  "4").recover.sdc_check_rate == 0.0
 
 
+def test_nonfinite_rerun_options():
+    assert small("--recover").recover.nonfinite_rerun == "off"
+    assert small("--recover", "--recover-nonfinite-rerun", "keep").recover.nonfinite_rerun == "keep"
+    assert "given without --recover" in refused("--recover-nonfinite-rerun", "evict")
+    assert "--no-check-for-nan-in-loss-and-grad): drop --recover-nonfinite-rerun" in refused(
+        "--recover", "--recover-nonfinite-rerun", "evict", "--no-check-for-nan-in-loss-and-grad")
+    assert "leaves non-finite gradients to the loss scaler" in refused(
+        "--recover", "--recover-nonfinite-rerun", "keep", "--fp16")
+    assert small("--recover", "--recover-nonfinite-rerun", "off",
+                 "--no-check-for-nan-in-loss-and-grad").recover.nonfinite_rerun == "off"
+
+
 def test_warmup_resolved_from_fraction():
     cfg = small("--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10")
     gbs = cfg.global_batch_size

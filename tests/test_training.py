@@ -149,6 +149,26 @@ def test_a_nan_gradient_takes_its_replica_out_before_it_reaches_the_others(nan_r
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_transient_nan_rerun_and_kept_is_the_failure_free_run(tmp_path, reference):
+    """docs/failures.md: with --recover-nonfinite-rerun keep, replica 2 holds its NaN gradient
+    out, reruns its microbatches (finite: the schedule's NaN fires once) while replica 3 runs
+    them too, and contributes the rerun: no replica is lost, and the run is the failure-free
+    one bit for bit."""
+    run = train(tmp_path, "nan-kept", ["--recover-nonfinite-rerun", "keep"], NAN_GRADIENT)
+    assert [(m["rank"], m["iteration"], m["action"]) for m in run.markers] == [(2, 4, "nan")]
+    assert run.completed() == list(range(REPLICAS))
+    events = [(r["iteration"], e["event"]) for r in run.records for e in r["events"]]
+    assert events == [(4, "nonfinite"), (4, "rerun")], events
+    rerun = next(e for e in run.records[3]["events"] if e["event"] == "rerun")
+    assert rerun["outcomes"] == {"2": "transient"} and rerun["kept"] == [2], rerun
+    assert "non-finite gradient classified replica 2: transient" in run.result.output
+    assert_ledger_held(run.records, 20)
+    assert [r["loss"] for r in run.records] == [r["loss"] for r in reference.records]
+    for rank in range(REPLICAS):
+        assert param_rdiff(run.params(rank), reference.params(rank)) == 0.0, rank
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
 def test_without_the_check_a_nan_gradient_poisons_every_replica(tmp_path):
     """The negative control: --no-check-for-nan-in-loss-and-grad lets the NaN into the sum."""
     run = train(tmp_path, "nan-unchecked", ["--no-check-for-nan-in-loss-and-grad",

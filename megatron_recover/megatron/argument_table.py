@@ -215,7 +215,10 @@ _REFUSED_GROUPS = (
      "flag stops it) and evaluates the one validation split of --split; drop it",
      "--skip-train --test-mode --iterations-to-skip --full-validation --multiple-validation-sets"),
     ("Megatron-LM's rerun engine and its checks are not supported (megatron-recover's own "
-     "per-iteration audit checks every committed gradient); drop it", "--rerun-mode "
+     "per-iteration audit checks every committed gradient; under --recover, "
+     "--recover-nonfinite-rerun runs a non-finite gradient's microbatches again, in place and on "
+     "another replica, to tell a transient fault, a faulty device and bad data apart); drop it",
+     "--rerun-mode "
      "--check-for-spiky-loss --check-for-large-grads --error-injection-rate "
      "--error-injection-type --result-rejected-tracker-filename "
      "--check-weight-hash-across-dp-replicas-interval --deterministic-mode "

@@ -280,6 +280,15 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="how far two fingerprints of the same microbatches may differ, relative "
                         "to the larger (default 0: bitwise, which deterministic kernels give; "
                         "kernels that are not deterministic need a measured tolerance)")
+    g.add_argument("--recover-nonfinite-rerun", choices=("off", "evict", "keep"),
+                   help="what a replica whose gradient fails Megatron's NaN/inf check does: off "
+                        "(default): it leaves at once and the others redo its microbatches; "
+                        "evict or keep: it holds its gradient out and runs its microbatches "
+                        "again while another replica runs them too, before the commit: "
+                        "non-finite on both, the data is at fault and the job ends with the "
+                        "microbatch ids and samples; on the replica alone, its device is "
+                        "evicted; not again, a transient fault, evicted (evict) or its rerun's "
+                        "gradient used (keep) (docs/failures.md)")
     g.add_argument("--recover-no-restore", action="store_true",
                    help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
                         "(shows what gradient restoration buys; breaks the trajectory)")
@@ -804,7 +813,8 @@ def _recover(ns) -> list[str]:
                                "--recover-log", "--recover-hang-timeout",
                                "--recover-standby-replicas", "--recover-snapshot-interval",
                                "--recover-snapshot-dir", "--recover-program-errors",
-                               "--recover-sdc-check-rate", "--recover-sdc-tolerance")
+                               "--recover-sdc-check-rate", "--recover-sdc-tolerance",
+                               "--recover-nonfinite-rerun")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
     if ns.recover_no_restore:
         given.append("--recover-no-restore")
@@ -826,6 +836,13 @@ def _recover(ns) -> list[str]:
         problems.append(f"--recover-standby-replicas must be >= 0, got "
                         f"{ns.recover_standby_replicas}")
     problems += _snapshots(ns)
+    if ns.recover and ns.recover_nonfinite_rerun not in (None, "off") and not _checks_for_nan(ns):
+        problems.append(f"--recover-nonfinite-rerun {ns.recover_nonfinite_rerun} classifies what "
+                        "Megatron's NaN/inf check finds, and this job does not check ("
+                        + ("fp16 with dynamic loss scaling leaves non-finite gradients to the "
+                           "loss scaler" if ns.check_for_nan_in_loss_and_grad else
+                           "--no-check-for-nan-in-loss-and-grad")
+                        + "): drop --recover-nonfinite-rerun")
     return problems
 
 
@@ -1136,7 +1153,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             snapshot_interval=ns.recover_snapshot_interval or 0,
             snapshot_dir=_snapshot_dir(ns),
             sdc_check_rate=ns.recover_sdc_check_rate or 0.0,
-            sdc_tolerance=ns.recover_sdc_tolerance or 0.0),
+            sdc_tolerance=ns.recover_sdc_tolerance or 0.0,
+            nonfinite_rerun=ns.recover_nonfinite_rerun or "off"),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
         rampup_batch_size=(None if ns.rampup_batch_size is None

@@ -378,6 +378,8 @@ class RecoverConfig:
     second replica in an iteration (0: off); `recovery/verification.py`."""
     sdc_tolerance: float = 0.0
     """--recover-sdc-tolerance: relative fingerprint tolerance (0: bitwise)."""
+    nonfinite_rerun: str = "off"
+    """--recover-nonfinite-rerun: off, evict or keep (`recovery/rerun.py`)."""
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,15 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
             lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
                          f" replica(s) {event['evicted']} computed gradients two other replicas "
                          "contradict: evicted before the commit (silent data corruption)")
+        if event["event"] == "nonfinite":
+            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+                         f" replica(s) {event['replicas']} held out a non-finite gradient: "
+                         f"rerun in place and by replica(s) {event['checkers']}")
+        if event["event"] == "rerun":
+            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+                         " non-finite gradient classified "
+                         + ", ".join(f"replica {r}: {o}" for r, o in event["outcomes"].items())
+                         + f"; evicted {event['evicted']}, kept {event['kept']}")
         if event["event"] != "failure":
             continue
         # The ranks this position's group saw fail; another position of the replica may have

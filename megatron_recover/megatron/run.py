@@ -351,10 +351,11 @@ def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
                                         shard, shards))
 
 
-def _resilient_trainer(cfg, setup: RankSetup, dataset, micro_pass: MicrobatchPass, policy,
+def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass, policy,
                        replica: int, replica_of_rank: dict[int, int], wants_exit,
                        continued: dict | None = None) -> ResilientTrainer:
-    """The resilient trainer of this rank; `continued`: the state a standby joins with."""
+    """The resilient trainer of this rank over `source` (the `MicrobatchSource`); `continued`:
+    the state a standby joins with."""
     from megatron.core import parallel_state
 
     continued = continued or {}
@@ -368,7 +369,7 @@ def _resilient_trainer(cfg, setup: RankSetup, dataset, micro_pass: MicrobatchPas
         check_finite=cfg.precision.check_for_nan_in_loss_and_grad,
         computes_loss=parallel_state.is_pipeline_last_stage(),
         replica=replica, replica_of_rank=replica_of_rank, faults=micro_pass.faults,
-        audit=LedgerAudit(dataset, global_batch_size=cfg.global_batch_size,
+        audit=LedgerAudit(source.dataset, global_batch_size=cfg.global_batch_size,
                           micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
                           policy=cfg.recover.policy, mode=cfg.recover.mode,
                           rampup_batch_size=cfg.rampup_batch_size,
@@ -377,6 +378,7 @@ def _resilient_trainer(cfg, setup: RankSetup, dataset, micro_pass: MicrobatchPas
         verification=(Verification(cfg.recover.sdc_check_rate, cfg.seed,
                                    cfg.recover.sdc_tolerance)
                       if cfg.recover.sdc_check_rate > 0 else None),
+        nonfinite_rerun=cfg.recover.nonfinite_rerun, samples_of=source.sample_range,
         dead_replicas=frozenset(continued.get("dead_replicas", ())))
     _install_calculator(cfg, trainer)
     return trainer
@@ -422,7 +424,7 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
     if call is not None:
         policy = WorkloadPolicy.resume(mcore_config.to_policy_config(cfg), call.state["layout"],
                                        call.state["last_committed"], call.state["reserve_next"])
-        trainer = _resilient_trainer(cfg, setup, source.dataset, micro_pass, policy,
+        trainer = _resilient_trainer(cfg, setup, source, micro_pass, policy,
                                      setup.replica_index, dict(call.state["replica_of_rank"]),
                                      exits.requested, continued=call.state)
         first_iteration, joined = joins.continue_as_joiner(trainer, call, setup, pool)
@@ -431,7 +433,7 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
         # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
         replica_of_rank = {rank: start.replica_ids[dp]
                            for rank, dp in setup.replica_of_rank.items()}
-        trainer = _resilient_trainer(cfg, setup, source.dataset, micro_pass, start.policy,
+        trainer = _resilient_trainer(cfg, setup, source, micro_pass, start.policy,
                                      start.replica_ids[setup.replica_index], replica_of_rank,
                                      exits.requested)
         first_iteration = start.first_iteration
