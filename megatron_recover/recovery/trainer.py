@@ -77,6 +77,7 @@ from megatron_recover.recovery.rerun import (
     OFF,
     PERSISTENT,
     TRANSIENT,
+    UNKNOWN,
     RerunSlots,
     RerunView,
     checkers,
@@ -468,11 +469,9 @@ class ResilientTrainer:
         events.append({"event": "rerun", "outcomes": {str(n): o for n, o in outcomes.items()},
                        "checkers": {str(n): c for n, c in self._reruns.items()},
                        "detected": detected})
-        unexplained = {n: o for n, o in outcomes.items()
-                       if o not in (TRANSIENT, PERSISTENT, CHECKER)}
-        if unexplained:
-            n = min(unexplained)
-            raise NonFiniteData(self._data_message(iteration, n, self._reruns[n]))
+        data = sorted(n for n, o in outcomes.items() if o in (DATA, UNKNOWN))
+        if data:
+            raise NonFiniteData(self._data_message(iteration, data[0], self._reruns[data[0]]))
         evict = {n for n, o in outcomes.items()
                  if o == PERSISTENT or (o in (TRANSIENT, CHECKER) and p.nonfinite_rerun != KEEP)}
         evict |= {self._reruns[n] for n, o in outcomes.items() if o == CHECKER}
