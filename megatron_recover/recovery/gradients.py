@@ -224,6 +224,10 @@ class GradientRecovery:
         bucket.ledger = Ledger(known=False)
         self._post(bucket)
 
+    def any_nonfinite(self) -> bool:
+        """Whether some bucket of this rank fails the check now (after a rerun's pass)."""
+        return any(self.nonfinite_norm(grad) is not None for grad in self.grads)
+
     @staticmethod
     def nonfinite_norm(grad: torch.Tensor) -> str | None:
         """Megatron's check of a bucket before its data-parallel reduction: "NaN" or "Inf" when

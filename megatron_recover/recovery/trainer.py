@@ -46,7 +46,7 @@ Every decision is a function of agreed records, so all survivors take the same b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -512,14 +512,14 @@ class ResilientTrainer:
         fingerprint = self._run_for(iteration, self._rerun_ids[suspect])
         if fingerprint is not None and "own" in self._fingerprints:
             self._fingerprints["own"] = {suspect: fingerprint}  # what it would now send
-        return any(self.recovery.nonfinite_norm(grad) is not None for grad in self.recovery.grads)
+        return self.recovery.any_nonfinite()
 
     def _check_rerun(self, iteration: int, suspect: int) -> bool:
         """This replica checks `suspect`: run its ids from empty buffers; whether the gradient
         is non-finite. The buckets then hold it: the restore that follows rewinds them (or this
         replica's own rerun empties them first)."""
         self._run_for(iteration, self._rerun_ids[suspect])
-        return any(self.recovery.nonfinite_norm(grad) is not None for grad in self.recovery.grads)
+        return self.recovery.any_nonfinite()
 
     def _data_message(self, iteration: int, suspect: int, checker: int | None) -> str:
         ids = self._rerun_ids[suspect]
@@ -650,9 +650,9 @@ class ResilientTrainer:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
             token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
         head = LaneHead(loss_sum, token_sum, self.p.wants_exit())
-        reruns = RerunView(
-            nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else []),
-            own_bad=self._rerun_bad.own_bad, check_bad=self._rerun_bad.check_bad)
+        reruns = replace(
+            self._rerun_bad,
+            nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else []))
         lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
                                 fingerprints=self._fingerprints, reruns=reruns)
         if self.p.shard_control is not None:
