@@ -52,7 +52,6 @@ TRAINER_POINTS = ("pre-forward", "before-reduce", "after-post", "during-restore"
 COLLECTIVE_POINTS = ("during-reduce", "reduce-contributed", "during-lane", "in-consensus")
 LOCATIONS = TRAINER_POINTS + COLLECTIVE_POINTS
 CORRUPTIONS = ("bitflip", "faulty")  # silent: the replica goes on computing
-NONFINITE = ("nan", "nan-always")  # caught by the NaN check
 FLIPPED_BIT = 56  # the fourth exponent bit of a float64: the element scaled by 2^16
 
 
@@ -343,3 +342,14 @@ def failure_free_gradient(audit: LedgerAudit, iteration: int) -> torch.Tensor:
         total += torch.cat(gradient(microbatch(audit.dataset,
                                                sample_range(audit, iteration, k))[0]))
     return total
+
+
+def assert_failure_free_steps(runs: dict[int, RankRun], replicas, iterations: int) -> None:
+    """Each of `replicas` stepped `iterations` times, each time on the failure-free gradient
+    computed from the dataset alone."""
+    for rank in replicas:
+        replica = runs[rank].replica
+        assert len(replica.optimizer.stepped) == iterations, (rank, runs[rank].error)
+        for t in range(1, iterations + 1):
+            expected = failure_free_gradient(replica.audit, t)
+            assert torch.equal(replica.optimizer.stepped[t - 1], expected), (rank, t)

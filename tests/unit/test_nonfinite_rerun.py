@@ -12,7 +12,6 @@ with anything the protocol produced.
 import math
 
 import pytest
-import torch
 
 from megatron_recover.failures import NonFiniteData, NonFiniteResult
 from megatron_recover.recovery.rerun import (
@@ -29,7 +28,7 @@ from megatron_recover.recovery.rerun import (
 from megatron_recover.testing.lockstep import (
     Failure,
     Setup,
-    failure_free_gradient,
+    assert_failure_free_steps,
     run_lockstep,
     sample_range,
 )
@@ -37,15 +36,6 @@ from megatron_recover.testing.lockstep import (
 pytestmark = pytest.mark.unit
 ITERATIONS = 3
 TIMEOUT_S = 60.0  # a round that cannot complete fails the run after this
-
-
-def _steps_are_failure_free(runs, replicas, iterations):
-    for r in replicas:
-        replica = runs[r].replica
-        assert len(replica.optimizer.stepped) == iterations, (r, runs[r].error)
-        for t in range(1, iterations + 1):
-            assert torch.equal(replica.optimizer.stepped[t - 1],
-                               failure_free_gradient(replica.audit, t)), (r, t)
 
 
 def _events(runs, rank, kind):
@@ -89,7 +79,7 @@ def test_without_reruns_a_nan_replica_leaves_at_once():
     runs, _ = run_lockstep(setup, TIMEOUT_S)
     assert isinstance(runs[2].error, NonFiniteResult), runs[2].error
     assert "before the cross-replica reduction" in str(runs[2].error)
-    _steps_are_failure_free(runs, [0, 1, 3], ITERATIONS)
+    assert_failure_free_steps(runs, [0, 1, 3], ITERATIONS)
     assert [r.live_replicas for r in runs[0].reports] == [4, 3, 3]
 
 
@@ -99,7 +89,7 @@ def test_a_transient_nan_is_kept_and_the_run_is_the_failure_free_one():
     runs, world = run_lockstep(setup, TIMEOUT_S)
     assert all(runs[r].error is None for r in range(4)), [runs[r].error for r in range(4)]
     assert world.nonfinite_sent == []  # the NaN never left replica 2
-    _steps_are_failure_free(runs, range(4), ITERATIONS)
+    assert_failure_free_steps(runs, range(4), ITERATIONS)
     assert [r.live_replicas for r in runs[0].reports] == [4, 4, 4]
     assert [r.contributions for r in runs[0].reports] == [8, 8, 8]
     [(t, held)] = _events(runs, 0, "nonfinite")
@@ -118,7 +108,7 @@ def test_a_transient_nan_is_evicted_when_asked():
     runs, _ = run_lockstep(setup, TIMEOUT_S)
     assert isinstance(runs[2].error, NonFiniteResult), runs[2].error
     assert "a transient fault, evicted as --recover-nonfinite-rerun evict" in str(runs[2].error)
-    _steps_are_failure_free(runs, [0, 1, 3], ITERATIONS)
+    assert_failure_free_steps(runs, [0, 1, 3], ITERATIONS)
     assert [r.live_replicas for r in runs[0].reports] == [4, 3, 3]
     [(_, failure)] = _events(runs, 0, "failure")
     assert failure["replicas"] == [2] and failure["cause"] == "non-finite gradient"
@@ -132,7 +122,7 @@ def test_a_device_nan_in_every_pass_is_evicted_even_when_keeping(w_init, victim)
     assert isinstance(runs[victim].error, NonFiniteResult), runs[victim].error
     assert "its device is taken for faulty" in str(runs[victim].error)
     survivors = [r for r in range(w_init) if r != victim]
-    _steps_are_failure_free(runs, survivors, ITERATIONS)
+    assert_failure_free_steps(runs, survivors, ITERATIONS)
     [(_, rerun)] = _events(runs, survivors[0], "rerun")
     assert rerun["outcomes"] == {str(victim): PERSISTENT} and rerun["evicted"] == [victim]
 

@@ -20,7 +20,13 @@ from megatron_recover.recovery.verification import (
     pairs,
     sampled,
 )
-from megatron_recover.testing.lockstep import Failure, Setup, failure_free_gradient, run_lockstep
+from megatron_recover.testing.lockstep import (
+    Failure,
+    Setup,
+    assert_failure_free_steps,
+    failure_free_gradient,
+    run_lockstep,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -107,14 +113,6 @@ def test_a_tolerance_accepts_what_is_within_it():
 
 # --- the protocol, in one process ------------------------------------------------------------
 
-def _steps_are_failure_free(runs, survivors, iterations):
-    for rank in survivors:
-        replica = runs[rank].replica
-        for t in range(1, iterations + 1):
-            expected = failure_free_gradient(replica.audit, t)
-            assert torch.equal(replica.optimizer.stepped[t - 1], expected), (rank, t)
-
-
 def test_a_flipped_bit_is_caught_arbitrated_and_its_replica_evicted():
     setup = Setup(w_init=4, g_init=2, iterations=3, sdc_check_rate=1.0,
                   failures=(Failure(replica=1, iteration=2, location="bitflip"),))
@@ -123,7 +121,7 @@ def test_a_flipped_bit_is_caught_arbitrated_and_its_replica_evicted():
     assert len(runs[1].reports) == 1  # it committed nothing of iteration 2
     survivors = [0, 2, 3]
     assert all(runs[r].error is None and len(runs[r].reports) == 3 for r in survivors)
-    _steps_are_failure_free(runs, survivors, 3)
+    assert_failure_free_steps(runs, survivors, 3)
     report = runs[0].reports[1]
     kinds = [e["event"] for e in report.events]
     assert kinds[:3] == ["mismatch", "corruption", "failure"], report.events
@@ -158,7 +156,7 @@ def test_a_device_wrong_in_every_pass_is_evicted_as_owner_and_as_checker():
     assert isinstance(runs[2].error, SilentCorruption), runs[2].error
     survivors = [0, 1, 3]
     assert all(runs[r].error is None and len(runs[r].reports) == 3 for r in survivors)
-    _steps_are_failure_free(runs, survivors, 3)
+    assert_failure_free_steps(runs, survivors, 3)
     mismatch = runs[0].reports[1].events[0]
     assert mismatch["owners"] == [1, 2] and mismatch["checkers"] == [2, 3]
 
@@ -177,7 +175,7 @@ def test_a_partial_rate_checks_about_that_share_and_stays_exact():
     setup = Setup(w_init=4, g_init=2, iterations=12, sdc_check_rate=0.5)
     runs, _ = run_lockstep(setup)
     assert all(runs[r].error is None for r in range(4))
-    _steps_are_failure_free(runs, range(4), 12)
+    assert_failure_free_steps(runs, range(4), 12)
     verified = [r.verified for r in runs[0].reports]
     assert all(v % 2 == 0 and 0 <= v <= 8 for v in verified)
     assert 0 < sum(verified) < 12 * 8, verified
@@ -210,5 +208,5 @@ def test_a_verification_mutation_is_caught(monkeypatch, name, old, new):
     survivors = [r for r in range(4) if runs[r].error is None and len(runs[r].reports) == 3]
     with pytest.raises(AssertionError) as caught:
         assert survivors, [runs[r].error for r in range(4)]
-        _steps_are_failure_free(runs, survivors, 3)
+        assert_failure_free_steps(runs, survivors, 3)
     print(f"CAUGHT {name}: {str(caught.value).splitlines()[0]}")
