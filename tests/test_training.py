@@ -26,6 +26,7 @@ from tests.training_harness import (
     assert_ledger_held,
     loss_rdiff,
     param_rdiff,
+    printed_values,
     run_training,
 )
 
@@ -162,6 +163,9 @@ def test_a_transient_nan_rerun_and_kept_is_the_failure_free_run(tmp_path, refere
     rerun = next(e for e in run.records[3]["events"] if e["event"] == "rerun")
     assert rerun["outcomes"] == {"2": "transient"} and rerun["kept"] == [2], rerun
     assert "non-finite gradient classified replica 2: transient" in run.result.output
+    assert printed_values(run.result.output, "non-finite reruns") == [0, 0, 0, 1, 0, 0, 0, 0,
+                                                                        0, 0]
+    assert set(printed_values(run.result.output, "evicted for non-finite")) == {0}
     assert_ledger_held(run.records, 20)
     assert [r["loss"] for r in run.records] == [r["loss"] for r in reference.records]
     for rank in range(REPLICAS):

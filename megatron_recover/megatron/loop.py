@@ -199,7 +199,10 @@ class ResilientStepper:
             recover={"live replicas": report.live_replicas, "contributions": report.contributions,
                      "B": report.B, "recovery seconds": recovery_s,
                      **({"verified microbatches": report.verified}
-                        if cfg.recover.sdc_check_rate > 0 else {})})
+                        if cfg.recover.sdc_check_rate > 0 else {}),
+                     **({"non-finite reruns": sum(len(e["outcomes"]) for e in report.events
+                                                  if e["event"] == "rerun")}
+                        if cfg.recover.nonfinite_rerun != "off" else {})})
 
     def save(self, iteration: int) -> None:
         """The lowest live replica (every rank agrees on it through the policy) writes."""

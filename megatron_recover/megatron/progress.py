@@ -113,6 +113,8 @@ class Progress:
         lost = sum(len(e["replicas"]) for e in events if e["event"] == "failure")
         self.stats.add(loss, skipped, iteration_ms, lost)
         self.stats.evicted += sum(len(e["evicted"]) for e in events if e["event"] == "corruption")
+        self.stats.evicted_nonfinite += sum(len(e["evicted"]) for e in events
+                                            if e["event"] == "rerun")
         writer = self.is_writer()
         lr = self.setup.optimizer.param_groups[0]["lr"]  # after the step, as Megatron-LM logs
         consumed = cfg.global_batches.consumed_after(iteration)
@@ -127,6 +129,8 @@ class Progress:
             recover = {**recover, "failures": self.stats.failures}
             if "verified microbatches" in recover:
                 recover["evicted for corruption"] = self.stats.evicted
+            if "non-finite reruns" in recover:
+                recover["evicted for non-finite"] = self.stats.evicted_nonfinite
         ends_interval = iteration % log.log_interval == 0
         due = first or ends_interval
         if writer and due:

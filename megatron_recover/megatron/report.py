@@ -42,6 +42,7 @@ class IntervalStats:
     def __init__(self):
         self.failures = 0  # replicas lost so far (the whole run)
         self.evicted = 0  # of them, evicted by sampled verification
+        self.evicted_nonfinite = 0  # of them, evicted after a non-finite gradient's reruns
         self.restart()
 
     def restart(self) -> None:
@@ -98,6 +99,9 @@ class IntervalStats:
             if "verified microbatches" in recover:
                 line += (f" verified microbatches: {recover['verified microbatches']} |"
                          f" evicted for corruption: {self.evicted} |")
+            if "non-finite reruns" in recover:
+                line += (f" non-finite reruns: {recover['non-finite reruns']} |"
+                         f" evicted for non-finite: {self.evicted_nonfinite} |")
         if restart:
             self.restart()
         return line

@@ -18,6 +18,7 @@ PENDING = 1000  # logged iterations a rank keeps until it sees them written
 # Ours, besides Megatron-LM's.
 OUR_TAGS = ("live replicas", "failures", "recovery seconds")
 VERIFICATION_TAGS = ("verified microbatches", "evicted for corruption")  # with the check on
+RERUN_TAGS = ("non-finite reruns", "evicted for non-finite")  # with --recover-nonfinite-rerun
 
 
 def training_scalars(cfg, *, iteration: int, consumed_samples: int, lr: float,
@@ -44,7 +45,7 @@ def training_scalars(cfg, *, iteration: int, consumed_samples: int, lr: float,
             scalars.append(("throughput", throughput, iteration))
     if recover is not None:
         scalars += [(tag, float(recover[tag]), iteration)
-                    for tag in OUR_TAGS + VERIFICATION_TAGS if tag in recover]
+                    for tag in OUR_TAGS + VERIFICATION_TAGS + RERUN_TAGS if tag in recover]
     return scalars
 
 
