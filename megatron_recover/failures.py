@@ -63,6 +63,13 @@ class SilentCorruption(DeviceFault):
     in the same iteration (docs/verification.md)."""
 
 
+class Straggler(DeviceFault):
+    """With --recover-evict-slower-than: this replica's measured compute time per microbatch
+    stayed past that factor over the other replicas' median for a window of iterations. Its
+    device is taken for failing slowly: the rank leaves after the step, as a failed one, and
+    the survivors go on without it (a standby, if any, takes its id) (`policy.speed`)."""
+
+
 class UnresolvedCorruption(RuntimeError):
     """Two replicas computed different gradients for the same microbatches and no third one
     could tell which is right (none was left, or all three differ): nothing of the iteration is

@@ -260,6 +260,27 @@ def test_nonfinite_rerun_options():
                  "--no-check-for-nan-in-loss-and-grad").recover.nonfinite_rerun == "off"
 
 
+def test_straggler_options():
+    recover = small("--recover").recover
+    assert (recover.straggler_threshold, recover.straggler_window,
+            recover.evict_slower_than) == (0.0, 5, 0.0)
+    recover = small("--recover", "--recover-straggler-threshold", "0.25",
+                    "--recover-straggler-window", "3", "--recover-evict-slower-than", "4").recover
+    assert (recover.straggler_threshold, recover.straggler_window,
+            recover.evict_slower_than) == (0.25, 3, 4.0)
+    assert "given without --recover" in refused("--recover-straggler-threshold", "0.2")
+    assert "has no effect: add one or drop it" in refused("--recover",
+                                                          "--recover-straggler-window", "3")
+    assert "window must be an integer >= 2" in refused(
+        "--recover", "--recover-straggler-threshold", "0.2", "--recover-straggler-window", "1")
+    assert "threshold must be >= 0" in refused("--recover", "--recover-straggler-threshold",
+                                               "-1")
+    assert "must be above 1 + threshold = 1.5" in refused(
+        "--recover", "--recover-straggler-threshold", "0.5", "--recover-evict-slower-than", "1.2")
+    assert "use --recover-policy static" in refused(
+        "--recover", "--recover-policy", "adaptive", "--recover-straggler-threshold", "0.2")
+
+
 def test_warmup_resolved_from_fraction():
     cfg = small("--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10")
     gbs = cfg.global_batch_size

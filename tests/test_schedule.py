@@ -5,9 +5,12 @@ import json
 import pytest
 
 from megatron_recover.cli import main as cli
+from megatron_recover.faults import schedule as schedule_module
+from megatron_recover.faults.injection import read_markers
 from megatron_recover.faults.schedule import (
     LOCATIONS,
     Overflow,
+    ScheduledFaults,
     ScheduleEntry,
     generate_schedule,
     injection_report,
@@ -39,6 +42,18 @@ def test_round_trip(tmp_path):
      "action 'melt'"),
     ("{iteration: 1, replica: 0, local_rank: 0, location: backward, action: stall}",
      "'seconds' goes with action stall"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: backward, action: slow, factor: 2}",
+     "give it location pre-forward"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: pre-forward, action: slow}",
+     "either 'factor'"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: pre-forward, action: slow, "
+     "factor: 0.5}", "either 'factor'"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: pre-forward, action: slow, "
+     "factor: 2, seconds: 1}", "either 'factor'"),
+    ("{iteration: 4, replica: 0, local_rank: 0, location: pre-forward, action: slow, "
+     "factor: 2, until: 3}", "'until' must be in 4..10"),
+    ("{iteration: 1, replica: 0, local_rank: 0, location: backward, until: 3}",
+     "'factor' and 'until' go with action slow"),
 ])
 def test_bad_entries_name_the_problem(tmp_path, entry, message):
     with pytest.raises(ValueError, match=message):
@@ -60,6 +75,31 @@ def test_overflows(tmp_path):
         with pytest.raises(ValueError, match=message):
             load_overflows(write(tmp_path, f"entries: []\noverflows:\n  - {bad}\n"),
                            lambda t: 8, 10)
+
+
+def test_a_slow_rank_sleeps_in_its_iterations_and_marks_the_start(tmp_path, monkeypatch):
+    """Action slow: passes in iterations 3..4 take `factor` times as long (the sleep after a
+    pass), and one marker says when it started; a slowed rank may also die later."""
+    path = write(tmp_path, "entries:\n"
+                 "  - {iteration: 3, replica: 1, local_rank: 0, location: pre-forward, "
+                 "action: slow, factor: 3, until: 4}\n"
+                 "  - {iteration: 6, replica: 1, local_rank: 0, location: backward}\n")
+    entries = load_schedule(path, 2, 1, 10)
+    faults = ScheduledFaults(entries, 1, 0, world_rank=1, marker_path=tmp_path / "markers")
+    slept = []
+    monkeypatch.setattr(schedule_module.time, "sleep", slept.append)
+    assert faults.at("pre-forward", 3) is False  # not a kill
+    for iteration in (2, 3, 3, 4, 5):
+        faults.slow_down(iteration, 4, 0.5)
+    assert slept == [1.0, 1.0, 1.0]
+    markers = read_markers(tmp_path / "markers")
+    assert [(m["iteration"], m["action"], m["factor"]) for m in markers] == [(3, "slow", 3.0)]
+    extra = ScheduledFaults(load_schedule(write(tmp_path, (
+        "entries:\n  - {iteration: 2, replica: 0, local_rank: 0, location: pre-forward, "
+        "action: slow, seconds: 0.25}\n")), 2, 1, 10), 0, 0, 0, tmp_path / "m2")
+    slept.clear()
+    extra.slow_down(9, 4, 0.5)
+    assert slept == [1.0]  # 0.25 s per microbatch, to the end of the run
 
 
 def test_a_rank_dies_once(tmp_path):

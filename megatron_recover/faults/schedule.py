@@ -13,7 +13,11 @@ or `bitflip` (at `before-reduce` only: one bit of one element of the victim's fi
 bucket is flipped, after its first pass's backward and before anything of it is reduced or
 fingerprinted: silent corruption, finite, which only sampled verification can catch; `bit`
 names the bit, by default the fourth exponent bit of the bucket's type, scaling the element by
-2^16 up or down);
+2^16 up or down)
+or `slow` (at `pre-forward` only: from `iteration` on, through `until` if given, every pass the
+victim runs takes `factor` times as long, or `seconds` longer per microbatch: a straggler, a
+thermally throttled GPU or a degraded link, not a failure; the victim sleeps after each pass,
+off the CPU, and writes a marker when the slowdown starts);
 `raise` and `device-error` happen on the main thread, so not at the native points.
 Locations, in the order an iteration reaches them:
   pre-forward       before the first forward of the iteration
@@ -94,7 +98,7 @@ JOIN_LOCATIONS = ("join-transfer",)
 STANDBY_LOCATIONS = ("idle", "join-transfer")
 
 
-ACTIONS = ("kill", "stop", "stall", "raise", "device-error", "nan", "bitflip")
+ACTIONS = ("kill", "stop", "stall", "raise", "device-error", "nan", "bitflip", "slow")
 # The bit a bitflip flips by default: the fourth exponent bit of the element's type.
 _MANTISSA_BITS = {"torch.float32": 23, "torch.bfloat16": 7, "torch.float16": 10,
                   "torch.float64": 52}
@@ -113,8 +117,10 @@ class ScheduleEntry:
     local_rank: int
     location: str
     action: str = "kill"
-    seconds: float = 0.0  # stall only
+    seconds: float = 0.0  # stall: how long; slow: the extra seconds per microbatch
     bit: int | None = None  # bitflip only: which bit of the element (None: the default)
+    factor: float = 0.0  # slow only: how many times as long every pass takes
+    until: int | None = None  # slow only: the last slowed iteration (None: to the end)
 
 
 def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
@@ -127,19 +133,27 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
     entries = []
     for i, raw in enumerate(data["entries"]):
         keys = {"iteration", "replica", "local_rank", "location"}
-        if not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"action", "seconds",
-                                                                          "bit"}:
+        optional = {"action", "seconds", "bit", "factor", "until"}
+        if not isinstance(raw, dict) or not keys <= set(raw) <= keys | optional:
             raise ValueError(f"{path}: entry {i} must have the keys {sorted(keys)} "
-                             "(and optionally action, seconds, bit)")
+                             f"(and optionally {', '.join(sorted(optional))})")
         entry = ScheduleEntry(int(raw["iteration"]), int(raw["replica"]), int(raw["local_rank"]),
                               str(raw["location"]), str(raw.get("action", "kill")),
                               float(raw.get("seconds", 0.0)),
-                              None if raw.get("bit") is None else int(raw["bit"]))
+                              None if raw.get("bit") is None else int(raw["bit"]),
+                              float(raw.get("factor", 0.0)),
+                              None if raw.get("until") is None else int(raw["until"]))
         if entry.action not in ACTIONS:
             raise ValueError(f"{path}: entry {i}: action '{entry.action}' is not one of "
                              f"{', '.join(ACTIONS)}")
-        if (entry.action == "stall") != (entry.seconds > 0):
-            raise ValueError(f"{path}: entry {i}: 'seconds' goes with action stall (and only)")
+        if entry.action == "slow":
+            _check_slow(path, i, entry, train_iters)
+        elif entry.factor or entry.until is not None:
+            raise ValueError(f"{path}: entry {i}: 'factor' and 'until' go with action slow "
+                             "(and only)")
+        elif (entry.action == "stall") != (entry.seconds > 0):
+            raise ValueError(f"{path}: entry {i}: 'seconds' goes with action stall or slow "
+                             "(and only)")
         if entry.action == "stall" and entry.location in NATIVE_LOCATIONS:
             raise ValueError(f"{path}: entry {i}: a stall happens between operations, not "
                              f"inside {entry.location}")
@@ -171,11 +185,27 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
                              f"1..{train_iters}")
         entries.append(entry)
     victims = [(e.replica, e.local_rank, e.iteration if standbys else 0) for e in entries
-               if e.action != "stall"]
+               if e.action not in ("stall", "slow")]
     if len(set(victims)) != len(victims):
         raise ValueError(f"{path}: a rank can die only once; entries repeat a replica/local_rank"
                          + (" in one iteration" if standbys else ""))
     return entries
+
+
+def _check_slow(path, i: int, entry: ScheduleEntry, train_iters: int) -> None:
+    """A `slow` entry: at pre-forward, one of factor (> 1) or seconds (> 0), and `until` (if
+    given) not before `iteration`."""
+    if entry.location != "pre-forward":
+        raise ValueError(f"{path}: entry {i}: action slow starts before a first pass: give it "
+                         "location pre-forward")
+    if (entry.factor > 0) == (entry.seconds > 0) or entry.factor < 0 or (
+            entry.factor and entry.factor <= 1):
+        raise ValueError(f"{path}: entry {i}: action slow takes either 'factor' (> 1: every "
+                         "pass takes that many times as long) or 'seconds' (> 0: that much "
+                         "longer per microbatch)")
+    if entry.until is not None and not entry.iteration <= entry.until <= train_iters:
+        raise ValueError(f"{path}: entry {i}: 'until' must be in {entry.iteration}.."
+                         f"{train_iters} (the last slowed iteration)")
 
 
 @dataclass(frozen=True)
@@ -305,12 +335,13 @@ class ScheduledFaults:
         self.world_rank = world_rank
         self.marker_path = Path(marker_path)
         self._flipped: set[ScheduleEntry] = set()
+        self._slowed: set[ScheduleEntry] = set()
 
     def _due(self, location: str, iteration: int,
              flips: bool = False) -> ScheduleEntry | None:
         for entry in self.mine:
             if (entry.location == location and entry.iteration == iteration
-                    and (entry.action == "bitflip") == flips):
+                    and entry.action != "slow" and (entry.action == "bitflip") == flips):
                 return entry
         return None
 
@@ -336,6 +367,23 @@ class ScheduledFaults:
             raise DeviceFault(f"failure schedule: a device fault at {location} of iteration "
                               f"{iteration}")
         os.kill(os.getpid(), signal.SIGSTOP if entry.action == "stop" else signal.SIGKILL)
+
+    def slow_down(self, iteration: int, microbatches: int, seconds: float) -> None:
+        """Action `slow`: a pass of `microbatches` took `seconds`; sleep what a device slowed
+        by the entry's factor (or by its seconds per microbatch) would have added. The first
+        slowed pass leaves a marker."""
+        for entry in self.mine:
+            if entry.action != "slow" or not entry.iteration <= iteration <= (
+                    entry.until if entry.until is not None else iteration):
+                continue
+            if entry not in self._slowed:
+                self._slowed.add(entry)
+                write_marker(self.marker_path, "pre-forward", self.world_rank,
+                             {"location": "pre-forward", "iteration": iteration,
+                              "action": "slow", "factor": entry.factor,
+                              "seconds": entry.seconds, "until": entry.until})
+            time.sleep(max(0.0, (entry.factor - 1) * seconds) if entry.factor
+                       else entry.seconds * microbatches)
 
     def corrupt(self, iteration: int, grad) -> None:
         """Action `bitflip`: flip one bit of an element of `grad` (`flip_target`), once (a
@@ -482,6 +530,9 @@ class NoFaults:
         return False
 
     def corrupt(self, iteration: int, grad) -> None:
+        pass
+
+    def slow_down(self, iteration: int, microbatches: int, seconds: float) -> None:
         pass
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:

@@ -57,7 +57,10 @@ _NO_EFFECT_GROUPS = (
      "--exit-signal-handler-for-dataloader"),
     ("NVIDIA's one-logger telemetry is not used", "--no-one-logger --one-logger-project:1 "
      "--one-logger-run-name:1 --one-logger-async --app-tag-run-name:1 --app-tag-run-version:1"),
-    ("straggler detection is not used; a frozen rank is detected by --recover-hang-timeout",
+    ("Megatron-LM's straggler detector (it reports) is not used: under --recover, "
+     "--recover-straggler-threshold measures every replica's speed and moves work away from a "
+     "slow one, --recover-evict-slower-than evicts it; a frozen rank is detected by "
+     "--recover-hang-timeout",
      "--log-straggler --disable-straggler-on-startup --straggler-ctrlr-port:1 "
      "--straggler-minmax-count:1"),
     ("rendezvous, ranks and timeouts come from MPI (mpirun); a hung peer is bounded by "

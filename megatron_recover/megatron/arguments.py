@@ -289,6 +289,23 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                         "microbatch ids and samples; on the replica alone, its device is "
                         "evicted; not again, a transient fault, evicted (evict) or its rerun's "
                         "gradient used (keep) (docs/failures.md)")
+    g.add_argument("--recover-straggler-threshold", type=float, metavar="F",
+                   help="balance work by measured speed: a replica whose first pass takes more "
+                        "than 1 + F times the other replicas' median time per microbatch for "
+                        "--recover-straggler-window iterations gets fewer microbatches and the "
+                        "others more (B unchanged; exact mode still commits the failure-free "
+                        "ids), until it is within that bound for a window again (default 0: "
+                        "off; docs/stragglers.md)")
+    g.add_argument("--recover-straggler-window", type=int, metavar="N",
+                   help="consecutive iterations a replica must be slow (or back within the "
+                        "threshold) before work moves (or moves back), and past "
+                        "--recover-evict-slower-than before it is evicted (default 5, at "
+                        "least 2)")
+    g.add_argument("--recover-evict-slower-than", type=float, metavar="X",
+                   help="evict a replica whose time per microbatch stays more than X times the "
+                        "other replicas' median for --recover-straggler-window iterations: it "
+                        "leaves as a failed replica (a standby, if any, takes its place) "
+                        "(default 0: never)")
     g.add_argument("--recover-no-restore", action="store_true",
                    help="diagnostic: after a failure, re-reduce without rewinding stale buckets "
                         "(shows what gradient restoration buys; breaks the trajectory)")
@@ -814,7 +831,8 @@ def _recover(ns) -> list[str]:
                                "--recover-standby-replicas", "--recover-snapshot-interval",
                                "--recover-snapshot-dir", "--recover-program-errors",
                                "--recover-sdc-check-rate", "--recover-sdc-tolerance",
-                               "--recover-nonfinite-rerun")
+                               "--recover-nonfinite-rerun", "--recover-straggler-threshold",
+                               "--recover-straggler-window", "--recover-evict-slower-than")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
     if ns.recover_no_restore:
         given.append("--recover-no-restore")
@@ -836,6 +854,7 @@ def _recover(ns) -> list[str]:
         problems.append(f"--recover-standby-replicas must be >= 0, got "
                         f"{ns.recover_standby_replicas}")
     problems += _snapshots(ns)
+    problems += _stragglers(ns)
     if ns.recover and ns.recover_nonfinite_rerun not in (None, "off") and not _checks_for_nan(ns):
         problems.append(f"--recover-nonfinite-rerun {ns.recover_nonfinite_rerun} classifies what "
                         "Megatron's NaN/inf check finds, and this job does not check ("
@@ -844,6 +863,30 @@ def _recover(ns) -> list[str]:
                            "--no-check-for-nan-in-loss-and-grad")
                         + "): drop --recover-nonfinite-rerun")
     return problems
+
+
+def _stragglers(ns) -> list[str]:
+    """--recover-straggler-threshold, --recover-straggler-window, --recover-evict-slower-than."""
+    from megatron_recover.policy.speed import StragglerConfig
+
+    threshold, window = ns.recover_straggler_threshold, ns.recover_straggler_window
+    evict = ns.recover_evict_slower_than
+    if threshold is None and window is None and evict is None:
+        return []
+    if window is not None and not threshold and not evict:
+        return ["--recover-straggler-window without --recover-straggler-threshold or "
+                "--recover-evict-slower-than has no effect: add one or drop it"]
+    if ns.recover_policy == "adaptive":
+        return ["--recover-straggler-threshold and --recover-evict-slower-than move work "
+                "between the static policy's replicas (drop-and-go gives each the same slice): "
+                "drop them or use --recover-policy static"]
+    try:
+        StragglerConfig(threshold or 0.0, 5 if window is None else window, evict or 0.0)
+    except ValueError as error:
+        return [f"--recover-straggler-threshold {threshold or 0:g}, --recover-straggler-window "
+                f"{5 if window is None else window}, --recover-evict-slower-than {evict or 0:g}: "
+                f"{error}"]
+    return []
 
 
 def _verification(ns, world_size: int) -> list[str]:
@@ -1154,7 +1197,11 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             snapshot_dir=_snapshot_dir(ns),
             sdc_check_rate=ns.recover_sdc_check_rate or 0.0,
             sdc_tolerance=ns.recover_sdc_tolerance or 0.0,
-            nonfinite_rerun=ns.recover_nonfinite_rerun or "off"),
+            nonfinite_rerun=ns.recover_nonfinite_rerun or "off",
+            straggler_threshold=ns.recover_straggler_threshold or 0.0,
+            straggler_window=(5 if ns.recover_straggler_window is None
+                              else ns.recover_straggler_window),
+            evict_slower_than=ns.recover_evict_slower_than or 0.0),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
         rampup_batch_size=(None if ns.rampup_batch_size is None

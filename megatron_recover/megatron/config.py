@@ -380,6 +380,14 @@ class RecoverConfig:
     """--recover-sdc-tolerance: relative fingerprint tolerance (0: bitwise)."""
     nonfinite_rerun: str = "off"
     """--recover-nonfinite-rerun: off, evict or keep (`recovery/rerun.py`)."""
+    straggler_threshold: float = 0.0
+    """--recover-straggler-threshold: how much slower than the others' median a replica must be
+    for work to move away from it (0: off); `policy/speed.py`."""
+    straggler_window: int = 5
+    """--recover-straggler-window: consecutive iterations before work moves, moves back, or a
+    replica is evicted."""
+    evict_slower_than: float = 0.0
+    """--recover-evict-slower-than: the factor past which a slow replica is evicted (0: never)."""
 
 
 @dataclass(frozen=True)

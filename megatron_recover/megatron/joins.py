@@ -28,7 +28,8 @@ def join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> d
     return {"iteration": iteration, "position": setup.checkpoint_position,
             **training_state.capture(setup.ddp_model, setup.optimizer, setup.scheduler),
             "layout": policy.layout, "last_committed": policy.last_committed,
-            "reserve_next": policy.reserve_next, "dead_replicas": sorted(trainer.dead_replicas),
+            "reserve_next": policy.reserve_next, "speeds": policy.speeds,
+            "dead_replicas": sorted(trainer.dead_replicas),
             "replica_of_rank": dict(trainer.p.replica_of_rank),
             "committed_reserve": sorted(trainer.p.audit.committed_reserve),
             "digests": state_digests(setup)}

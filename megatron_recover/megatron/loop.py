@@ -202,7 +202,12 @@ class ResilientStepper:
                         if cfg.recover.sdc_check_rate > 0 else {}),
                      **({"non-finite reruns": sum(len(e["outcomes"]) for e in report.events
                                                   if e["event"] == "rerun")}
-                        if cfg.recover.nonfinite_rerun != "off" else {})})
+                        if cfg.recover.nonfinite_rerun != "off" else {}),
+                     **({"microbatches per replica": ",".join(
+                         f"{r}:{n}" for r, n in sorted(report.quotas.items())),
+                         "slow replicas": len(report.slow)}
+                        if cfg.recover.straggler_threshold or cfg.recover.evict_slower_than
+                        else {})})
 
     def save(self, iteration: int) -> None:
         """The lowest live replica (every rank agrees on it through the policy) writes."""

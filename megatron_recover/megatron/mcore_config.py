@@ -131,9 +131,14 @@ def to_scheduler_kwargs(cfg: TrainConfig) -> dict:
 
 def to_policy_config(cfg: TrainConfig):
     """The layer-3 PolicyConfig: W_init replicas, G_init microbatch ids each, policy and mode,
-    and the B of each iteration of a batch-size ramp-up."""
+    the B of each iteration of a batch-size ramp-up, and the straggler settings."""
     from megatron_recover.policy import PolicyConfig
+    from megatron_recover.policy.speed import StragglerConfig
 
     ramp = tuple(size // cfg.micro_batch_size for size in cfg.global_batches.ramp)
+    recover = cfg.recover
     return PolicyConfig(w_init=cfg.num_replicas, g_init=cfg.num_microbatches_per_replica,
-                        policy=cfg.recover.policy, mode=cfg.recover.mode, ramp=ramp)
+                        policy=recover.policy, mode=recover.mode, ramp=ramp,
+                        straggler=StragglerConfig(recover.straggler_threshold,
+                                                  recover.straggler_window,
+                                                  recover.evict_slower_than))

@@ -110,11 +110,14 @@ class Progress:
         (to show the start-up overhead), without starting a new interval unless that
         iteration ends one: the next line covers it again."""
         cfg, log = self.cfg, self.cfg.logging
-        lost = sum(len(e["replicas"]) for e in events if e["event"] == "failure")
+        # A straggler's eviction is a replica lost as a failure is (fail-slow made fail-stop).
+        evicted_slow = sum(len(e["evicted"]) for e in events if e["event"] == "straggler")
+        lost = sum(len(e["replicas"]) for e in events if e["event"] == "failure") + evicted_slow
         self.stats.add(loss, skipped, iteration_ms, lost)
         self.stats.evicted += sum(len(e["evicted"]) for e in events if e["event"] == "corruption")
         self.stats.evicted_nonfinite += sum(len(e["evicted"]) for e in events
                                             if e["event"] == "rerun")
+        self.stats.evicted_slow += evicted_slow
         writer = self.is_writer()
         lr = self.setup.optimizer.param_groups[0]["lr"]  # after the step, as Megatron-LM logs
         consumed = cfg.global_batches.consumed_after(iteration)
@@ -131,6 +134,8 @@ class Progress:
                 recover["evicted for corruption"] = self.stats.evicted
             if "non-finite reruns" in recover:
                 recover["evicted for non-finite"] = self.stats.evicted_nonfinite
+            if "slow replicas" in recover:
+                recover["evicted as stragglers"] = self.stats.evicted_slow
         ends_interval = iteration % log.log_interval == 0
         due = first or ends_interval
         if writer and due:

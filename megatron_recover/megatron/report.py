@@ -43,6 +43,7 @@ class IntervalStats:
         self.failures = 0  # replicas lost so far (the whole run)
         self.evicted = 0  # of them, evicted by sampled verification
         self.evicted_nonfinite = 0  # of them, evicted after a non-finite gradient's reruns
+        self.evicted_slow = 0  # of them, evicted as stragglers (--recover-evict-slower-than)
         self.restart()
 
     def restart(self) -> None:
@@ -102,6 +103,10 @@ class IntervalStats:
             if "non-finite reruns" in recover:
                 line += (f" non-finite reruns: {recover['non-finite reruns']} |"
                          f" evicted for non-finite: {self.evicted_nonfinite} |")
+            if "slow replicas" in recover:
+                line += (f" microbatches per replica: {recover['microbatches per replica']} |"
+                         f" slow replicas: {recover['slow replicas']} |"
+                         f" evicted as stragglers: {self.evicted_slow} |")
         if restart:
             self.restart()
         return line
@@ -129,6 +134,12 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
             lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
                          f" replica(s) {event['replicas']} held out a non-finite gradient: "
                          f"rerun in place and by replica(s) {event['checkers']}")
+        if event["event"] == "straggler":
+            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+                         f" replica(s) {event['evicted']} evicted as stragglers: "
+                         + ", ".join(f"replica {r} {x:.2f}x" for r, x in event["ratios"].items())
+                         + f" the other replicas' median time per microbatch for "
+                         f"{event['window']} iterations; they leave after this step")
         if event["event"] == "rerun":
             lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
                          " non-finite gradient classified "

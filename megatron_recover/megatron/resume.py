@@ -5,11 +5,11 @@ a later run can continue.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_recover.megatron import checkpoint, mcore_config, snapshot
 from megatron_recover.megatron.rank_setup import RankSetup
-from megatron_recover.policy import ADAPTIVE, PolicyConfig, WorkloadPolicy, advance_layout
+from megatron_recover.policy import ADAPTIVE, WorkloadPolicy, advance_layout
 
 
 @dataclass
@@ -83,8 +83,7 @@ def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
             raise ValueError(f"resuming: the adaptive policy resumes on its {len(live)} live "
                              f"replicas only, not {num_replicas}")
         layout = advance_layout(ids, layout.b)
-    config = PolicyConfig(w_init=state.w_init, g_init=state.g_init, policy=state.policy,
-                          mode=state.mode, ramp=state.ramp)
+    config = replace(config, w_init=state.w_init, g_init=state.g_init)
     return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
 
 

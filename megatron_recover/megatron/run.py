@@ -423,7 +423,8 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
     joined = None
     if call is not None:
         policy = WorkloadPolicy.resume(mcore_config.to_policy_config(cfg), call.state["layout"],
-                                       call.state["last_committed"], call.state["reserve_next"])
+                                       call.state["last_committed"], call.state["reserve_next"],
+                                       call.state["speeds"])
         trainer = _resilient_trainer(cfg, setup, source, micro_pass, policy,
                                      setup.replica_index, dict(call.state["replica_of_rank"]),
                                      exits.requested, continued=call.state)

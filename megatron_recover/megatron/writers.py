@@ -19,6 +19,8 @@ PENDING = 1000  # logged iterations a rank keeps until it sees them written
 OUR_TAGS = ("live replicas", "failures", "recovery seconds")
 VERIFICATION_TAGS = ("verified microbatches", "evicted for corruption")  # with the check on
 RERUN_TAGS = ("non-finite reruns", "evicted for non-finite")  # with --recover-nonfinite-rerun
+# With straggler handling: how many replicas the next layout treats as slow, evictions so far.
+STRAGGLER_TAGS = ("slow replicas", "evicted as stragglers")
 
 
 def training_scalars(cfg, *, iteration: int, consumed_samples: int, lr: float,
@@ -45,7 +47,8 @@ def training_scalars(cfg, *, iteration: int, consumed_samples: int, lr: float,
             scalars.append(("throughput", throughput, iteration))
     if recover is not None:
         scalars += [(tag, float(recover[tag]), iteration)
-                    for tag in OUR_TAGS + VERIFICATION_TAGS + RERUN_TAGS if tag in recover]
+                    for tag in OUR_TAGS + VERIFICATION_TAGS + RERUN_TAGS + STRAGGLER_TAGS
+                    if tag in recover]
     return scalars
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from megatron_recover.policy.idset import IdSet
+from megatron_recover.policy.speed import StragglerConfig
 
 MAJOR = "major"
 MINOR = "minor"
@@ -42,6 +43,8 @@ class PolicyConfig:
     ramp: B of each iteration of a batch-size ramp-up (--rampup-batch-size), iteration 1 first,
         non-decreasing, each a multiple of w_init and at most B; every later iteration has B.
         Empty: B in every iteration.
+    straggler: how the static policy's layout follows the replicas' measured speed
+        (`speed.StragglerConfig`; the default measures nothing and never moves work).
     """
 
     w_init: int
@@ -49,6 +52,7 @@ class PolicyConfig:
     policy: str = STATIC
     mode: str = EXACT
     ramp: tuple[int, ...] = ()
+    straggler: StragglerConfig = StragglerConfig()
 
     def __post_init__(self):
         for name in ("w_init", "g_init"):
@@ -62,6 +66,9 @@ class PolicyConfig:
         if self.policy == ADAPTIVE and self.mode != EXACT:
             # Drop-and-go has no spares, so there is nothing for a reserve stream to feed.
             raise ValueError("reserve mode applies to the static policy only")
+        if self.policy == ADAPTIVE and self.straggler.enabled:
+            # Drop-and-go gives every replica the same slice; only the static layout can move it.
+            raise ValueError("straggler balancing and eviction apply to the static policy only")
         ramp = tuple(self.ramp)
         object.__setattr__(self, "ramp", ramp)
         if any(not 1 <= b <= self.b or b % self.w_init for b in ramp) or list(ramp) != sorted(
@@ -90,6 +97,9 @@ class Layout:
     majors, major_spares, minor_spares: replica ids, each tuple increasing. minor: a replica id or
     None. Invariants: n_maj*g_cur + r_cur == B, 0 <= r_cur < g_cur, the roles are disjoint, and a
     minor-spare exists only beside a minor.
+    quotas: a balanced layout's microbatches of each major, in the majors' order (`speed.py`):
+        every live replica is a major, with no minor and no spares; the quotas sum to B, each is
+        at least 1, and g_cur is the largest. Empty: every major runs g_cur.
     """
 
     b: int
@@ -99,9 +109,15 @@ class Layout:
     minor: int | None
     major_spares: tuple[int, ...] = ()
     minor_spares: tuple[int, ...] = ()
+    quotas: tuple[int, ...] = ()
 
     def __post_init__(self):
-        assert len(self.majors) * self.g_cur + self.r_cur == self.b, self
+        if self.quotas:
+            assert len(self.quotas) == len(self.majors) and min(self.quotas) >= 1, self
+            assert sum(self.quotas) == self.b and self.g_cur == max(self.quotas), self
+            assert self.minor is None and not self.major_spares and not self.minor_spares, self
+        else:
+            assert len(self.majors) * self.g_cur + self.r_cur == self.b, self
         assert 0 <= self.r_cur < self.g_cur, self
         assert (self.minor is None) == (self.r_cur == 0), self
         assert self.majors, "the static policy always has a major"
@@ -151,6 +167,9 @@ class Layout:
     def slot_ids(self, slot: int) -> IdSet:
         """The microbatch ids of a slot."""
         assert 0 <= slot <= self.minor_slot, slot
+        if self.quotas:
+            start = sum(self.quotas[:slot])
+            return IdSet.range(start, start + self.quotas[slot])
         if slot < self.minor_slot:
             return IdSet.range(slot * self.g_cur, (slot + 1) * self.g_cur)
         assert self.minor is not None, "no minor slot in this layout"
@@ -203,3 +222,11 @@ def advance_layout(live: Iterable[int], b: int) -> Layout:
         major_spares=tuple(spares[: rest - n_minor_spare]),
         minor_spares=tuple(spares[rest - n_minor_spare :]),
     )
+
+
+def balanced_layout(quotas: dict[int, int], b: int) -> Layout:
+    """A layout in which every replica of `quotas` (replica -> microbatches, summing to `b`) is a
+    major with its own quota: majors take contiguous id ranges in replica order, as always."""
+    majors = tuple(sorted(quotas))
+    return Layout(b=b, g_cur=max(quotas.values()), r_cur=0, majors=majors, minor=None,
+                  quotas=tuple(quotas[r] for r in majors))

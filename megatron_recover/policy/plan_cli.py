@@ -14,7 +14,13 @@ import sys
 
 from megatron_recover.policy.layout import ADAPTIVE, EXACT, RESERVE, STATIC, PolicyConfig
 from megatron_recover.policy.records import NoSurvivorsError
-from megatron_recover.policy.simulator import IterationReport, parse_failure, simulate
+from megatron_recover.policy.simulator import (
+    IterationReport,
+    parse_failure,
+    parse_slow,
+    simulate,
+)
+from megatron_recover.policy.speed import StragglerConfig
 
 
 def _positive_int(text: str) -> int:
@@ -30,6 +36,13 @@ def _positive_int(text: str) -> int:
 def _failure(text: str):
     try:
         return parse_failure(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _slow(text: str):
+    try:
+        return parse_slow(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -74,6 +87,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replicas (0-based) that die in iteration ITER (1-based); PHASE is reduce "
         "(default), extension (extensionN for the N-th extension pass) or commit; repeatable",
     )
+    parser.add_argument(
+        "--slow",
+        type=_slow,
+        action="append",
+        default=[],
+        metavar="REPLICA:FACTOR@FIRST[-LAST]",
+        help="replica REPLICA takes FACTOR times as long per microbatch in iterations "
+        "FIRST..LAST (to the end without LAST); repeatable. With --straggler-threshold the "
+        "layout follows the speeds as --recover-straggler-threshold makes a run's follow them",
+    )
+    parser.add_argument("--straggler-threshold", type=float, default=0.0, metavar="F",
+                        help="as --recover-straggler-threshold (default 0: off)")
+    parser.add_argument("--straggler-window", type=int, default=5, metavar="N",
+                        help="as --recover-straggler-window (default 5)")
+    parser.add_argument("--evict-slower-than", type=float, default=0.0, metavar="X",
+                        help="as --recover-evict-slower-than (default 0: never)")
     parser.add_argument("--json", action="store_true", help="one JSON object per iteration")
 
 
@@ -82,8 +111,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.mode is not None and args.policy == ADAPTIVE:
             raise ValueError("--mode applies to the static policy only (adaptive has no spares)")
-        config = PolicyConfig(args.w_init, args.g_init, args.policy, args.mode or EXACT)
-        reports = simulate(config, args.iterations, args.fail)
+        straggler = StragglerConfig(args.straggler_threshold, args.straggler_window,
+                                    args.evict_slower_than)
+        config = PolicyConfig(args.w_init, args.g_init, args.policy, args.mode or EXACT,
+                              straggler=straggler)
+        reports = simulate(config, args.iterations, args.fail, args.slow)
     except (ValueError, NoSurvivorsError) as err:
         print(f"megatron-recover plan: error: {err}", file=sys.stderr)
         return 2
@@ -130,6 +162,11 @@ def _table(config: PolicyConfig, reports: list[IterationReport]) -> str:
             if str(rep) not in record["failed"]
         ]
         events += [f"{spare} promoted for {dead}" for dead, spare in record["promoted"].items()]
+        if config.straggler.enabled:
+            events.append("first pass " + ",".join(f"{r}:{n}"
+                                                   for r, n in record["first_pass"].items()))
+            events += [f"slow {record['slow']}"] if record["slow"] else []
+            events += [f"{r} evicted as a straggler" for r in record["evicted"]]
         rows.append(cells + ["; ".join(events)])
     header = [name for name, _ in _COLUMNS] + ["events"]
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(_COLUMNS))]

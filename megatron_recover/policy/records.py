@@ -152,6 +152,9 @@ class IterationResult:
     Per-replica maps hold exactly the replicas alive at the commit, in increasing id.
     divisor: what the summed gradient is divided by (static: B; adaptive: the committed count).
     next_layout / next_reserve: the state the next iteration begins with.
+    evicted: replicas the measured speeds evicted at this commit (`speed.py`): not in
+        next_layout. slow: the replicas the next layout treats as slow. ratios: each measured
+        replica's time per microbatch over the median of the others'.
     """
 
     iteration: int
@@ -168,6 +171,9 @@ class IterationResult:
     failed: frozenset[int]
     next_layout: Any = field(repr=False)
     next_reserve: int = 0
+    evicted: frozenset[int] = frozenset()
+    slow: frozenset[int] = frozenset()
+    ratios: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def contributions(self) -> int:

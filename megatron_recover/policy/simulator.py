@@ -14,6 +14,11 @@ in which phase:
 
 Events of the same iteration and phase form one agreed record. The simulator drives the very
 `WorkloadPolicy` the training glue uses, so what `plan` prints is what a run would do.
+
+Stragglers (`SlowReplica`, with a `StragglerConfig` in the policy's configuration) make a replica
+take `factor` times as long per microbatch from one iteration on; every other replica takes 1.
+The times are what the commit lane would carry, so the layout moves as a run's would, and a
+replica the policy evicts is dead from the next iteration on.
 """
 
 from __future__ import annotations
@@ -38,6 +43,36 @@ EXTENSION = "extension"
 COMMIT = "commit"
 
 _SPEC = re.compile(r"^(\d+):(\d+(?:,\d+)*)(?:@(reduce|commit|extension)(\d*))?$")
+_SLOW = re.compile(r"^(\d+):(\d+(?:\.\d*)?)@(\d+)(?:-(\d+))?$")
+
+
+@dataclass(frozen=True)
+class SlowReplica:
+    """Replica `replica` takes `factor` times as long per microbatch in iterations
+    `first`..`last` (None: to the end)."""
+
+    replica: int
+    factor: float
+    first: int
+    last: int | None = None
+
+    def factor_at(self, iteration: int) -> float:
+        within = self.first <= iteration and (self.last is None or iteration <= self.last)
+        return self.factor if within else 1.0
+
+
+def parse_slow(spec: str) -> SlowReplica:
+    """Parse `REPLICA:FACTOR@FIRST[-LAST]` (for example 2:2.0@3 or 1:3@2-6)."""
+    match = _SLOW.match(spec.strip())
+    if not match:
+        raise ValueError(f"bad slowdown {spec!r}: expected REPLICA:FACTOR@FIRST[-LAST] "
+                         "(e.g. 2:2.0@3, 1:3@2-6)")
+    replica, factor, first, last = match.groups()
+    slow = SlowReplica(int(replica), float(factor), int(first),
+                       None if last is None else int(last))
+    if slow.factor <= 0 or slow.first < 1 or (slow.last is not None and slow.last < slow.first):
+        raise ValueError(f"bad slowdown {spec!r}: FACTOR > 0, 1 <= FIRST <= LAST")
+    return slow
 
 
 @dataclass(frozen=True)
@@ -96,6 +131,7 @@ class IterationReport:
     result: IterationResult
     live_replicas: int
     failures: tuple[tuple[int, str], ...]  # (replica, phase) of the deaths in this iteration
+    first_pass: tuple[tuple[int, int], ...] = ()  # (replica, microbatches it contributes first)
 
     def to_json(self) -> dict[str, Any]:
         """The machine-readable record `plan --json` prints (one per iteration).
@@ -138,13 +174,18 @@ class IterationReport:
             "per_replica_ids": {str(rep): ids.to_list() for rep, ids in r.per_replica_ids.items()},
             "per_replica": {str(rep): len(ids) for rep, ids in r.per_replica_ids.items()},
             "committed_ids": r.committed.to_list(),
+            "first_pass": {str(rep): n for rep, n in self.first_pass},
+            "slow": sorted(r.slow),
+            "evicted": sorted(r.evicted),
         }
 
 
 def simulate(
-    config: PolicyConfig, iterations: int, failures: Iterable[FailureEvent] = ()
+    config: PolicyConfig, iterations: int, failures: Iterable[FailureEvent] = (),
+    slow: Iterable[SlowReplica] = (),
 ) -> list[IterationReport]:
-    """Run iterations 1..`iterations` under `failures`; return one report per iteration.
+    """Run iterations 1..`iterations` under `failures` and slowdowns `slow`; return one report
+    per iteration.
 
     Raises ValueError for a schedule that cannot happen (an iteration out of range, a replica that
     does not exist or is already dead, an extension pass the iteration does not have) and
@@ -153,12 +194,19 @@ def simulate(
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     records = _group(config, iterations, failures)
+    slow = list(slow)
+    for s in slow:
+        if not 0 <= s.replica < config.w_init:
+            raise ValueError(f"slowdown of replica {s.replica}: replicas are "
+                             f"0..{config.w_init - 1}")
     policy = WorkloadPolicy(config)
     dead: dict[int, str] = {}
     news: list[int] = []
     reports = []
     for t in range(1, iterations + 1):
-        policy.begin(t)
+        state = policy.begin(t)
+        first_pass = tuple((r, len(w.first_pass)) for r, w in sorted(state.work.items())
+                           if w.contributes_first_pass)
         failed_now: list[tuple[int, str]] = []
         first = records.pop((t, REDUCE, 0), [])
         _mark_dead(dead, first, t, REDUCE, failed_now)
@@ -171,16 +219,22 @@ def simulate(
             replicas = records.pop(key)
             _mark_dead(dead, replicas, t, f"{EXTENSION}{'' if round_ == 1 else round_}", failed_now)
             policy.on_failure(replicas)
-        result = policy.commit()
+        times = {r: 1.0 for r in policy.state.live}
+        for s in slow:
+            if s.replica in times:
+                times[s.replica] *= s.factor_at(t)
+        result = policy.commit(times)
+        for replica in sorted(result.evicted):
+            dead[replica] = f"iteration {t} (evicted as a straggler)"
         news = records.pop((t, COMMIT, 0), [])
         _mark_dead(dead, news, t, COMMIT, failed_now)
-        live = len(result.roles) - len(news)
+        live = len(result.roles) - len(news) - len(result.evicted)
         if live == 0:
             raise NoSurvivorsError(
                 f"every replica is dead after iteration {t} commits: the run cannot continue "
                 "(at least one replica must survive)"
             )
-        reports.append(IterationReport(result, live, tuple(failed_now)))
+        reports.append(IterationReport(result, live, tuple(failed_now), first_pass))
     assert not records, records
     return reports
 

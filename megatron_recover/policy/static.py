@@ -247,8 +247,11 @@ def _carry_layout(state: IterationState) -> Layout:
     """The layout after a non-boundary iteration: same G_cur and R_cur, promoted spares in place.
 
     Every slot is still held (otherwise the pool would have been non-empty); majors are re-sorted
-    into replica order, which is what fixes their id ranges in the next iteration.
+    into replica order, which is what fixes their id ranges in the next iteration. A balanced
+    layout has no spares, so nothing was promoted: it carries over as it is.
     """
+    if state.layout.quotas:
+        return state.layout
     by_role: dict[str, list[int]] = {MAJOR: [], MINOR: [], MAJOR_SPARE: [], MINOR_SPARE: []}
     for replica in state.live:
         by_role[state.work[replica].base_role].append(replica)

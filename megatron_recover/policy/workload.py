@@ -13,15 +13,20 @@ Typical use by the glue, per iteration:
     while the consensus reports a failure record:
         decision = policy.on_failure(record.failed)
         ... restore (decision.restore_mode); if decision.boundary run policy.work(me).extension ...
-    result = policy.commit()                      # result.divisor scales the gradient
+    result = policy.commit(times)                 # result.divisor scales the gradient
+
+`times` are the replicas' agreed first-pass seconds per microbatch: with a `StragglerConfig` the
+policy balances its next layout by them, or evicts a replica far slower than the others
+(`speed.py`; `result.evicted`).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import replace
+from typing import Iterable, Mapping
 
-from megatron_recover.policy import adaptive, static
-from megatron_recover.policy.layout import ADAPTIVE, PolicyConfig
+from megatron_recover.policy import adaptive, speed, static
+from megatron_recover.policy.layout import ADAPTIVE, PolicyConfig, advance_layout, balanced_layout
 from megatron_recover.policy.records import (
     IterationResult,
     IterationState,
@@ -45,16 +50,22 @@ class WorkloadPolicy:
         self.last_committed = 0
         self._reserve_next = 0
         self._state: IterationState | None = None
+        # The measured speeds' history (`speed.SpeedState`): equal on every rank, sent to joiners.
+        self.speeds = speed.SpeedState()
 
     @classmethod
     def resume(cls, config: PolicyConfig, layout, last_committed: int,
-               reserve_next: int) -> "WorkloadPolicy":
+               reserve_next: int, speeds: speed.SpeedState | None = None) -> "WorkloadPolicy":
         """The policy of a run resumed from a checkpoint: it continues from `layout` (its live
-        replicas are original replica ids) with the iteration after `last_committed`."""
+        replicas are original replica ids) with the iteration after `last_committed`; `speeds`:
+        the live replicas' speed history (a joiner takes its donor's; a relaunch starts
+        without)."""
         policy = cls(config)
         policy.layout = layout
         policy.last_committed = last_committed
         policy._reserve_next = reserve_next
+        if speeds is not None:
+            policy.speeds = speeds
         return policy
 
     @property
@@ -102,6 +113,7 @@ class WorkloadPolicy:
             raise ValueError(f"cannot drop replicas {sorted(failed)} from the live "
                              f"{list(self.layout.replicas)}")
         self.layout = self._impl.without(self.layout, failed)
+        self.speeds = self.speeds.forget(failed)
 
     def grow(self, joined: Iterable[int]) -> None:
         """Between iterations, replicas `joined` (ids of dead replicas, taken by standbys) come
@@ -115,6 +127,7 @@ class WorkloadPolicy:
             raise ValueError(f"cannot grow replicas {sorted(joined)} into the live "
                              f"{list(self.layout.replicas)} (ids 0..{self.config.w_init - 1})")
         self.layout = self._impl.with_replicas(self.layout, joined)
+        self.speeds = self.speeds.forget(joined)  # a standby's speed is not the old replica's
 
     def work(self, replica: int) -> RankWork:
         """What `replica` runs and contributes in the iteration in progress."""
@@ -134,14 +147,33 @@ class WorkloadPolicy:
         """The iteration in progress or, between iterations, the next one."""
         return self.last_committed + 1 if self._state is None else self._state.iteration
 
-    def commit(self) -> IterationResult:
-        """Close the iteration in progress and install the next layout."""
+    def commit(self, times: Mapping[int, float] | None = None) -> IterationResult:
+        """Close the iteration in progress and install the next layout. `times`: replica ->
+        its first pass's seconds per microbatch, agreed by every rank (straggler handling)."""
         result = self._impl.commit_iteration(self.state)
+        if self.config.straggler.enabled:
+            result = self._follow_speeds(result, times or {})
         self.layout = result.next_layout
         self._reserve_next = result.next_reserve
         self.last_committed = result.iteration
         self._state = None
         return result
+
+    def _follow_speeds(self, result: IterationResult,
+                       times: Mapping[int, float]) -> IterationResult:
+        """The next layout by the measured speeds: balanced while a replica is marked slow,
+        Algorithm 7 otherwise; evicted replicas are left out of it."""
+        b_next = self.config.b_at(result.iteration + 1)
+        self.speeds, decision = speed.observe(self.config.straggler, self.speeds, times,
+                                              result.roles, b_next)
+        layout = result.next_layout
+        survivors = [r for r in layout.replicas if r not in decision.evict]
+        if decision.quotas is not None:
+            layout = balanced_layout(dict(decision.quotas), b_next)
+        elif decision.evict or layout.quotas:
+            layout = advance_layout(survivors, b_next)
+        return replace(result, next_layout=layout, evicted=decision.evict,
+                       slow=self.speeds.marked, ratios=dict(decision.ratios))
 
 
 class PolicyNumMicroBatchesCalculator:

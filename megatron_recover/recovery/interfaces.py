@@ -105,3 +105,7 @@ class FaultPoints(Protocol):
 
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         """Arm the group's native points for `iteration` (the k-th bucket's reduce)."""
+
+    def slow_down(self, iteration: int, microbatches: int, seconds: float) -> None:
+        """A pass of `microbatches` just ran in `seconds`: sleep as much longer as a slowed
+        device would have taken (the failure schedule's `slow` action)."""

@@ -17,7 +17,7 @@ losses and token counts are never negative), so the MAX is the replica's value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,27 +35,56 @@ class LaneHead:
     exit_requested: bool  # this rank asks to stop after the iteration (summed: some rank did)
 
 
+class SpeedSlots:
+    """The replicas' first-pass compute time per microbatch in the commit lane: per replica id,
+    the microseconds its ranks at this position measured (whole numbers, so the sum is exact in
+    any order and equal on every rank) and how many of them measured (a distributed-optimizer
+    shard that ran nothing does not). Decoded: replica -> seconds per microbatch, the mean over
+    its measuring shards."""
+
+    def __init__(self, w_init: int):
+        self.w_init = w_init
+        self.size = 2 * w_init
+
+    def encode(self, replica: int, seconds: float | None) -> torch.Tensor:
+        vector = torch.zeros(self.size, dtype=torch.float64)
+        if seconds is not None:
+            vector[replica] = float(max(1, round(seconds * 1e6)))
+            vector[self.w_init + replica] = 1.0
+        return vector
+
+    def decode(self, vector: torch.Tensor) -> dict[int, float]:
+        w = self.w_init
+        return {r: float(vector[r]) / float(vector[w + r]) / 1e6 for r in range(w)
+                if vector[w + r] > 0}
+
+
 class CommitLane:
     """Encodes and decodes the commit lane: [loss sum, tokens, exit request, ledger...], then,
     with sampled verification, the fingerprint slots (`verification.Slots`), then, with
-    non-finite reruns, their flags (`rerun.RerunSlots`)."""
+    non-finite reruns, their flags (`rerun.RerunSlots`), then, with straggler handling, the
+    replicas' times per microbatch (`SpeedSlots`)."""
 
     HEAD = 3
 
     def __init__(self, layout: LaneLayout, slots: Slots | None = None,
-                 reruns: RerunSlots | None = None):
+                 reruns: RerunSlots | None = None, speeds: SpeedSlots | None = None):
         self.layout = layout
         self.slots = slots
         self.reruns = reruns
+        self.speeds = speeds
         self._reruns_at = self.HEAD + layout.size + (0 if slots is None else slots.size)
-        self.size = self._reruns_at + (0 if reruns is None else reruns.size)
+        self._speeds_at = self._reruns_at + (0 if reruns is None else reruns.size)
+        self.size = self._speeds_at + (0 if speeds is None else speeds.size)
 
     def encode(self, head: LaneHead, sent: Ledger | None, iteration: int,
                poison: int = 0, fingerprints: dict | None = None,
-               reruns: RerunView | None = None) -> torch.Tensor:
+               reruns: RerunView | None = None,
+               speed: tuple[int, float | None] | None = None) -> torch.Tensor:
         """The lane vector of this rank; `sent` is None when its buckets sent nothing;
         `fingerprints` (kind -> replica id -> fingerprint) is what this rank computed, `reruns`
-        what it found non-finite."""
+        what it found non-finite, `speed` (its replica, its first pass's seconds per microbatch
+        or None) what it measured."""
         values = torch.tensor([head.loss_sum, head.tokens, float(head.exit_requested)],
                               dtype=torch.float64)
         parts = [values, self.layout.encode(sent, iteration, poison=poison)]
@@ -63,6 +92,8 @@ class CommitLane:
             parts.append(self.slots.encode(fingerprints or {}))
         if self.reruns is not None:
             parts.append(self.reruns.encode(reruns or RerunView()))
+        if self.speeds is not None:
+            parts.append(self.speeds.encode(*(speed or (0, None))))
         return torch.cat(parts)
 
     def decode_head(self, lane: torch.Tensor) -> LaneHead:
@@ -80,7 +111,14 @@ class CommitLane:
         """The summed lane's non-finite flags (empty without non-finite reruns)."""
         if self.reruns is None:
             return RerunView()
-        return self.reruns.decode(lane[self._reruns_at:])
+        return self.reruns.decode(lane[self._reruns_at:self._speeds_at])
+
+    def decode_speeds(self, lane: torch.Tensor) -> dict[int, float]:
+        """The summed lane's times per microbatch: replica -> seconds (empty without straggler
+        handling)."""
+        if self.speeds is None:
+            return {}
+        return self.speeds.decode(lane[self._speeds_at:])
 
     def empty(self) -> torch.Tensor:
         """A lane that sent nothing and asks nothing (an evaluation round)."""
@@ -101,6 +139,9 @@ class Verdict:
     evict: frozenset[int] = frozenset()  # replicas whose fingerprint the other two contradict
     unresolved: frozenset[int] = frozenset()  # owners whose mismatch nobody can arbitrate
     reruns: RerunView = RerunView()  # non-finite first passes and reruns (`rerun.py`)
+    # Each replica's first-pass seconds per microbatch, the slowest of its positions' (with
+    # straggler handling; empty otherwise).
+    speeds: dict = field(default_factory=dict)
 
     @property
     def corrupt(self) -> bool:
@@ -112,12 +153,14 @@ class VerdictCodec:
     """Encodes one position's view of a round so that the element-wise MAX over a replica's
     positions decodes to the replica's verdict: [dead flag per replica id 0..w_init-1, round
     failed, loss sum, ledger problem, tokens, exit request, then a flag per replica id for each
-    of suspects, evict and unresolved, then the non-finite flags (`rerun.RerunSlots`)]."""
+    of suspects, evict and unresolved, then the non-finite flags (`rerun.RerunSlots`), then, with
+    straggler handling, each replica's seconds per microbatch (MAX: its slowest position)]."""
 
-    def __init__(self, w_init: int):
+    def __init__(self, w_init: int, speeds: bool = False):
         self.w_init = w_init
         self._reruns = RerunSlots(w_init)
-        self.size = 4 * w_init + 5 + self._reruns.size
+        self._speeds_at = 4 * w_init + 5 + self._reruns.size
+        self.size = self._speeds_at + (w_init if speeds else 0)
 
     def _flags(self, vector: torch.Tensor, at: int, replicas) -> None:
         w = self.w_init
@@ -130,9 +173,11 @@ class VerdictCodec:
         return frozenset(r for r in range(self.w_init) if vector[at + r] > 0)
 
     def encode(self, dead: set[int], failed: bool, head: LaneHead, ledger_bad: bool,
-               judgement=None, reruns: RerunView | None = None) -> torch.Tensor:
+               judgement=None, reruns: RerunView | None = None,
+               speeds: dict[int, float] | None = None) -> torch.Tensor:
         """`judgement`: this position's `verification.Judgement`, if its fingerprints were
-        judged; `reruns`: its summed lane's non-finite flags."""
+        judged; `reruns`: its summed lane's non-finite flags; `speeds`: its summed lane's times
+        per microbatch."""
         w = self.w_init
         vector = torch.zeros(self.size, dtype=torch.float64)
         self._flags(vector, 0, dead)
@@ -146,7 +191,10 @@ class VerdictCodec:
             self._flags(vector, 2 * w + 5, judgement.evict)
             self._flags(vector, 3 * w + 5, judgement.unresolved)
         if reruns is not None:
-            vector[4 * w + 5:] = self._reruns.encode(reruns)
+            vector[4 * w + 5:self._speeds_at] = self._reruns.encode(reruns)
+        for replica, seconds in (speeds or {}).items():
+            if self.size > self._speeds_at:
+                vector[self._speeds_at + replica] = seconds
         return vector
 
     def decode(self, vector: torch.Tensor) -> Verdict:
@@ -158,4 +206,6 @@ class VerdictCodec:
                        exit_requested=bool(vector[w + 4] > 0),
                        suspects=self._set(vector, w + 5), evict=self._set(vector, 2 * w + 5),
                        unresolved=self._set(vector, 3 * w + 5),
-                       reruns=self._reruns.decode(vector[4 * w + 5:]))
+                       reruns=self._reruns.decode(vector[4 * w + 5:self._speeds_at]),
+                       speeds={r: float(vector[self._speeds_at + r]) for r in range(w)
+                               if self.size > self._speeds_at and vector[self._speeds_at + r] > 0})

@@ -56,6 +56,7 @@ from megatron_recover.failures import (
     NonFiniteData,
     NonFiniteResult,
     SilentCorruption,
+    Straggler,
     UnresolvedCorruption,
 )
 from megatron_recover.policy import ADAPTIVE, RESERVE, WorkloadPolicy
@@ -69,7 +70,7 @@ from megatron_recover.recovery.interfaces import (
     PassRunner,
 )
 from megatron_recover.recovery.ledger import LaneLayout
-from megatron_recover.recovery.lane import CommitLane, LaneHead, Verdict, VerdictCodec
+from megatron_recover.recovery.lane import CommitLane, LaneHead, SpeedSlots, Verdict, VerdictCodec
 from megatron_recover.recovery.rerun import (
     CHECKER,
     DATA,
@@ -124,6 +125,13 @@ class StepReport:
     # backward), and this rank's snapshot and gradient-buffer bytes.
     reduction: dict = field(default_factory=dict)
     verified: int = 0  # microbatches whose gradients two replicas computed and agreed on
+    # Straggler handling (`policy.speed`): each replica's first-pass microbatches in this
+    # iteration, the agreed seconds per microbatch, the replicas the next layout treats as slow
+    # and the ones evicted at this commit.
+    quotas: dict = field(default_factory=dict)
+    speeds: dict = field(default_factory=dict)
+    slow: list = field(default_factory=list)
+    evicted: list = field(default_factory=list)
 
 
 @dataclass
@@ -187,7 +195,9 @@ class ResilientTrainer:
                                           and config.policy != ADAPTIVE),
                                None if verify is None else Slots(config.w_init),
                                None if parts.nonfinite_rerun == OFF
-                               else RerunSlots(config.w_init))
+                               else RerunSlots(config.w_init),
+                               SpeedSlots(config.w_init) if config.straggler.enabled else None)
+        self._speed: float | None = None  # this rank's first pass: seconds per microbatch
         self._fingerprint = None if verify is None else Fingerprint(verify.seed)
         self._checks: dict[int, int] = {}  # this iteration's owner -> checker
         self._check_ids: dict[int, list[int]] = {}  # owner -> its first-pass ids
@@ -199,7 +209,7 @@ class ResilientTrainer:
         self._rerun_ids: dict[int, list[int]] = {}  # suspect -> its first-pass ids
         self._rerun_bad = RerunView()
         self._kept: set[int] = set()  # suspects kept after a finite rerun, this iteration
-        self.verdicts = VerdictCodec(config.w_init)
+        self.verdicts = VerdictCodec(config.w_init, speeds=config.straggler.enabled)
         self.recovery = GradientRecovery(parts.group, parts.buffers.buckets(),
                                          before_first_reduce=self._before_reduce,
                                          after_first_post=self._after_post,
@@ -253,7 +263,7 @@ class ResilientTrainer:
         self.recovery.contributing = work.contributes_first_pass
         p.faults.at("pre-forward", iteration)
         self._run(iteration, self._mine(work.first_pass), losses, tokens,
-                  overlap=p.overlap_grad_reduce)
+                  overlap=p.overlap_grad_reduce, first=True)
         if self.recovery.fingerprint is not None:  # every bucket went out: each fingerprinted
             self._fingerprints["own"] = {p.replica: sum_fingerprints(self.recovery.fingerprints)}
             self.recovery.fingerprint = None  # re-reductions send the same or other ids
@@ -282,7 +292,8 @@ class ResilientTrainer:
                                       self._live(), p.verification.tolerance)
             verdict = self._replica_verdict(agreed, summed, not round_ok, bool(problems),
                                             judgement,
-                                            self.lane.decode_reruns(lane) if round_ok else None)
+                                            self.lane.decode_reruns(lane) if round_ok else None,
+                                            self.lane.decode_speeds(lane) if round_ok else None)
             held = self._reruns or verdict.reruns.nonfinite - self.dead_replicas
             if verdict.commit and not verdict.corrupt and not held:
                 self._last_progress = time.time()
@@ -337,6 +348,8 @@ class ResilientTrainer:
         report.reduction = reduction
         report.g_cur = state.layout.g_cur
         report.verified = self._verified(judgement)
+        report.quotas = {r: len(w.first_pass) for r, w in state.work.items()
+                         if w.contributes_first_pass}
         return report
 
     def _verified(self, judgement: Judgement | None) -> int:
@@ -382,7 +395,7 @@ class ResilientTrainer:
         mine = self._mine(ids)
         if mine:
             self.p.buffers.new_pass()
-            self.p.run_pass(iteration, mine, self.p.policy.state.b, {}, {})
+            self._pass(iteration, mine, {}, {})
         if self._fingerprint is None:
             return None
         return self._fingerprint.buckets(self.recovery.grads)
@@ -654,37 +667,55 @@ class ResilientTrainer:
             self._rerun_bad,
             nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else []))
         lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
-                                fingerprints=self._fingerprints, reruns=reruns)
+                                fingerprints=self._fingerprints, reruns=reruns,
+                                speed=(self.p.replica, self._speed))
         if self.p.shard_control is not None:
             self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane
 
     def _replica_verdict(self, agreed, summed: LaneHead, failed: bool,
                          ledger_bad: bool, judgement: Judgement | None = None,
-                         reruns: RerunView | None = None) -> Verdict:
+                         reruns: RerunView | None = None,
+                         speeds: dict[int, float] | None = None) -> Verdict:
         """The round's outcome for this replica, equal on all of its ranks: this position's
         view (`agreed` record, the summed lane's head, whether its round failed, whether its
-        audit found a problem, what its fingerprints say and its non-finite flags), combined
-        with the replica's other positions."""
+        audit found a problem, what its fingerprints say, its non-finite flags and the
+        replicas' times per microbatch), combined with the replica's other positions."""
         p = self.p
         dead = {p.replica_of_rank[rank] for rank in agreed.failed_ranks}
-        vector = self.verdicts.encode(dead, failed, summed, ledger_bad, judgement, reruns)
+        vector = self.verdicts.encode(dead, failed, summed, ledger_bad, judgement, reruns,
+                                      speeds)
         if p.replica_control is not None:
             # A peer that died makes this raise; the rank then leaves with its replica.
             p.replica_control.max(vector)
         return self.verdicts.decode(vector)
 
+    def _pass(self, iteration: int, ids: list[int], losses: dict[int, float],
+              tokens: dict[int, int]) -> float:
+        """The pass runner on `ids` (and a slowdown the failure schedule asks for); its
+        seconds."""
+        start = time.perf_counter()
+        self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens)
+        self.p.faults.slow_down(iteration, len(ids), time.perf_counter() - start)
+        return time.perf_counter() - start
+
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float],
-             tokens: dict[int, int], overlap: bool = False) -> None:
+             tokens: dict[int, int], overlap: bool = False, first: bool = False) -> None:
         """Run `ids` (possibly none: every rank still joins the reductions) through the pass
-        runner, then post every bucket's reduction not posted during its backward (`overlap`)."""
+        runner, then post every bucket's reduction not posted during its backward (`overlap`).
+        The first pass's seconds per microbatch go to the commit lane (`first`): the
+        replica's compute, without any wait on other replicas (none happens inside a pass)."""
+        if first:
+            self._speed = None
         if ids:
             if overlap:
                 self.recovery.start_overlap()
             try:
-                self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens)
+                seconds = self._pass(iteration, ids, losses, tokens)
             finally:
                 self.recovery.stop_overlap()
+            if first:
+                self._speed = seconds / len(ids)
         self._schedule_end = time.time()  # what reduce_all posts now was not under backward
         self.recovery.reduce_all()
 
@@ -723,7 +754,7 @@ class ResilientTrainer:
         mine = self._mine(extension)
         if mine:
             self.p.buffers.new_pass()
-            self.p.run_pass(iteration, mine, self.p.policy.state.b, losses, tokens)
+            self._pass(iteration, mine, losses, tokens)
         if self.p.restore and counted_before > 0:
             self.recovery.add_snapshots()
         self.recovery.reduce_all()
@@ -732,7 +763,7 @@ class ResilientTrainer:
                 events) -> StepReport:
         p = self.p
         b = p.policy.state.b
-        result = p.policy.commit()
+        result = p.policy.commit(verdict.speeds)
         divisor = result.divisor
         if p.per_token_loss:
             # The buckets hold sums over tokens; divide once by the committed ones, as
@@ -749,6 +780,8 @@ class ResilientTrainer:
         # (taken inside the replica) and its new scale are the same on all of them.
         update_successful, grad_norm = p.optimizer.step(microbatches=b)
         p.buffers.dispatch_param_gather()  # waited for by the next forward
+        if result.evicted:
+            self._evict_stragglers(iteration, result, events)
         for event in events:
             event["committed"] = time.time()
         return StepReport(
@@ -764,4 +797,24 @@ class ResilientTrainer:
             buckets=len(self.recovery.grads), events=events,
             loss_tokens=verdict.tokens if p.per_token_loss else None,
             own_contributions=self._own_contributions,
-            exit_requested=verdict.exit_requested)
+            exit_requested=verdict.exit_requested,
+            speeds=dict(sorted(verdict.speeds.items())), slow=sorted(result.slow),
+            evicted=sorted(result.evicted))
+
+    def _evict_stragglers(self, iteration: int, result, events: list[dict]) -> None:
+        """The measured speeds evicted replicas at this commit (fail-slow made fail-stop): the
+        next layout is without them, and their ranks leave after this step, as a failed
+        replica's would; the survivors' next round sees them gone (a retry, no new failure)."""
+        p = self.p
+        window = p.policy.config.straggler.window
+        evicted = sorted(result.evicted)
+        events.append({"event": "straggler", "evicted": evicted,
+                       "ratios": {str(r): round(result.ratios[r], 3) for r in evicted},
+                       "window": window, "detected": time.time()})
+        self.dead_replicas.update(evicted)
+        if p.replica in result.evicted:
+            raise Straggler(
+                f"iteration {iteration}: this replica's first pass took "
+                f"{result.ratios[p.replica]:.2f} times the other replicas' median per microbatch, "
+                f"past --recover-evict-slower-than {p.policy.config.straggler.evict_slower_than:g}"
+                f" for {window} iterations: it leaves after this step as a failed replica would")

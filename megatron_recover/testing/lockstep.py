@@ -21,7 +21,8 @@ Each replica is one rank on its own thread, with the real `ResilientTrainer`,
     gradients for the reruns: `nan` makes an element of the first bucket NaN before its first
     reduction, once (a transient fault), `nan-always` after every pass the replica runs in that
     iteration (a faulty device), and `Setup.nan_ids` make a microbatch's gradient NaN wherever
-    it runs (bad data).
+    it runs (bad data); and stragglers: `Setup.slow` makes a replica sleep after each pass, as
+    the schedule's `slow` action does.
 
 `run_lockstep(Setup)` runs the iterations and returns what every rank saw; `expected_gradient`
 computes a committed gradient from the dataset alone, without the protocol.
@@ -30,6 +31,7 @@ computes a committed gradient from the dataset alone, without the protocol.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,7 @@ from megatron_recover.faults.schedule import flip_bit, flip_target
 from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.data import batch_checksum
 from megatron_recover.policy import ADAPTIVE, PolicyConfig, WorkloadPolicy
+from megatron_recover.policy.speed import StragglerConfig
 from megatron_recover.recovery import ResilientTrainer, StepReport, TrainerParts
 from megatron_recover.recovery.verification import Verification
 from megatron_recover.testing.fake_ulfm import FakeWorld, RankKilled
@@ -186,9 +189,11 @@ class Failure:
 
 
 class FakeFaults:
-    def __init__(self, world: FakeWorld, rank: int, failures: list[Failure]):
+    def __init__(self, world: FakeWorld, rank: int, failures: list[Failure],
+                 slow: tuple = ()):
         self.world = world
         self.rank = rank
+        self.slow = slow
         self.failures = [f for f in failures if f.replica == rank]
         self.flipped: set[Failure] = set()
 
@@ -208,6 +213,11 @@ class FakeFaults:
             elif f.location == "nan":
                 self.flipped.add(f)
                 grad[flip_target(grad)] = float("nan")
+
+    def slow_down(self, iteration, microbatches, seconds):
+        for replica, first, last, per_microbatch in self.slow:
+            if replica == self.rank and first <= iteration <= last:
+                time.sleep(per_microbatch * microbatches)
 
     def faulty(self, iteration, kind: str = "faulty") -> bool:
         return any((f.iteration, f.location) == (iteration, kind) for f in self.failures)
@@ -253,12 +263,15 @@ class Setup:
     seed: int = 1234
     nonfinite_rerun: str = "off"  # --recover-nonfinite-rerun
     nan_ids: tuple[tuple[int, int], ...] = ()  # (iteration, id): a NaN gradient anywhere
+    straggler: StragglerConfig = StragglerConfig()  # balancing and eviction (off)
+    # (replica, first iteration, last iteration, seconds per microbatch): a slowed replica
+    slow: tuple[tuple[int, int, int, float], ...] = ()
 
 
 class Replica:
     def __init__(self, setup: Setup, world: FakeWorld, rank: int):
         config = PolicyConfig(w_init=setup.w_init, g_init=setup.g_init, policy=setup.policy,
-                              mode=setup.mode)
+                              mode=setup.mode, straggler=setup.straggler)
         b = config.b
         self.dataset = FakeDataset()
         self.audit = RecordingAudit(self.dataset, global_batch_size=b * setup.micro_batch_size,
@@ -268,7 +281,7 @@ class Replica:
         self.buffers = FakeBuffers()
         self.optimizer = FakeOptimizer(self.buffers)
         self.run_pass = FakePass(self)
-        self.faults = FakeFaults(world, rank, list(setup.failures))
+        self.faults = FakeFaults(world, rank, list(setup.failures), setup.slow)
         self.nan_ids = set(setup.nan_ids)
         verification = (Verification(setup.sdc_check_rate, setup.seed)
                         if setup.sdc_check_rate > 0 else None)
