@@ -172,6 +172,40 @@ def test_a_transient_nan_rerun_and_kept_is_the_failure_free_run(tmp_path, refere
         assert param_rdiff(run.params(rank), reference.params(rank)) == 0.0, rank
 
 
+# Replica 2 takes 0.3 s longer per microbatch from iteration 3 on (a few times its compute here);
+# replica 4 dies in iteration 6's backward.
+STRAGGLER = """entries:
+  - {iteration: 3, replica: 2, local_rank: 0, location: pre-forward, action: slow, seconds: 0.3}
+  - {iteration: 6, replica: 4, local_rank: 0, location: backward}
+"""
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_straggler_gets_fewer_microbatches_and_a_failure_stays_exact(tmp_path, reference):
+    """docs/stragglers.md: replica 2, slowed from iteration 3, is slower than twice the others'
+    median for the window of 2 iterations, so from iteration 5 it gets fewer microbatches and
+    the others more; replica 4 dies in iteration 6 and the balanced layout absorbs it. Every
+    iteration commits B with the ledger held, and losses and parameters are the failure-free
+    run's within the exact tolerance (the ids moved between replicas, so sums reassociate)."""
+    run = train(tmp_path, "straggler", ["--recover-straggler-threshold", "1.0",
+                                        "--recover-straggler-window", "2"], STRAGGLER)
+    assert [(m["rank"], m["iteration"], m["action"]) for m in run.markers] == [
+        (2, 3, "slow"), (4, 6, "kill")], run.markers
+    assert run.completed() == [0, 1, 2, 3]
+    quotas = [r["quotas"] for r in run.records]
+    assert [q["2"] for q in quotas] == [4] * 4 + [q["2"] for q in quotas[4:]]
+    assert all(q["2"] < 4 for q in quotas[4:]), quotas
+    assert all(sum(q.values()) == 20 for q in quotas) and "4" not in quotas[6], quotas
+    assert [r["slow"] for r in run.records[3:]] == [[2]] * 7, [r["slow"] for r in run.records]
+    speeds = run.records[4]["speeds"]
+    assert speeds["2"] > 2 * max(t for r, t in speeds.items() if r != "2"), speeds
+    lines = [line for line in run.result.output.splitlines() if "microbatches per replica:" in line]
+    assert len(lines) == ITERATIONS and "2:4" in lines[0] and "2:4" not in lines[4], lines
+    assert printed_values(run.result.output, "slow replicas") == [0, 0, 0] + [1] * 7
+    assert_ledger_held(run.records, 20)
+    assert_exact(run, reference, "straggler balanced, then a failure")
+
+
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_without_the_check_a_nan_gradient_poisons_every_replica(tmp_path):
     """The negative control: --no-check-for-nan-in-loss-and-grad lets the NaN into the sum."""
