@@ -1,7 +1,7 @@
 """A straggler's cost with and without balancing, side by side in one sitting.
 
 Usage: .venv/bin/python scripts/bench_straggler.py [--json] [--ranks 2] [--factor 2]
-       [--iterations 16] [--rounds 2] [--microbatches 8]
+       [--iterations 16] [--rounds 2] [--microbatches 12]
 
 Runs the same GPT job (mock data, CPU, `--ranks` replicas of one rank each, `--microbatches`
 microbatches per replica, so B = ranks x microbatches) under --recover in three modes,
@@ -65,8 +65,10 @@ def run_mode(name: str, extra: list[str], schedule: str | None, args, tmp: Path)
     settled = SLOW_FROM + WINDOW + 2
     times = {int(it): float(ms) for it, ms in ITERATION_MS.findall(result.output)}
     records = [json.loads(line) for line in log.read_text().splitlines()]
+    settled_records = [r for r in records if r["iteration"] >= settled]
     return {"times": [times[i] for i in sorted(times) if i >= settled],
-            "quotas": records[-1]["quotas"]}
+            "quotas": records[-1]["quotas"],
+            "speeds": [r["speeds"] for r in settled_records if r["speeds"]]}
 
 
 def main() -> int:
@@ -76,7 +78,7 @@ def main() -> int:
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--iterations", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=12)
     args = parser.parse_args()
     if args.ranks < 2 or args.factor <= 1:
         parser.error("--ranks >= 2 (one replica is slowed) and --factor > 1")
@@ -88,7 +90,7 @@ def main() -> int:
     balance = ["--recover-straggler-threshold", "0.25", "--recover-straggler-window",
                str(WINDOW)]
     modes = {"failure-free": ([], None), "slowed": ([], slow), "balanced": (balance, slow)}
-    runs = {name: {"times": [], "quotas": None} for name in modes}
+    runs = {name: {"times": [], "quotas": None, "speeds": []} for name in modes}
     with tempfile.TemporaryDirectory(prefix="bench-straggler-") as tmp:
         for round_index in range(args.rounds):
             for name, (extra, schedule) in modes.items():
@@ -97,6 +99,7 @@ def main() -> int:
                 run = run_mode(f"{name}-{round_index}", extra, schedule, args, Path(tmp))
                 runs[name]["times"] += run["times"]
                 runs[name]["quotas"] = run["quotas"]
+                runs[name]["speeds"] += run["speeds"]
     ms = {name: statistics.median(run["times"]) for name, run in runs.items()}
     speeds = [1.0] * args.ranks
     speeds[SLOW_REPLICA] = 1 / args.factor
@@ -105,6 +108,13 @@ def main() -> int:
     quotas = balanced_quotas(b, {r: 1 / s for r, s in enumerate(speeds)})
     integer = max(quotas[r] / speeds[r] for r in quotas) / args.microbatches
     balanced = ms["balanced"] / ms["failure-free"]
+    # The slowed replica's time per microbatch over the others' mean, as the replicas measured
+    # it in the balanced runs (what the policy saw), and the capacity bound at that speed.
+    slow_key = str(SLOW_REPLICA)
+    measured = statistics.median(
+        s[slow_key] / statistics.fmean(t for r, t in s.items() if r != slow_key)
+        for s in runs["balanced"]["speeds"])
+    measured_capacity = args.ranks / (args.ranks - 1 + 1 / measured)
     report = {
         "ranks": args.ranks, "factor": args.factor, "B": b,
         "iterations_measured": {name: len(run["times"]) for name, run in runs.items()},
@@ -115,6 +125,8 @@ def main() -> int:
         "integer_bound": integer,
         "balanced_over_capacity_bound": balanced / capacity,
         "balanced_over_integer_bound": balanced / integer,
+        "measured_slowdown": measured,
+        "capacity_bound_measured": measured_capacity,
         "quotas_balanced": runs["balanced"]["quotas"],
         "quotas_best": {str(r): q for r, q in quotas.items()},
     }
@@ -125,7 +137,8 @@ def main() -> int:
           f"{args.factor:g}x (ms): " + ", ".join(f"{n} {t:.1f}" for n, t in ms.items()))
     print(f"over failure-free: slowed {report['ratio_slowed']:.3f}, balanced {balanced:.3f}; "
           f"capacity bound {capacity:.3f}, integer bound {integer:.3f} (quotas "
-          f"{report['quotas_balanced']}, best {report['quotas_best']})")
+          f"{report['quotas_balanced']}, best {report['quotas_best']}); measured slowdown "
+          f"{measured:.2f}x, capacity bound at it {measured_capacity:.3f}")
     return 0
 
 
