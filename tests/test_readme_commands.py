@@ -89,6 +89,13 @@ COMMANDS = {
                  "nodes"),
     "scripts/bench_overhead.py --json": ("long", ".venv/bin/python scripts/bench_overhead.py "
                                                  "--json --ranks 2 --iterations 7 --rounds 1"),
+    "scripts/bench_straggler.py --json": ("long", ".venv/bin/python scripts/bench_straggler.py "
+                                                  "--json --iterations 10 --rounds 1 "
+                                                  "--microbatches 4"),
+    "megatron-recover plan --w-init 4 --g-init 4 --iterations 10 --slow 2:3@3-7 "
+    "--straggler-threshold 0.25 --straggler-window 2":
+        ("run", ".venv/bin/megatron-recover plan --w-init 4 --g-init 4 --iterations 10 "
+                "--slow 2:3@3-7 --straggler-threshold 0.25 --straggler-window 2"),
     "megatron-recover plan --w-init 32 --g-init 8 --iterations 5 --fail 1:31 --json":
         ("run", ".venv/bin/megatron-recover plan --w-init 32 --g-init 8 --iterations 5 "
                 "--fail 1:31 --json"),
