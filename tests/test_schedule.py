@@ -90,7 +90,7 @@ def test_a_slow_rank_sleeps_in_its_iterations_and_marks_the_start(tmp_path, monk
     monkeypatch.setattr(schedule_module.time, "sleep", slept.append)
     assert faults.at("pre-forward", 3) is False  # not a kill
     for iteration in (2, 3, 3, 4, 5):
-        faults.slow_down(iteration, 4, 0.5)
+        faults.slow_down(iteration, 4, lambda: 0.5)
     assert slept == [1.0, 1.0, 1.0]
     markers = read_markers(tmp_path / "markers")
     assert [(m["iteration"], m["action"], m["factor"]) for m in markers] == [(3, "slow", 3.0)]
@@ -98,7 +98,7 @@ def test_a_slow_rank_sleeps_in_its_iterations_and_marks_the_start(tmp_path, monk
         "entries:\n  - {iteration: 2, replica: 0, local_rank: 0, location: pre-forward, "
         "action: slow, seconds: 0.25}\n")), 2, 1, 10), 0, 0, 0, tmp_path / "m2")
     slept.clear()
-    extra.slow_down(9, 4, 0.5)
+    extra.slow_down(9, 4, lambda: 0.5)
     assert slept == [1.0]  # 0.25 s per microbatch, to the end of the run
 
 

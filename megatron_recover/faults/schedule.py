@@ -368,8 +368,8 @@ class ScheduledFaults:
                               f"{iteration}")
         os.kill(os.getpid(), signal.SIGSTOP if entry.action == "stop" else signal.SIGKILL)
 
-    def slow_down(self, iteration: int, microbatches: int, seconds: float) -> None:
-        """Action `slow`: a pass of `microbatches` took `seconds`; sleep what a device slowed
+    def slow_down(self, iteration: int, microbatches: int, seconds) -> None:
+        """Action `slow`: a pass of `microbatches` took `seconds()`; sleep what a device slowed
         by the entry's factor (or by its seconds per microbatch) would have added. The first
         slowed pass leaves a marker."""
         for entry in self.mine:
@@ -382,7 +382,7 @@ class ScheduledFaults:
                              {"location": "pre-forward", "iteration": iteration,
                               "action": "slow", "factor": entry.factor,
                               "seconds": entry.seconds, "until": entry.until})
-            time.sleep(max(0.0, (entry.factor - 1) * seconds) if entry.factor
+            time.sleep(max(0.0, (entry.factor - 1) * seconds()) if entry.factor
                        else entry.seconds * microbatches)
 
     def corrupt(self, iteration: int, grad) -> None:
@@ -532,7 +532,7 @@ class NoFaults:
     def corrupt(self, iteration: int, grad) -> None:
         pass
 
-    def slow_down(self, iteration: int, microbatches: int, seconds: float) -> None:
+    def slow_down(self, iteration: int, microbatches: int, seconds) -> None:
         pass
 
     def overflow(self, iteration: int, microbatch_id: int) -> bool:

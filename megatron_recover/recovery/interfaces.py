@@ -7,7 +7,7 @@ implements them in one process. Each method says what the protocol relies on.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -106,6 +106,7 @@ class FaultPoints(Protocol):
     def arm_iteration(self, group, iteration: int, bucket_index: int) -> None:
         """Arm the group's native points for `iteration` (the k-th bucket's reduce)."""
 
-    def slow_down(self, iteration: int, microbatches: int, seconds: float) -> None:
-        """A pass of `microbatches` just ran in `seconds`: sleep as much longer as a slowed
-        device would have taken (the failure schedule's `slow` action)."""
+    def slow_down(self, iteration: int, microbatches: int, seconds: Callable[[], float]) -> None:
+        """A pass of `microbatches` just ran, in `seconds()` (called only when needed: on CUDA
+        it waits for the pass's kernels): sleep as much longer as a slowed device would have
+        taken (the failure schedule's `slow` action)."""

@@ -176,6 +176,35 @@ class TrainerParts:
     samples_of: Callable[[int, int], range] | None = None
 
 
+class PassTimer:
+    """A pass's elapsed time where it runs, from construction to the latest `stop`. On CUDA the
+    host returns from megatron's schedule before the kernels it queued finish, so events on the
+    current stream time the device's work, and `seconds` waits for the end event (the trainer
+    reads it after the pass's reductions, which consumed its gradients: nothing is left to wait
+    for). On a machine without CUDA, the host clock."""
+
+    def __init__(self):
+        self._cuda = torch.cuda.is_available()
+        self._start = self._mark()
+        self._end = None
+
+    def _mark(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self) -> None:
+        self._end = self._mark()
+
+    def seconds(self) -> float:
+        if not self._cuda:
+            return self._end - self._start
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
+
+
 class ResilientTrainer:
     def __init__(self, parts: TrainerParts):
         self.p = parts
@@ -197,7 +226,8 @@ class ResilientTrainer:
                                None if parts.nonfinite_rerun == OFF
                                else RerunSlots(config.w_init),
                                SpeedSlots(config.w_init) if config.straggler.enabled else None)
-        self._speed: float | None = None  # this rank's first pass: seconds per microbatch
+        # This rank's first pass: (its timer, microbatches), then its seconds per microbatch.
+        self._speed: tuple | float | None = None
         self._fingerprint = None if verify is None else Fingerprint(verify.seed)
         self._checks: dict[int, int] = {}  # this iteration's owner -> checker
         self._check_ids: dict[int, list[int]] = {}  # owner -> its first-pass ids
@@ -668,10 +698,20 @@ class ResilientTrainer:
             nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else []))
         lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
                                 fingerprints=self._fingerprints, reruns=reruns,
-                                speed=(self.p.replica, self._speed))
+                                speed=(self.p.replica, self._seconds_per_microbatch()))
         if self.p.shard_control is not None:
             self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane
+
+    def _seconds_per_microbatch(self) -> float | None:
+        """This rank's first pass: seconds per microbatch (None: it ran none, or nobody asks).
+        Read once the pass's reductions completed: on CUDA its end event is then long done."""
+        if self._speed is None or self.lane.speeds is None:
+            return None
+        if isinstance(self._speed, tuple):
+            timer, microbatches = self._speed
+            self._speed = timer.seconds() / microbatches
+        return self._speed
 
     def _replica_verdict(self, agreed, summed: LaneHead, failed: bool,
                          ledger_bad: bool, judgement: Judgement | None = None,
@@ -691,13 +731,14 @@ class ResilientTrainer:
         return self.verdicts.decode(vector)
 
     def _pass(self, iteration: int, ids: list[int], losses: dict[int, float],
-              tokens: dict[int, int]) -> float:
-        """The pass runner on `ids` (and a slowdown the failure schedule asks for); its
-        seconds."""
-        start = time.perf_counter()
+              tokens: dict[int, int]) -> "PassTimer":
+        """The pass runner on `ids` (and a slowdown the failure schedule asks for), timed."""
+        timer = PassTimer()
         self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens)
-        self.p.faults.slow_down(iteration, len(ids), time.perf_counter() - start)
-        return time.perf_counter() - start
+        timer.stop()
+        self.p.faults.slow_down(iteration, len(ids), timer.seconds)
+        timer.stop()  # the slowdown is part of the pass
+        return timer
 
     def _run(self, iteration: int, ids: list[int], losses: dict[int, float],
              tokens: dict[int, int], overlap: bool = False, first: bool = False) -> None:
@@ -711,11 +752,11 @@ class ResilientTrainer:
             if overlap:
                 self.recovery.start_overlap()
             try:
-                seconds = self._pass(iteration, ids, losses, tokens)
+                timer = self._pass(iteration, ids, losses, tokens)
             finally:
                 self.recovery.stop_overlap()
             if first:
-                self._speed = seconds / len(ids)
+                self._speed = (timer, len(ids))
         self._schedule_end = time.time()  # what reduce_all posts now was not under backward
         self.recovery.reduce_all()
 

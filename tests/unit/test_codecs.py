@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_recover.recovery import CommitLane, Entry, LaneHead, LaneLayout, Ledger
-from megatron_recover.recovery.lane import VerdictCodec
+from megatron_recover.recovery.lane import SpeedSlots, VerdictCodec
 
 pytestmark = pytest.mark.unit
 
@@ -84,3 +84,24 @@ def test_positions_combined_by_max_decode_to_the_replica_verdict(w_init, data):
 def test_a_replica_id_outside_the_launch_is_refused():
     with pytest.raises(ValueError, match="outside"):
         VerdictCodec(2).encode({2}, False, LaneHead(0.0, 0, False), False)
+
+
+def test_replica_times_sum_exactly_and_take_each_replicas_slowest_position():
+    """The lane carries each replica's time per microbatch as whole microseconds, with the
+    number of its shards that measured: summed over replicas and shards, it decodes to the
+    mean over the measuring shards; the verdict keeps a replica's slowest position."""
+    lane = CommitLane(LaneLayout(B, reserve=False), speeds=SpeedSlots(3))
+    head = LaneHead(0.0, 0, False)
+    parts = [lane.encode(head, None, 3, speed=(0, 0.0123456)),  # replica 0, one shard
+             lane.encode(head, None, 3, speed=(2, 0.020)),  # replica 2, two shards
+             lane.encode(head, None, 3, speed=(2, 0.030)),
+             lane.encode(head, None, 3, speed=(1, None))]  # replica 1 ran no microbatch
+    summed = sum(parts[1:], parts[0].clone())
+    assert lane.decode_speeds(summed) == {0: 0.012346, 2: 0.025}
+    assert lane.decode_ledger(summed).count == 0
+    codec = VerdictCodec(3, speeds=True)
+    views = [codec.encode(set(), False, head, False, speeds={0: 0.01, 2: 0.05}),
+             codec.encode(set(), False, head, False, speeds={0: 0.03, 2: 0.02})]
+    verdict = codec.decode(torch.maximum(*views))
+    assert verdict.speeds == {0: 0.03, 2: 0.05} and verdict.commit
+    assert VerdictCodec(3).decode(VerdictCodec(3).encode(set(), False, head, False)).speeds == {}
