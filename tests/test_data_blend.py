@@ -105,6 +105,9 @@ def test_a_blend_survives_two_failures_exactly_and_reads_as_a_stock_run(tmp_path
                    f"parameters {params:.2e}; failure-free vs stock: loss {stock_diff:.2e}")
 
 
+# make test's budget: the blend under failures stays in make test; per-split paths run in
+# make test-long.
+@pytest.mark.long
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_per_split_blends_train_and_evaluate_as_a_stock_run(tmp_path, corpora):
     """--train-data-path (a weighted blend of two corpora) and --valid-data-path (the third),

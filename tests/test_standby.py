@@ -38,8 +38,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 STANDBY_RANKS = list(range(REPLICAS, REPLICAS + STANDBYS))
 
 
-def train(tmp_path, name, schedule=None):
-    return run_training(tmp_path / name, REPLICAS + STANDBYS, MODEL, schedule, TIMEOUT_S)
+def train(tmp_path, name, schedule=None, extra=()):
+    return run_training(tmp_path / name, REPLICAS + STANDBYS, [*MODEL, *extra], schedule,
+                        TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,34 @@ def test_two_standbys_replace_two_lost_replicas(tmp_path, reference):
     # Its share of every later iteration: B over the 4 live replicas.
     assert joined["contributions"] == {str(t): B // REPLICAS for t in (7, 8)}, joined
     assert_exact_everywhere(run, reference, [0, 2, 3, 5])
+
+
+@pytest.mark.long
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_straggler_evicted_is_replaced_by_a_standby(tmp_path, reference):
+    """docs/stragglers.md: replica 2 takes 0.5 s longer per microbatch in iterations 2-3, past
+    --recover-evict-slower-than 3 for the window of 2: it is evicted at iteration 3's commit
+    and leaves after its step; standby rank 4 takes replica id 2 after iteration 3 (its speed
+    history starts empty), and the run is the failure-free one."""
+    schedule = """entries:
+  - {iteration: 2, replica: 2, local_rank: 0, location: pre-forward, action: slow, seconds: 0.5,
+     until: 3}
+"""
+    run = train(tmp_path, "evict", schedule, ["--recover-straggler-threshold", "0.5",
+                                               "--recover-straggler-window", "2",
+                                               "--recover-evict-slower-than", "3"])
+    assert [(m["rank"], m["iteration"], m["action"]) for m in run.markers] == [(2, 2, "slow")]
+    assert [r["iteration"] for r in run.records] == list(range(1, ITERATIONS + 1))
+    assert_ledger_held(run.records, B)
+    evicted = [(r["iteration"], e["evicted"]) for r in run.records for e in r["events"]
+               if e["event"] == "straggler"]
+    assert evicted == [(3, [2])], evicted
+    assert run.records[2]["evicted"] == [2]
+    assert joins(run) == [([2], [4], 3)]
+    assert run.result.statuses[2]["state"] == "left", run.result.statuses[2]
+    assert "evicted as stragglers" in run.result.output
+    assert all(sorted(r["quotas"]) == ["0", "1", "2", "3"] for r in run.records[3:])
+    assert_exact_everywhere(run, reference, [0, 1, 3, 4])
 
 
 def events(run, kind: str) -> list[tuple]:

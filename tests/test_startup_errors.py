@@ -34,7 +34,9 @@ def refused(tmp_path, extra, expected):
 @pytest.mark.timeout(TIMEOUT_S + 30)
 @pytest.mark.parametrize("replica, location, expected", [
     (9, "during-reduce", "replica 9 does not exist"),
-    (1, "in-the-optimizer", "location 'in-the-optimizer' is not one of"),
+    # make test's budget: tests/test_schedule.py checks every refusal without a job.
+    pytest.param(1, "in-the-optimizer", "location 'in-the-optimizer' is not one of",
+                 marks=pytest.mark.long),
 ])
 def test_schedule_naming_what_does_not_exist(tmp_path, replica, location, expected):
     schedule = tmp_path / "schedule.yaml"

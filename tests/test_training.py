@@ -206,6 +206,9 @@ def test_a_straggler_gets_fewer_microbatches_and_a_failure_stays_exact(tmp_path,
     assert_exact(run, reference, "straggler balanced, then a failure")
 
 
+# make test's budget: the negative controls of the NaN check and of verification run in make
+# test-long (tests/unit/test_nonfinite_rerun.py and test_verification.py have in-process ones).
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_without_the_check_a_nan_gradient_poisons_every_replica(tmp_path):
     """The negative control: --no-check-for-nan-in-loss-and-grad lets the NaN into the sum."""
@@ -256,6 +259,7 @@ def test_a_flipped_bit_is_caught_by_verification_and_its_replica_evicted(tmp_pat
     assert "evicted for corruption: 1 |" in run.result.output
 
 
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_without_verification_a_flipped_bit_departs_from_the_trajectory(tmp_path, reference):
     """The negative control: the same flip at rate 0 passes every check and is committed."""
