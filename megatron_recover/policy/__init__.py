@@ -10,9 +10,10 @@ Files, in reading order:
   records.py    ReplicaWork, IterationState, PolicyDecision, IterationResult, RankWork
   static.py     the static policy: promotions, pool, extension rounds (Algorithm 6), commit
   adaptive.py   the adaptive policy: drop-and-go (Algorithm 8), the comparison baseline
+  speed.py      stragglers: quotas by measured speed, hysteresis, eviction (StragglerConfig)
   workload.py   WorkloadPolicy (what the glue holds) and the megatron-style microbatch calculator
   rampup.py     batch-size ramp-up: the global batch of every iteration (GlobalBatches, ramp_up)
-  simulator.py  simulate a run under a failure schedule (FailureEvent, parse_failure)
+  simulator.py  simulate a run under a failure schedule and slowdowns (FailureEvent, SlowReplica)
   plan_cli.py   `megatron-recover plan`
 """
 
