@@ -92,3 +92,30 @@ def test_a_replica_far_slower_is_evicted_and_the_run_stays_exact():
     assert [e["event"] for e in run.reports[4].events] == ["retry"]
     assert all(sorted(r.quotas) == survivors for r in run.reports[4:])
     assert all(r.invariant_ok for r in run.reports)
+
+
+def test_the_pass_timer_reads_cuda_events_where_cuda_is(monkeypatch):
+    """On CUDA the timer records events on the current stream and waits for the end event
+    before reading it (the host returns from a pass before its kernels finish). Here the events
+    are the CPU emulation's stand-ins, which record host times; the branch is the CUDA one."""
+    import time
+
+    import torch
+
+    from megatron_recover.recovery.trainer import PassTimer
+    from megatron_recover.testing import _cuda_standins
+
+    synchronized = []
+
+    class Event(_cuda_standins.Event):
+        def synchronize(self):
+            synchronized.append(self)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = PassTimer()
+    time.sleep(0.05)
+    timer.stop()
+    assert isinstance(timer._start, Event) and isinstance(timer._end, Event)
+    seconds = timer.seconds()
+    assert 0.05 <= seconds < 1.0 and synchronized == [timer._end]
