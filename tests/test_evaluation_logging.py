@@ -84,6 +84,9 @@ def plain_loss(tmp_path, params) -> float:
     return plain["loss"]
 
 
+# make test's budget: in make test-long; in process, testing/invariants.py checks every logged
+# loss against the committed microbatches' loss sum over their tokens.
+@pytest.mark.long
 def test_logged_training_loss_is_the_loss_sum_over_the_loss_tokens(tmp_path):
     """As Megatron-LM logs it, with or without --recover: with --eod-mask-loss the microbatches
     mask different token counts, so the mean of the microbatches' means is another value (the

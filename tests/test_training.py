@@ -79,9 +79,12 @@ def test_exact_mode_keeps_the_loss_curve(tmp_path, reference):
     assert all(result.statuses[r]["state"] == "running" for r in (1, 2, 4))  # killed
 
 
+# make test's budget: both run in make test-long; tests/unit/test_mutations.py and the lockstep
+# negative control (Setup.restore=False) show in process that the ledger catches a missing
+# restore.
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S)
-@pytest.mark.parametrize("control", ["no-restore",
-                                     pytest.param("adaptive", marks=pytest.mark.long)])
+@pytest.mark.parametrize("control", ["no-restore", "adaptive"])
 def test_negative_controls_deviate(tmp_path, reference, control):
     """Same schedule without gradient restoration, or with drop-and-go: the curve must move."""
     extra = ["--recover-no-restore"] if control == "no-restore" else ["--recover-policy",
@@ -199,8 +202,9 @@ def test_a_straggler_gets_fewer_microbatches_and_a_failure_stays_exact(tmp_path,
     assert [r["slow"] for r in run.records[3:]] == [[2]] * 7, [r["slow"] for r in run.records]
     speeds = run.records[4]["speeds"]
     assert speeds["2"] > 2 * max(t for r, t in speeds.items() if r != "2"), speeds
-    lines = [line for line in run.result.output.splitlines() if "microbatches per replica:" in line]
-    assert len(lines) == ITERATIONS and "2:4" in lines[0] and "2:4" not in lines[4], lines
+    printed = [line.split("microbatches per replica: ")[1].split(" |")[0]
+               for line in run.result.output.splitlines() if "microbatches per replica:" in line]
+    assert printed == [",".join(f"{r}:{n}" for r, n in sorted(q.items())) for q in quotas], printed
     assert printed_values(run.result.output, "slow replicas") == [0, 0, 0] + [1] * 7
     assert_ledger_held(run.records, 20)
     assert_exact(run, reference, "straggler balanced, then a failure")
