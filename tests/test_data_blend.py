@@ -82,6 +82,9 @@ def stock_losses(tmp_path, args, ranks):
     return printed_values(stock.output, "lm loss"), printed_values(stock.output, "lm loss value")
 
 
+# make test's budget: in make test-long (tests/test_data.py checks the blend's sample order and
+# its shares in process; the failure runs of test_training.py the in-step recovery).
+@pytest.mark.long
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_a_blend_survives_two_failures_exactly_and_reads_as_a_stock_run(tmp_path, job, figures):
     reference = run_training(tmp_path / "reference", REPLICAS, job, timeout_s=TIMEOUT_S)

@@ -34,6 +34,8 @@ def stock_run(tmp_path, name, extra):
     return result.output, losses, digests
 
 
+# make test's budget: in make test-long (test_checkpoint.py resumes a --recover run in make test).
+@pytest.mark.long
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 def test_resume_from_checkpoint_continues_the_run(tmp_path):
     save = tmp_path / "ckpt"
