@@ -1,8 +1,11 @@
-"""All-reduce time of the ulfm backend vs torch's gloo, and time from a kill to a repaired group.
+"""All-reduce time of the ulfm backend vs torch's gloo, 16-bit against fp32, and time from a kill
+to a repaired group.
 
 Usage: .venv/bin/python scripts/bench_collective.py [--json] [--reps-scale X]
 Both backends run in the same processes, alternating per repetition (this machine is noisy), and
-the table reports medians and the ulfm/gloo ratio. Repair time: one rank SIGKILLs itself after a
+the table reports medians and the ulfm/gloo ratio. The ulfm all-reduce of fp32 and bf16 tensors
+of the same bytes (DTYPE_SIZES_MIB, 2 ranks, one per core) alternate the same way; GB/s is the
+tensor's bytes over the median time (the rate at which the gradient buffer is reduced). Repair time: one rank SIGKILLs itself after a
 barrier; the survivors' all-reduce returns a failure record once the group is repaired; we report
 the largest survivor time from the victim's marker to that return.
 """
@@ -20,6 +23,8 @@ MIB = 1 << 20
 SIZES_MIB = (1, 16, 128)
 BANDWIDTH_RANKS = (2, 4)
 REPAIR_RANKS = (2, 4, 8, 16)
+DTYPE_SIZES_MIB = (16, 256)
+DTYPE_RANKS = 2
 
 
 def reps_for(size_mib: int, scale: float) -> int:
@@ -57,6 +62,44 @@ def worker_bandwidth(out: Path, scale: float) -> None:
         rows.append({"ranks": ctx.world_size, "size_mib": size_mib,
                      "ulfm_ms": med[0].item() * 1e3, "gloo_ms": med[1].item() * 1e3,
                      "ratio_ulfm_over_gloo": med[0].item() / med[1].item()})
+    if ctx.rank == 0:
+        out.write_text(json.dumps(rows))
+    runtime.finish()
+
+
+def worker_dtypes(out: Path, scale: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_recover import collective, runtime
+
+    ctx = runtime.init_distributed()
+    ulfm = collective.new_group(list(range(ctx.world_size)))
+    runtime.track_group(ulfm)
+    gloo = dist.new_group(list(range(ctx.world_size)), backend="gloo")
+    rows = []
+    for size_mib in DTYPE_SIZES_MIB:
+        generator = torch.Generator().manual_seed(ctx.rank)
+        tensors = {name: torch.randn(size_mib * MIB // torch.tensor([], dtype=dtype).element_size(),
+                                     generator=generator).to(dtype)
+                   for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+        times = {name: [] for name in tensors}
+        for rep in range(max(3, int(4 * scale)) + 1):  # +1: the first round warms up
+            for name, t in tensors.items():
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                assert not ulfm.allreduce(t).wait().has_failure
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+                t.mul_(0.5)  # keep the values' scale: the sum of 2 ranks, halved
+        med = torch.tensor([statistics.median(times[name]) for name in tensors],
+                           dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX, group=gloo)
+        gbps = {name: size_mib * MIB / med[i].item() / 1e9 for i, name in enumerate(tensors)}
+        rows.append({"ranks": ctx.world_size, "size_mib": size_mib,
+                     "fp32_ms": med[0].item() * 1e3, "bf16_ms": med[1].item() * 1e3,
+                     "fp32_gbps": gbps["fp32"], "bf16_gbps": gbps["bf16"],
+                     "bf16_over_fp32_gbps": gbps["bf16"] / gbps["fp32"]})
     if ctx.rank == 0:
         out.write_text(json.dumps(rows))
     runtime.finish()
@@ -115,11 +158,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--reps-scale", type=float, default=1.0, help="scale repetition counts")
-    parser.add_argument("--worker", choices=["bandwidth", "repair"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["bandwidth", "dtypes", "repair"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "bandwidth":
         return worker_bandwidth(args.out, args.reps_scale)
+    if args.worker == "dtypes":
+        return worker_dtypes(args.out, args.reps_scale)
     if args.worker == "repair":
         return worker_repair(args.out)
 
@@ -132,8 +178,12 @@ def main() -> int:
             allreduce_rows += json.loads(out.read_text())
             if not args.json:
                 print(f"  measured all-reduce at {n} ranks", file=sys.stderr)
+        out = tmp / "dtypes.json"
+        launch_worker("dtypes", DTYPE_RANKS, out, args.reps_scale, 900)
+        dtype_rows = json.loads(out.read_text())
         repair_rows = [repair_row(n, tmp) for n in REPAIR_RANKS]
-    report = {"machine_cores": os.cpu_count(), "allreduce": allreduce_rows, "repair": repair_rows}
+    report = {"machine_cores": os.cpu_count(), "allreduce": allreduce_rows,
+              "allreduce_dtypes": dtype_rows, "repair": repair_rows}
     if args.json:
         print(json.dumps(report))
         return 0
@@ -142,6 +192,10 @@ def main() -> int:
     for r in allreduce_rows:
         print(f"{r['ranks']:>5} {r['size_mib']:>5} {r['ulfm_ms']:>10.2f} {r['gloo_ms']:>10.2f} "
               f"{r['ratio_ulfm_over_gloo']:>10.2f}")
+    print(f"ulfm all-reduce, {DTYPE_RANKS} ranks, fp32 against bf16 of the same bytes:")
+    for r in dtype_rows:
+        print(f"{r['size_mib']:>5} MiB  fp32 {r['fp32_gbps']:.2f} GB/s  bf16 {r['bf16_gbps']:.2f} "
+              f"GB/s  (bf16/fp32 {r['bf16_over_fp32_gbps']:.2f})")
     print("kill -> repaired group (worst survivor):")
     for r in repair_rows:
         print(f"{r['ranks']:>5} ranks {r['kill_to_repaired_ms']:>10.1f} ms")

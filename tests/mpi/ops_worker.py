@@ -41,6 +41,18 @@ def check_ops(group, rank: int, n: int) -> dict:
         t = torch.full((257,), rank + 1, dtype=dtype)
         record = group.allreduce(t).wait()
         checks[f"allreduce_{dtype}"] = not record.has_failure and bool(torch.all(t == total))
+    # 16-bit sums round once per pairwise sum (fp32 add, round to nearest even), as torch adds
+    # two such tensors: ranks 0 and 1 give random values and the others zeros, so whatever the
+    # reduction's order the result is round(x0 + x1), which torch computes independently.
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = [torch.randn(4099, generator=torch.Generator().manual_seed(r)).to(dtype)
+                  for r in (0, 1)]
+        t = inputs[rank].clone() if rank < 2 else torch.zeros(4099, dtype=dtype)
+        record = group.allreduce(t).wait()
+        expected = inputs[0] + inputs[1] if n > 1 else inputs[0]
+        checks[f"allreduce_{dtype}_rounds_once"] = (not record.has_failure
+                                                    and torch.equal(t.view(torch.int16),
+                                                                    expected.view(torch.int16)))
     strided = torch.full((8, 6), float(rank + 1)).t()
     group.allreduce(strided).wait()
     checks["allreduce_noncontiguous"] = bool(torch.all(strided == total))
