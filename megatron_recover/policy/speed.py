@@ -16,8 +16,9 @@ it, so every survivor holds the same per-replica times after every committed ite
   single slow iteration moves nothing, and neither does noise below the threshold).
 - While some replica is marked slow, the layout gives every live replica an integer quota of the
   B ids in replica order (`balanced_quotas`): at least one each, the largest finish time
-  (quota x time per microbatch, from the means over the window) as small as it can be, so the
-  quotas are roughly proportional to speed. The quotas are recomputed when the marked set
+  (quota x time per microbatch) as small as it can be, so the quotas are roughly proportional
+  to speed. A marked replica's time is its mean over the window; every other replica counts at
+  the median of their means, so noise between healthy replicas moves nothing. The quotas are recomputed when the marked set
   changes, after the live set changed (a failure or a join), and when the window's speeds
   predict a finish time shorter by more than `threshold` than the current quotas'.
 - A replica slower than `evict_slower_than` times the median of the others for `window`
@@ -211,9 +212,12 @@ def _quotas(config: StragglerConfig, state: SpeedState, replicas: Mapping[int, S
              if r in replicas and replicas[r].times}
     if not means:
         return None
-    # A replica without a measurement (it never ran a first pass) counts at the median speed.
-    typical = statistics.median(means.values())
-    times = {r: means.get(r, typical) for r in survivors}
+    # The replicas not marked slow count as equally fast (the median of their means): only a
+    # marked replica's own speed moves work, never the noise between healthy ones. A replica
+    # without a measurement (it never ran a first pass) counts as healthy.
+    healthy = [means[r] for r in means if r not in marked] or list(means.values())
+    typical = statistics.median(healthy)
+    times = {r: means[r] if r in marked and r in means else typical for r in survivors}
     best = balanced_quotas(b, times)
     if best is None:
         return None

@@ -150,3 +150,13 @@ def test_random_speeds_and_failures_commit_b_each_id_once(w, g, data):
         if p.config.b >= len(live) and result.slow:
             assert min(first.values()) >= 1
         assert set(p.layout.replicas) <= set(live) and not result.evicted & set(p.layout.replicas)
+
+
+def test_noise_between_healthy_replicas_moves_no_work():
+    """Replicas 0, 1 and 3 differ by less than the threshold (noise, a shared host): once
+    replica 2 is marked, they count as equally fast and get equal quotas; only replica 2's own
+    time moves work."""
+    p = policy(w=4, g=4, threshold=0.25, window=2)
+    for _ in range(3):
+        first, _ = step(p, {0: 1.0, 1: 0.85, 2: 4.0, 3: 1.1})
+    assert first == {0: 5, 1: 5, 2: 1, 3: 5}
