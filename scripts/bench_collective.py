@@ -31,8 +31,8 @@ def reps_for(size_mib: int, scale: float) -> int:
     return max(3, int({1: 30, 16: 8, 128: 4}[size_mib] * scale))
 
 
-def worker_bandwidth(out: Path, scale: float) -> None:
-    import torch
+def groups():
+    """(context, ulfm group, gloo group) over every rank of this worker's job."""
     import torch.distributed as dist
 
     from megatron_recover import collective, runtime
@@ -40,7 +40,16 @@ def worker_bandwidth(out: Path, scale: float) -> None:
     ctx = runtime.init_distributed()
     ulfm = collective.new_group(list(range(ctx.world_size)))
     runtime.track_group(ulfm)
-    gloo = dist.new_group(list(range(ctx.world_size)), backend="gloo")
+    return ctx, ulfm, dist.new_group(list(range(ctx.world_size)), backend="gloo")
+
+
+def worker_bandwidth(out: Path, scale: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_recover import runtime
+
+    ctx, ulfm, gloo = groups()
     rows = []
     for size_mib in SIZES_MIB:
         t = torch.ones(size_mib * MIB // 4)
@@ -71,12 +80,9 @@ def worker_dtypes(out: Path, scale: float) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_recover import collective, runtime
+    from megatron_recover import runtime
 
-    ctx = runtime.init_distributed()
-    ulfm = collective.new_group(list(range(ctx.world_size)))
-    runtime.track_group(ulfm)
-    gloo = dist.new_group(list(range(ctx.world_size)), backend="gloo")
+    ctx, ulfm, gloo = groups()
     rows = []
     for size_mib in DTYPE_SIZES_MIB:
         generator = torch.Generator().manual_seed(ctx.rank)
