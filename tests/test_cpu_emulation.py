@@ -32,6 +32,7 @@ from megatron_recover.testing import (
     disable_cpu_emulation,
     enable_cpu_emulation,
     is_enabled,
+    on_device,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -114,12 +115,34 @@ def test_cuda_tensors_are_created_on_the_host(emulation, device):
 @needs_no_cuda
 def test_moves_to_the_device_stay_on_the_host(emulation):
     host = torch.ones(3)
-    assert host.cuda() is host, "a move to the device the tensor is on returns it, as in torch"
-    assert host.to("cuda") is host
-    linear = torch.nn.Linear(2, 2).cuda()
+    moved = host.cuda()
+    assert moved.device.type == "cpu" and torch.equal(moved, host)
+    # As on a GPU: a host tensor's move is a copy on the device, the host tensor stays behind.
+    assert moved is not host and moved.data_ptr() != host.data_ptr()
+    assert on_device(moved) and not on_device(host)
+    assert moved.cuda() is moved and moved.to("cuda") is moved, "already on the device"
+    assert on_device(host.to("cuda")) and on_device(host.to(moved))
+    assert on_device(moved[1:]) and on_device(moved.detach()), "views share the placement"
+    assert on_device(moved.clone()) and on_device(torch.empty_like(moved))
+    assert not on_device(host.clone()) and not on_device(torch.empty_like(host))
+    assert on_device(torch.zeros(2, device="cuda")) and on_device(moved.new_zeros(2))
+    assert on_device(moved.to(torch.float64)) and not on_device(host.to(torch.float64))
+    linear = torch.nn.Linear(2, 2)
+    assert not any(on_device(p) for p in linear.parameters())
+    linear.cuda()
     assert linear.weight.device.type == "cpu"
+    assert all(on_device(p) for p in linear.parameters())
+    assert isinstance(linear.weight, torch.nn.Parameter)
     assert host.type() == "torch.cuda.FloatTensor"
     assert host.type(torch.float64).dtype == torch.float64
+
+
+@needs_no_cuda
+def test_a_freed_device_storage_leaves_no_mark(emulation):
+    """A host tensor allocated where a freed device tensor was is not taken for one."""
+    for _ in range(2000):
+        assert not on_device(torch.ones(16))
+        torch.ones(16).cuda()
 
 
 @needs_no_cuda

@@ -5,6 +5,8 @@ from megatron_recover.testing.cpu_emulation import (
     disable_cpu_emulation,
     enable_cpu_emulation,
     is_enabled,
+    on_device,
 )
 
-__all__ = ["cpu_emulation_enabled", "disable_cpu_emulation", "enable_cpu_emulation", "is_enabled"]
+__all__ = ["cpu_emulation_enabled", "disable_cpu_emulation", "enable_cpu_emulation", "is_enabled",
+           "on_device"]

@@ -11,9 +11,12 @@ Contract:
   `torch.device("cuda")` or a bare ordinal (`device=torch.cuda.current_device()`) are created on
   the CPU, through the torch factory functions and `Tensor` methods in `_FACTORIES` /
   `_TENSOR_METHODS`.
-  `.cuda()` and `.to("cuda")` return the tensor itself, as torch does for a move to the device a
-  tensor is already on. Consequence: moving between host and "device" never copies, so code
-  that must own a separate copy has to `clone()` (torch does not promise a copy either).
+- Placement (`on_device`): the emulation records which storages stand for device memory
+  (`_placement`). `.cuda()` and `.to("cuda")` of a tensor already placed return it, as torch does
+  for a move to the device a tensor is on; of a host tensor they return a placed copy and leave
+  the host tensor where it was, as a GPU does. So a program that forgets to move its model or a
+  batch trains on host tensors that `on_device` reports, and a CPU test can fail on it
+  (tests/unit/test_device_discipline.py). `.cpu()` of a placed tensor returns it (no copy).
   `Tensor.type()` reports the CUDA type name ("torch.cuda.FloatTensor") because under emulation the
   CPU is the CUDA device, and megatron-core asserts on that string (gradient clipping, the
   float16 and distributed optimizers).
@@ -38,6 +41,7 @@ import sys
 import torch
 
 from megatron_recover.testing import _cuda_standins as standins
+from megatron_recover.testing._placement import Placements
 
 # The torch factory functions that take a `device=` keyword. megatron-core creates its buffers,
 # masks, RNG seeds and communication tensors through these.
@@ -62,6 +66,14 @@ _active = None
 def is_enabled() -> bool:
     """Whether CPU emulation is on in this process."""
     return _active is not None
+
+
+def on_device(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` was placed on an emulated device (created there, moved there, or a view
+    or `clone()` of such a tensor). Raises RuntimeError when emulation is off."""
+    if _active is None:
+        raise RuntimeError("CPU emulation is not enabled: a tensor's place is its .device")
+    return _active.placements.on_device(tensor)
 
 
 def enable_cpu_emulation(device_count: int = 1) -> None:
@@ -113,6 +125,7 @@ class _Emulation:
 
     def __init__(self, devices: standins.EmulatedDevices):
         self.devices = devices
+        self.placements = Placements()
         self.streams = standins.StreamRegistry()
         self.log_filter = _DropRngForkWarning()
         self.saved = []
@@ -134,15 +147,18 @@ class _Emulation:
 
     def _patches(self):
         """(owner, attribute, replacement) for every attribute emulation sets."""
-        to_host = self._to_host
+        to_host, placements = self._to_host, self.placements
         patches = [
-            (owner, name, _redirect_device_kwarg(getattr(owner, name), to_host))
+            (owner, name, _redirect_device_kwarg(getattr(owner, name), to_host, placements,
+                                                 inherits=owner is torch.Tensor
+                                                 or name.endswith("_like")))
             for owner, names in ((torch, _FACTORIES), (torch.Tensor, _TENSOR_METHODS))
             for name in names
         ]
         patches += [
-            (torch.Tensor, "to", _redirect_to(torch.Tensor.to, to_host)),
-            (torch.Tensor, "cuda", _redirect_cuda(torch.Tensor.to, self.devices)),
+            (torch.Tensor, "to", _redirect_to(torch.Tensor.to, to_host, placements)),
+            (torch.Tensor, "cuda", _redirect_cuda(torch.Tensor.to, self.devices, placements)),
+            (torch.Tensor, "clone", _placed_like_source(torch.Tensor.clone, placements)),
             (torch.Tensor, "type", _report_cuda_type(torch.Tensor.type)),
         ]
         return patches + self._cuda_module_patches()
@@ -212,42 +228,86 @@ def _names_cuda(device) -> bool:
     return False
 
 
-def _redirect_device_kwarg(function, to_host):
-    """Wrap a factory so that a CUDA `device=` keyword becomes the host."""
+def _redirect_device_kwarg(function, to_host, placements, inherits: bool):
+    """Wrap a factory so that a CUDA `device=` keyword becomes the host and its result is
+    placed. `inherits`: without a device, the result is where the first argument is (`*_like`
+    factories, `Tensor.new_*` methods)."""
 
     @functools.wraps(function)
     def redirected(*args, **kwargs):
-        if kwargs.get("device") is not None:
-            kwargs["device"] = to_host(kwargs["device"])
-        return function(*args, **kwargs)
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs["device"] = to_host(device)
+            placed = _names_cuda(device)
+        else:
+            placed = (inherits and args and isinstance(args[0], torch.Tensor)
+                      and placements.on_device(args[0]))
+        result = function(*args, **kwargs)
+        return placements.mark(result) if placed else result
 
     return redirected
 
 
-def _redirect_to(original_to, to_host):
-    """Wrap `Tensor.to`, whose device may also come first positionally: `t.to("cuda", dtype)`."""
+def _to_device(original_to, placements, tensor, *args, **kwargs):
+    """A move of `tensor` to an emulated device: itself (converted as asked) when it is placed
+    already, else a placed copy, as a host-to-device copy is on a GPU."""
+    if placements.on_device(tensor):
+        moved = original_to(tensor, "cpu", *args, **kwargs)
+    else:
+        moved = original_to(tensor, "cpu", *args, **{**kwargs, "copy": True})
+    return placements.mark(moved)
+
+
+def _redirect_to(original_to, to_host, placements):
+    """Wrap `Tensor.to`, whose device may also come first positionally (`t.to("cuda", dtype)`)
+    or as a tensor whose device to take (`t.to(other)`)."""
 
     @functools.wraps(original_to)
     def to(self, *args, **kwargs):
-        if args and isinstance(args[0], (str, int, torch.device)):
-            args = (to_host(args[0]),) + args[1:]
-        if kwargs.get("device") is not None:
-            kwargs["device"] = to_host(kwargs["device"])
-        return original_to(self, *args, **kwargs)
+        device = kwargs.pop("device", None)
+        if device is None and args and isinstance(args[0], (str, int, torch.device)):
+            device, args = args[0], args[1:]
+        elif device is None and args and isinstance(args[0], torch.Tensor):
+            other = args[0]
+            if placements.on_device(other):
+                return _to_device(original_to, placements, self, other.dtype, *args[1:],
+                                  **kwargs)
+            return original_to(self, *args, **kwargs)
+        if device is not None and _names_cuda(device):
+            to_host(device)  # the ordinal exists
+            return _to_device(original_to, placements, self, *args, **kwargs)
+        if device is not None:
+            return original_to(self, device, *args, **kwargs)
+        converted = original_to(self, *args, **kwargs)  # a dtype conversion stays where it is
+        if converted is not self and placements.on_device(self):
+            placements.mark(converted)
+        return converted
 
     return to
 
 
-def _redirect_cuda(original_to, devices):
-    """`Tensor.cuda(device)`: check the ordinal, then stay on the host (no copy, as `to` does)."""
+def _redirect_cuda(original_to, devices, placements):
+    """`Tensor.cuda(device)`: check the ordinal, then as `.to("cuda")`."""
 
     def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
         if device is not None:
             devices.index_of(device)
-        return original_to(self, "cpu", non_blocking=non_blocking, memory_format=memory_format)
+        return _to_device(original_to, placements, self, non_blocking=non_blocking,
+                          memory_format=memory_format)
 
     cuda.__doc__ = torch.Tensor.cuda.__doc__
     return cuda
+
+
+def _placed_like_source(method, placements):
+    """A tensor method whose result is on its tensor's device (`clone`)."""
+
+    @functools.wraps(method)
+    def placed_like(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        return placements.mark(result) if placements.on_device(self) else result
+
+    return placed_like
 
 
 def _report_cuda_type(original_type):
