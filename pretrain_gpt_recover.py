@@ -26,10 +26,20 @@ def _transformer_engine_imports() -> bool:
     return True
 
 
+def _gradient_fusion_kernel_imports() -> bool:
+    """Whether Apex's kernel for --gradient-accumulation-fusion imports (megatron-core's
+    linear layers ask the same way, and raise without it)."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def main() -> None:
     from megatron_recover import runtime
 
-    from megatron_recover.megatron import arguments
+    from megatron_recover.megatron import arguments, devices, groups
 
     hang_timeout_s = arguments.hang_timeout_before_mpi(sys.argv[1:])
     if hang_timeout_s is not None:
@@ -45,6 +55,8 @@ def main() -> None:
         cfg = arguments.parse_args(
             sys.argv[1:], world_size=training_ranks, cuda_available=torch.cuda.is_available(),
             te_available=_transformer_engine_imports(),
+            fusion_kernel_available=(torch.cuda.is_available()
+                                     and _gradient_fusion_kernel_imports()),
             run_id=os.environ.get("MEGATRON_RECOVER_RUN_ID"))
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)
@@ -59,10 +71,18 @@ def main() -> None:
               f"{cfg.precision.describe()}", flush=True)
         for line in cfg.notices:
             print(line, flush=True)
+    place = devices.NodePlace.from_environment(os.environ)
+    ranks_per_device = cfg.parallel.ranks_per_device
     if not torch.cuda.is_available():
         from megatron_recover.testing import enable_cpu_emulation
 
-        enable_cpu_emulation()
+        enable_cpu_emulation(device_count=devices.devices_needed(place, ranks_per_device))
+    try:
+        devices.bind(place, ranks_per_device)  # before any tensor or group is on a device
+    except ValueError as error:
+        runtime.stop_at_startup(str(error))
+    plan = groups.plan_groups(torch.cuda.is_available(), cfg.parallel.distributed_backend,
+                              cfg.recover.cross_replica_backend)
 
     from megatron_recover import collective
     from megatron_recover.megatron import run, state
@@ -84,7 +104,7 @@ def main() -> None:
         print(f" > padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens "
               f"(new size: {padded})", flush=True)  # Megatron-LM's line
     # Set by `megatron-recover launch --if-include` for jobs on several hosts.
-    runtime.init_torch_distributed(ctx, world_id=run.torch_world_id(cfg, ctx),
+    runtime.init_torch_distributed(ctx, backend=plan.world, world_id=run.torch_world_id(cfg, ctx),
                                    network=os.environ.get("MEGATRON_RECOVER_NETWORK"))
     trained = run.train(cfg, ctx, source, vocab_size)  # a standby never called leaves inside
     if status_dir:

@@ -425,6 +425,11 @@ def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
     if rank != 0:
         store = dist.TCPStore(host, port, size, is_master=False)
     torch.set_num_threads(1)
+    if backend == "nccl":
+        # An NCCL collective that errs or outlives its group's timeout (megatron's groups: a
+        # multiple of --recover-hang-timeout) aborts this process, a signal death that ULFM
+        # reports like any other; the replica gate usually takes the rank down sooner.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # The timeout bounds every gloo collective: a rank stuck in one leaves (exit hook) instead of
     # waiting forever for a peer that hangs.
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,

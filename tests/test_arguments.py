@@ -51,16 +51,20 @@ def _small_argv(extra, drop=()) -> list[str]:
     return argv + list(extra)
 
 
-def small(*extra, world_size=4, cuda_available=False, drop=()):
+def small(*extra, world_size=4, cuda_available=False, drop=(), fusion_kernel=True):
+    """SMALL + extra parsed; on CUDA with Apex's fusion kernel importing unless told not."""
     return parse_args(_small_argv(extra, drop), world_size=world_size,
-                      cuda_available=cuda_available)
+                      cuda_available=cuda_available,
+                      fusion_kernel_available=cuda_available and fusion_kernel)
 
 
-def refused(*extra, world_size=4, cuda_available=False, argv=None, drop=()) -> str:
+def refused(*extra, world_size=4, cuda_available=False, argv=None, drop=(),
+            fusion_kernel=True) -> str:
     """The ValueError message for SMALL + extra (or argv); fails the test if it parses."""
     with pytest.raises(ValueError) as info:
         parse_args(argv if argv is not None else _small_argv(extra, drop),
-                   world_size=world_size, cuda_available=cuda_available)
+                   world_size=world_size, cuda_available=cuda_available,
+                   fusion_kernel_available=cuda_available and fusion_kernel)
     return str(info.value)
 
 
@@ -101,7 +105,8 @@ def gpt3_argv(files) -> list[str]:
 
 
 def test_megatron_gpt3_example_parses(gpt2_files):
-    cfg = parse_args(gpt3_argv(gpt2_files), world_size=1024, cuda_available=True)
+    cfg = parse_args(gpt3_argv(gpt2_files), world_size=1024, cuda_available=True,
+                     fusion_kernel_available=True)
     m, o, p, par, d = cfg.model, cfg.optim, cfg.precision, cfg.parallel, cfg.data
     assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (96, 12288, 96)
     assert m.ffn_hidden_size == 4 * 12288 and m.kv_channels == 128
@@ -174,6 +179,31 @@ def test_gradient_accumulation_fusion_follows_the_device():
     assert not small("--no-gradient-accumulation-fusion",
                      cuda_available=True).parallel.gradient_accumulation_fusion
     assert not small().parallel.gradient_accumulation_fusion
+    # Megatron's default on CUDA needs Apex's kernel (megatron-core's linear layers raise
+    # without it): start-up says so, and what to pass instead.
+    message = refused(cuda_available=True, fusion_kernel=False)
+    assert ("needs Apex's fused_weight_gradient_mlp_cuda kernel, which does not import here: "
+            "add --no-gradient-accumulation-fusion") in message
+    assert "fused_weight_gradient" in refused("--gradient-accumulation-fusion",
+                                              cuda_available=True, fusion_kernel=False)
+    assert not small("--no-gradient-accumulation-fusion", cuda_available=True,
+                     fusion_kernel=False).parallel.gradient_accumulation_fusion
+
+
+def test_distributed_backend_and_ranks_per_device():
+    par = small().parallel
+    assert (par.distributed_backend, par.ranks_per_device) == ("nccl", 1)  # Megatron's default
+    assert small("--distributed-backend", "gloo").parallel.distributed_backend == "gloo"
+    assert small("--recover-ranks-per-device", "4",
+                 cuda_available=True).parallel.ranks_per_device == 4
+    assert "must be a positive integer, got 0" in refused("--recover-ranks-per-device", "0")
+    # Two ranks of one NCCL group on one GPU: NCCL refuses it, so start-up does first.
+    message = refused("--recover-ranks-per-device", "2", "--tensor-model-parallel-size", "2",
+                      cuda_available=True)
+    assert "a replica here has 2 ranks" in message and "NCCL refuses" in message
+    # The CPU's groups are gloo, and gloo has no such rule.
+    assert small("--recover-ranks-per-device", "2", "--tensor-model-parallel-size",
+                 "2").parallel.ranks_per_device == 2
 
 
 def test_legacy_split_default_with_data_path(gpt2_files):
@@ -427,7 +457,8 @@ def test_refused_flags_accept_the_value_we_run():
 
 def test_transformer_engine_options_pass_where_it_imports():
     cfg = parse_args(_small_argv(["--use-flash-attn", "--cross-entropy-loss-fusion"]),
-                     world_size=4, cuda_available=True, te_available=True)
+                     world_size=4, cuda_available=True, te_available=True,
+                     fusion_kernel_available=True)
     m = cfg.model
     assert m.transformer_impl == "transformer_engine" and m.attention_backend == "flash"
     assert m.cross_entropy_loss_fusion
@@ -666,13 +697,13 @@ def test_every_problem_in_one_message():
 
 
 def test_no_effect_arguments_named_once_per_reason_in_order():
-    cfg = small("--distributed-backend", "nccl", "--no-masked-softmax-fusion",
+    cfg = small("--distributed-timeout-minutes", "5", "--no-masked-softmax-fusion",
                 "--log-params-norm", "--timing-log-level", "2",
-                "--no-bias-dropout-fusion", "--distributed-backend", "gloo",
+                "--no-bias-dropout-fusion", "--distributed-timeout-minutes", "7",
                 "--profile-ranks", "0", "1", "--num-workers", "4")
     lines = [line for line in cfg.notices if "no effect here" in line]
     assert [line.split(": ")[2] for line in lines] == [
-        "--distributed-backend", "--no-masked-softmax-fusion --no-bias-dropout-fusion",
+        "--distributed-timeout-minutes", "--no-masked-softmax-fusion --no-bias-dropout-fusion",
         "--log-params-norm --timing-log-level", "--profile-ranks", "--num-workers"]
     assert "rendezvous, ranks and timeouts come from MPI" in lines[0]
 

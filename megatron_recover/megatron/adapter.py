@@ -92,7 +92,7 @@ class MegatronOptimizer:
 
 class TorchControl:
     """A torch.distributed group as a `ControlGroup` (the tensors are CPU float64: the group
-    must be a gloo one; megatron's own groups are, on CPU only)."""
+    must be a gloo one, a control group of groups.py, never megatron's own on a GPU)."""
 
     def __init__(self, group):
         self.group = group
@@ -122,18 +122,20 @@ class SchedulePass:
 
 
 def build_trainer(*, ddp_model, optimizer, scheduler, micro_batch_size: int, run_pass,
-                  replica_group, shard_group, overlap_grad_reduce: bool,
+                  replica_group, shard_group, shard_control_group, overlap_grad_reduce: bool,
                   synced_inside_replica: frozenset, **parts) -> ResilientTrainer:
     """The trainer of this rank over megatron's objects; `parts` are the remaining
     `TrainerParts` fields (group, policy, replica, replica_of_rank, faults, audit, ...).
-    `replica_group`: the replica's torch group, None when the replica is one rank."""
+    `replica_group`: the replica's control group (gloo), None when the replica is one rank;
+    `shard_group`: the training group the buckets reduce-scatter on, `shard_control_group` its
+    gloo mirror (groups.py)."""
     buffers = DDPBuffers(ddp_model, overlap_grad_reduce, synced_inside_replica)
     trainer = ResilientTrainer(TrainerParts(
         buffers=buffers, run_pass=SchedulePass(run_pass),
         optimizer=MegatronOptimizer(optimizer, scheduler, micro_batch_size),
         replica_control=None if replica_group is None else TorchControl(replica_group),
         shard_group=shard_group,
-        shard_control=None if shard_group is None else TorchControl(shard_group),
+        shard_control=None if shard_group is None else TorchControl(shard_control_group),
         overlap_grad_reduce=overlap_grad_reduce, **parts))
     hooks.install(trainer.p.group.process_group, trainer.recovery)
     buffers.dispatch_param_gather()  # the first forward's pre-hooks wait for it

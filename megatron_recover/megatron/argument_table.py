@@ -64,7 +64,7 @@ _NO_EFFECT_GROUPS = (
      "--log-straggler --disable-straggler-on-startup --straggler-ctrlr-port:1 "
      "--straggler-minmax-count:1"),
     ("rendezvous, ranks and timeouts come from MPI (mpirun); a hung peer is bounded by "
-     "--recover-hang-timeout", "--distributed-backend:1 --distributed-timeout-minutes:1 "
+     "--recover-hang-timeout", "--distributed-timeout-minutes:1 "
      "--distributed-timeout-seconds-after-init:1 --local-rank:1"),
     ("the fusion it switches off is never enabled here (its kernels come from Apex or "
      "Megatron's compiled extensions)", "--no-masked-softmax-fusion --no-bias-dropout-fusion "
@@ -359,7 +359,13 @@ IMPLEMENTED_NOTES = {
                            "(said at start-up); flash and fused select Transformer Engine kernels",
     "--cross-entropy-loss-fusion": "on CPU the unfused cross entropy runs (same loss; said at "
                                    "start-up): the fused kernel is CUDA-only",
-    "--gradient-accumulation-fusion": "refused on CPU (a CUDA kernel)",
+    "--gradient-accumulation-fusion": "refused on CPU (a CUDA kernel); on CUDA Megatron's "
+    "default, refused at start-up when Apex's fused_weight_gradient_mlp_cuda does not import "
+    "(pass --no-gradient-accumulation-fusion)",
+    "--distributed-backend": "megatron's own (training) groups on CUDA: nccl (default) or gloo; "
+    "gloo on CPU; control collectives always on gloo mirrors (docs/devices.md)",
+    "--recover-ranks-per-device": "N consecutive node-local ranks bind one GPU (default 1, one "
+    "rank per GPU); refused on CUDA when a replica has more than one rank (NCCL)",
     "--no-gradient-accumulation-fusion": "",
     "--ckpt-format": "torch_dist for stock runs; --recover saves per-rank torch files: "
                      "--ckpt-format torch (the default under --recover), torch_dist refused",

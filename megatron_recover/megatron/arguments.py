@@ -168,6 +168,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-accumulation-fusion", action="store_true", default=None)
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
                    dest="gradient_accumulation_fusion")
+    # Megatron-LM's: the backend of the world and of megatron's own (training) groups.
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default="nccl")
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -245,6 +247,10 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="declare a rank that stops answering (frozen) failed after this many "
                         f"seconds (Open MPI's failure detector; default {DEFAULT_HANG_TIMEOUT_S:g}"
                         ", 0: off)")
+    g.add_argument("--recover-ranks-per-device", type=int, default=1, metavar="N",
+                   help="bind N consecutive node-local ranks to one GPU (default 1, Megatron's "
+                        "one rank per GPU); for tests of several one-rank replicas on one GPU, "
+                        "with or without --recover")
     g.add_argument("--cross-replica-backend", choices=["gloo", "ulfm"],
                    help="backend of the data-parallel group: gloo (default) or ulfm (stock "
                         "Megatron data parallelism over the fault-tolerant collective, no "
@@ -361,13 +367,41 @@ def _positive(ns) -> list[str]:
     return problems
 
 
-def _device_refusals(ns, cuda_available: bool, te_available: bool) -> list[str]:
-    """Implemented arguments refused on this machine: kernels the device cannot run and layers
-    that need Transformer Engine (argument_table.py refuses the others by name)."""
+def _ranks_per_replica(ns, world_size: int) -> int:
+    """TP x PP, times the data-parallel ranks of a distributed-optimizer instance."""
+    mp = ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
+    if not ns.use_distributed_optimizer:
+        return mp
+    dp = max(world_size // mp, 1)
+    return mp * max(dp // max(_optimizer_instances(ns, dp), 1), 1)
+
+
+def _device_refusals(ns, world_size: int, cuda_available: bool, te_available: bool,
+                     fusion_kernel_available: bool) -> list[str]:
+    """Implemented arguments refused on this machine: kernels the device cannot run, layers
+    that need Transformer Engine, devices shared by ranks of one NCCL group (argument_table.py
+    refuses the others by name)."""
     problems = []
     if not cuda_available and ns.gradient_accumulation_fusion:
-        problems.append("--gradient-accumulation-fusion needs the CUDA kernel of Apex or "
-                        "Transformer Engine: drop it (or pass --no-gradient-accumulation-fusion)")
+        problems.append("--gradient-accumulation-fusion needs a CUDA kernel (Apex's "
+                        "fused_weight_gradient_mlp_cuda): drop it (or pass "
+                        "--no-gradient-accumulation-fusion)")
+    if (cuda_available and ns.gradient_accumulation_fusion is not False
+            and not fusion_kernel_available):
+        problems.append("gradient accumulation fusion (Megatron's default on CUDA) needs Apex's "
+                        "fused_weight_gradient_mlp_cuda kernel, which does not import here: "
+                        "add --no-gradient-accumulation-fusion, or install Apex with its CUDA "
+                        "extensions")
+    if ns.recover_ranks_per_device < 1:
+        problems.append(f"--recover-ranks-per-device must be a positive integer, got "
+                        f"{ns.recover_ranks_per_device}")
+    elif (cuda_available and ns.recover_ranks_per_device > 1
+          and ns.distributed_backend == "nccl" and _ranks_per_replica(ns, world_size) > 1):
+        problems.append(f"--recover-ranks-per-device {ns.recover_ranks_per_device}: a replica "
+                        f"here has {_ranks_per_replica(ns, world_size)} ranks, whose NCCL groups would put "
+                        "two ranks on one GPU, which NCCL refuses: share devices only between "
+                        "replicas of one rank each (TP = PP = 1, no distributed-optimizer "
+                        "shards), or give each rank its own GPU")
     needs_te = [flag for flag, given in (
         ("--transformer-impl transformer_engine", ns.transformer_impl == "transformer_engine"),
         ("--use-flash-attn", ns.use_flash_attn),
@@ -977,7 +1011,8 @@ def training_world_size(argv: list[str], world_size: int) -> int:
 
 
 def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
-              refused: list[str], wandb_available: bool = False) -> None:
+              refused: list[str], wandb_available: bool = False,
+              fusion_kernel_available: bool = False) -> None:
     """Raise one ValueError listing every problem found (`refused`: the refused flags' lines
     first), or return."""
     problems = _required(ns)
@@ -988,7 +1023,8 @@ def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
                     + _schedule(ns, world_size) + _recompute(ns))
         if ns.recover:
             problems += _verification(ns, world_size)
-    problems += (_device_refusals(ns, cuda_available, te_available) + _precision(ns)
+    problems += (_device_refusals(ns, world_size, cuda_available, te_available,
+                                 fusion_kernel_available) + _precision(ns)
                  + _weight_decay_and_decoupled_lr(ns) + _data(ns) + _tokenizer(ns)
                  + _checkpointing(ns) + _logging(ns, wandb_available) + _recover(ns))
     problems = refused + problems
@@ -1087,12 +1123,15 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
 
 
 def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
-               te_available: bool = False, run_id: str | None = None) -> TrainConfig:
+               te_available: bool = False, fusion_kernel_available: bool = False,
+               run_id: str | None = None) -> TrainConfig:
     """Parse a Megatron GPT command line into a validated TrainConfig.
 
     argv: the arguments without the program name. world_size: ranks at launch (from MPI).
     cuda_available: whether this rank trains on CUDA; on CPU, CUDA-only kernels are refused.
     te_available: whether Transformer Engine imports; without it its layers are refused.
+    fusion_kernel_available: whether Apex's fused_weight_gradient_mlp_cuda imports; without it
+    gradient accumulation fusion is refused on CUDA.
     run_id: the job's id under `megatron-recover launch` (it names the snapshot directory).
     Raises ValueError (one message, a line per problem, each saying what to change)
     for a bad combination; argparse exits with status 2 on unknown or malformed arguments.
@@ -1106,7 +1145,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
                          f"--recover-standby-replicas {ns.recover_standby_replicas} standby "
                          "replicas; start more ranks (mpirun -np) or fewer standbys")
     _validate(ns, world_size, cuda_available, te_available, refused,
-              wandb_available=bool(ns.wandb_project) and _wandb_imports())
+              wandb_available=bool(ns.wandb_project) and _wandb_imports(),
+              fusion_kernel_available=fusion_kernel_available)
     tp = ns.tensor_model_parallel_size
     dp, gbs = _sizes(ns, world_size)
     fusion = ns.gradient_accumulation_fusion
@@ -1164,7 +1204,9 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             overlap_param_gather=ns.overlap_param_gather, ddp_bucket_size=ns.ddp_bucket_size,
             sequence_parallel=ns.sequence_parallel and tp > 1,
             use_cpu_initialization=ns.use_cpu_initialization,
-            gradient_accumulation_fusion=cuda_available if fusion is None else fusion),
+            gradient_accumulation_fusion=cuda_available if fusion is None else fusion,
+            distributed_backend=ns.distributed_backend,
+            ranks_per_device=ns.recover_ranks_per_device),
         data=DataConfig(
             blend=blend, blend_per_split=blend_per_split, mock_data=ns.mock_data,
             split=(ns.split if ns.split is not None or ns.mock_data

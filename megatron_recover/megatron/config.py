@@ -232,8 +232,14 @@ class ParallelConfig:
     use_cpu_initialization: bool
     """Initialize full weights on the CPU and scatter them (--use-cpu-initialization)."""
     gradient_accumulation_fusion: bool
-    """Fuse weight-gradient accumulation into the GEMM (Megatron's default on CUDA; off on CPU,
-    where the kernel does not exist). --no-gradient-accumulation-fusion turns it off."""
+    """Fuse weight-gradient accumulation into the GEMM (Megatron's default on CUDA, where it
+    needs Apex's kernel; off on CPU, where the kernel does not exist).
+    --no-gradient-accumulation-fusion turns it off."""
+    distributed_backend: str = "nccl"
+    """The backend of megatron's own (training) groups on CUDA (--distributed-backend, nccl or
+    gloo); on the CPU they are gloo (groups.py)."""
+    ranks_per_device: int = 1
+    """Consecutive node-local ranks bound to one device (--recover-ranks-per-device)."""
 
     @property
     def model_parallel_size(self) -> int:

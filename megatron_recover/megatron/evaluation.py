@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from megatron_recover.megatron import hooks
+from megatron_recover.megatron import devices, hooks
 
 @dataclass
 class EvalResult:
@@ -121,7 +121,7 @@ class EvalPass:
         return values
 
     def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
+        batch = devices.batch_to_device(next(data_iterator))
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                        labels=batch["labels"])
         return output, partial(_eval_loss, batch["loss_mask"], batch["index"])

@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from megatron_recover import failures
-from megatron_recover.megatron import hooks
+from megatron_recover.megatron import devices, hooks
 from megatron_recover.megatron.data import batch_checksum
 from megatron_recover.megatron.norms import Norm
 
@@ -232,7 +232,8 @@ class MicrobatchPass:
         microbatch_id = batch["microbatch_id"]
         failures.note(batch["iteration"], microbatch_id)
         hooks.register_microbatch(batch["iteration"], microbatch_id, batch_checksum(
-            batch["tokens"], batch["labels"], batch["loss_mask"]))
+            batch["tokens"], batch["labels"], batch["loss_mask"]))  # on the host, before the move
+        batch = devices.batch_to_device(batch)
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                        labels=batch["labels"])
 

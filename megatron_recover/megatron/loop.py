@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, dist_checkpoint
+from megatron_recover.megatron import checkpoint, dist_checkpoint, groups
 from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.progress import ExitRequests, Progress
 from megatron_recover.megatron.rank_setup import RankSetup
@@ -123,7 +123,7 @@ class StockStepper:
         if update_successful:  # as Megatron-LM: a step skipped by the fp16 loss scaler keeps lr
             setup.scheduler.step(increment=global_batch_size)
         total = torch.tensor([sum(losses.values()), sum(tokens.values())], dtype=torch.float64)
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=groups.world_control())
         self.consumed += global_batch_size
         return StepResult(loss=total[0].item() / max(total[1].item(), 1), grad_norm=grad_norm,
                           iteration_ms=(time.perf_counter() - start) * 1e3,
@@ -142,7 +142,7 @@ class StockStepper:
         if not self.cfg.exit.agreed:
             return False
         flag = torch.tensor([float(self.exits.requested())])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.world_control())
         return bool(flag.item() > 0)
 
     def between(self, iteration: int) -> None:

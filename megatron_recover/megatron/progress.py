@@ -13,7 +13,7 @@ import psutil
 import torch.distributed as dist
 
 from megatron_recover import runtime
-from megatron_recover.megatron import mcore_config
+from megatron_recover.megatron import groups, mcore_config
 from megatron_recover.megatron.evaluation import EvalPass, result_of
 from megatron_recover.megatron.report import IntervalStats, failure_lines, model_flops
 from megatron_recover.megatron.writers import MetricWriters, training_scalars, validation_scalars
@@ -85,7 +85,7 @@ class Progress:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         run_id = [f"megatron-recover-{int(time.time())}-{os.getpid()}"]
         if cfg.logging.wandb_project is not None:
-            dist.broadcast_object_list(run_id, src=0)  # the W&B run every writer resumes
+            dist.broadcast_object_list(run_id, src=0, group=groups.world_control())  # the W&B run every writer resumes
         self.writers = MetricWriters(cfg, run_id[0])
         self.flops = (model_flops(cfg.model, mcore_config.padded_vocab_size(cfg, vocab_size), 1)
                       if cfg.logging.log_throughput else None)
@@ -177,7 +177,8 @@ class Progress:
                 ids = list(range(self.setup.dp_rank, self.eval_pass.count, dp))
                 values = self.eval_pass.values(split, evaluation, iteration, ids,
                                                self.last_stage and self.tp_rank == 0)
-                dist.all_reduce(values)  # each id's slot from exactly one rank
+                # each id's slot from exactly one rank
+                dist.all_reduce(values, group=groups.world_control())
                 events = []
             else:
                 values, events = self.trainer.evaluate(

@@ -18,8 +18,9 @@ class RankSetup:
     group: collective.ULFMGroup | None  # the cross-replica group of this position (ulfm)
     replica_of_rank: dict[int, int] | None  # world rank -> replica index (its rank in `group`)
     replica_group: object  # this replica's ranks: TP x PP (x its shards, with instances)
-    control_group: object | None  # `replica_group` for the verdict exchange; None: one rank
+    control_group: object | None  # gloo mirror of `replica_group` (groups.py); None: one rank
     shard_group: object | None  # distributed-optimizer instances: the replica's DP ranks here
+    shard_control_group: object | None  # gloo mirror of `shard_group`
     dp_rank: int
     replica_index: int  # the data-parallel rank, or the distributed-optimizer instance
     local_rank: int

@@ -32,7 +32,15 @@ from megatron_recover.faults.schedule import (
     load_slow_snapshot_writes,
     load_standby_entries,
 )
-from megatron_recover.megatron import dist_checkpoint, joins, mcore_config, resume, snapshot
+from megatron_recover.megatron import (
+    devices,
+    dist_checkpoint,
+    groups,
+    joins,
+    mcore_config,
+    resume,
+    snapshot,
+)
 from megatron_recover.megatron import standby
 from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.adapter import build_trainer
@@ -123,7 +131,7 @@ def _cross_replica_groups(replica_group_ranks: list[int],
     Returns this rank's group and the map world rank -> replica id (the data-parallel rank).
     """
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, tuple(replica_group_ranks))
+    dist.all_gather_object(everyone, tuple(replica_group_ranks), group=groups.world_control())
     mine = None
     for ranks in sorted(set(everyone)):
         group = collective.new_group(list(ranks), timeout_s=timeout_s)
@@ -228,7 +236,8 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     )
     seed_stage(cfg.seed)
     tconfig = mcore_config.to_transformer_config(cfg)
-    model = build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size), cfg.model)
+    model = devices.model_to_device(
+        build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size), cfg.model))
     if cfg.precision.fp16 or cfg.precision.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -260,17 +269,20 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         runtime.set_replica_peers(replica_ranks)  # the exit hook asks MPI about them
         if hang_s:
             runtime.start_replica_gate(replica_ranks, hang_s / 4)
-    groups = process_groups(group.process_group if group else None, instances)
-    ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg), groups)
+    pg_collection = process_groups(group.process_group if group else None, instances)
+    ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg), pg_collection)
     # With instances the optimizer takes the same groups (a standby instance's megatron state
     # has no group across instances); without, megatron's own, as Megatron-LM builds it.
-    optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model, groups if instances else None)
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model,
+                                                    pg_collection if instances else None)
     tconfig.grad_scale_func = optimizer.scale_loss
     return RankSetup(
         ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group,
         replica_of_rank=replica_of_rank, replica_group=replica_group,
-        control_group=replica_group if par.ranks_per_replica > 1 else None,
-        shard_group=shard_group, dp_rank=parallel_state.get_data_parallel_rank(),
+        control_group=groups.mirror_of(replica_group) if par.ranks_per_replica > 1 else None,
+        shard_group=shard_group,
+        shard_control_group=None if shard_group is None else groups.mirror_of(shard_group),
+        dp_rank=parallel_state.get_data_parallel_rank(),
         replica_index=sorted(dp_group_ranks).index(dist.get_rank()),
         local_rank=dist.get_rank(group=replica_group),
         position=(parallel_state.get_tensor_model_parallel_rank(),
@@ -363,6 +375,7 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
         ddp_model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
         micro_batch_size=cfg.micro_batch_size, run_pass=micro_pass.run,
         replica_group=setup.control_group, shard_group=setup.shard_group,
+        shard_control_group=setup.shard_control_group,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
         group=setup.group, policy=policy, per_token_loss=cfg.model.calculate_per_token_loss,
@@ -465,7 +478,8 @@ def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapsho
     """This rank's snapshot writer, with the failure schedule's slow writes. Collective over
     the training ranks (where each rank is: one copy per node and position is enough)."""
     where = [None] * dist.get_world_size()
-    dist.all_gather_object(where, (socket.gethostname(), setup.checkpoint_position))
+    dist.all_gather_object(where, (socket.gethostname(), setup.checkpoint_position),
+                           group=groups.world_control())
     replicas_here = sorted(trainer.p.replica_of_rank[rank] for rank, place in enumerate(where)
                            if place == where[dist.get_rank()])
     slow, on_pause = {}, None

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint
+from megatron_recover.megatron import checkpoint, groups
 from megatron_recover.megatron import state as training_state
 
 _FILE = re.compile(r"^(mp_rank_\d+_\d+(?:_shard_\d+)?)-replica_\d+\.pt$")
@@ -223,7 +223,7 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
     mine = inventory(directory)
     hostname = socket.gethostname()
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (hostname, name, mine))
+    dist.all_gather_object(everyone, (hostname, name, mine), group=groups.world_control())
     iteration = choose(everyone)
     if iteration is None or iteration <= after:
         return None
@@ -251,10 +251,10 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
     training_state.restore(saved, ddp_model, optimizer, scheduler)
     # Every rank has its state: the lowest rank of each node removes the other iterations there
     # (later ones belong to the run that ended and are written again; older ones are not needed).
-    dist.barrier()
+    dist.barrier(group=groups.world_control())
     if dist.get_rank() == min(r for r, (h, _, _) in enumerate(everyone) if h == hostname):
         prune(directory, lambda t: t != iteration)
-    dist.barrier()
+    dist.barrier(group=groups.world_control())
     return saved["recovery"]
 
 

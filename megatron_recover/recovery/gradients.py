@@ -289,6 +289,10 @@ class GradientRecovery:
     def grads(self) -> list[torch.Tensor]:
         return [b.grad for b in self._buckets.values()]
 
+    def snapshots(self) -> list[torch.Tensor]:
+        """Each bucket's pre-reduce copy, in reduction order."""
+        return [bucket.snapshot for bucket in self._buckets.values()]
+
     def rewind(self) -> None:
         """Restore every bucket to its pre-reduce contents (the snapshot)."""
         for bucket in self._buckets.values():
