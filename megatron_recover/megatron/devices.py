@@ -6,6 +6,7 @@ emulation's devices are the host, but it records which tensors were placed on on
 fails when a move below is missing (tests/unit/test_device_discipline.py).
 """
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,10 @@ class NodePlace:
             for name in names:
                 value = environ.get(name, "").strip()
                 if value:
-                    try:
-                        return int(value.split(",")[0])  # SLURM_NTASKS_PER_NODE: "4(x2)" forms
-                    except ValueError:
+                    number = re.match(r"\d+", value)  # SLURM_NTASKS_PER_NODE may read "4(x2)"
+                    if number is None:
                         raise ValueError(f"{name}={value!r} is not a node-local rank or size")
+                    return int(number.group())
             return default
         local_rank = first(LOCAL_RANK_VARIABLES, 0)
         return cls(local_rank, max(first(LOCAL_SIZE_VARIABLES, 1), local_rank + 1))

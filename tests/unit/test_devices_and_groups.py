@@ -1,8 +1,9 @@
-"""Groups by role (megatron_recover/megatron/groups.py): on a CUDA plan megatron's own groups are
-NCCL and no control collective runs on them; on a CPU plan everything is gloo or ulfm; the
-control groups are gloo mirrors, distinct from the training groups they mirror.
+"""A rank's device and its groups by role (megatron_recover/megatron/devices.py, groups.py): the
+node-local rank from the launcher's variables and the device it binds; on a CUDA plan megatron's
+own groups are NCCL and no control collective runs on them; on a CPU plan everything is gloo or
+ulfm; the control groups are gloo mirrors, distinct from the training groups they mirror.
 
-Run: .venv/bin/python -m pytest tests/unit/test_groups.py (CPU only, seconds).
+Run: .venv/bin/python -m pytest tests/unit/test_devices_and_groups.py (CPU only, seconds).
 """
 
 import tempfile
@@ -64,3 +65,32 @@ def test_a_mirror_is_a_gloo_group_of_the_same_ranks_distinct_from_its_original()
             assert groups.world_control() is dist.group.WORLD  # a gloo world is its own
         finally:
             dist.destroy_process_group()
+
+
+def test_the_node_local_rank_comes_from_the_launcher():
+    from megatron_recover.megatron.devices import NodePlace, device_index, devices_needed
+
+    # Open MPI's own variables win over Slurm's, which under mpirun name the daemon's task.
+    place = NodePlace.from_environment({"OMPI_COMM_WORLD_LOCAL_RANK": "3",
+                                        "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+                                        "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1"})
+    assert place == NodePlace(3, 8) and device_index(place, 1) == 3
+    assert device_index(place, 4) == 0 and devices_needed(place, 4) == 2
+    assert devices_needed(NodePlace(0, 5), 2) == 3
+    slurm = NodePlace.from_environment({"SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert slurm == NodePlace(1, 4)
+    assert NodePlace.from_environment({}) == NodePlace(0, 1)
+    with pytest.raises(ValueError, match="LOCAL_RANK='x' is not a node-local rank"):
+        NodePlace.from_environment({"LOCAL_RANK": "x"})
+
+
+def test_binding_sets_the_device_and_refuses_a_node_short_of_devices():
+    from megatron_recover.megatron.devices import NodePlace, bind
+    from megatron_recover.testing import cpu_emulation_enabled
+
+    with cpu_emulation_enabled(device_count=2):
+        assert bind(NodePlace(1, 2), 1) == 1 and torch.cuda.current_device() == 1
+        assert bind(NodePlace(3, 4), 2) == 1
+        with pytest.raises(ValueError, match="local rank 2 of 4 on this node needs CUDA device 2, "
+                                             "and the node has 2"):
+            bind(NodePlace(2, 4), 1)
