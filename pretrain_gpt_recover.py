@@ -111,6 +111,7 @@ def main() -> None:
         # Test and benchmark harnesses compare final parameters across runs.
         run.save_parameters(trained.model, Path(status_dir) / f"rank-{ctx.rank}.params.pt")
     runtime.finish(finalize=cfg.recover.cross_replica_backend != "ulfm",
+                   device=devices.describe(),
                    param_digest=state.parameter_digest(trained.model),
                    loss_scale=trained.loss_scale, skipped_iterations=trained.skipped_iterations,
                    **({} if trained.joined is None else {"joined": trained.joined}),

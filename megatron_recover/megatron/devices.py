@@ -72,6 +72,12 @@ def bind(place: NodePlace, ranks_per_device: int) -> int:
     return index
 
 
+def describe() -> str:
+    """The rank's device for its status file: "cuda:N", or "cuda:N (CPU emulation)"."""
+    index = torch.cuda.current_device()
+    return f"cuda:{index}" if torch.cuda.is_available() else f"cuda:{index} (CPU emulation)"
+
+
 def batch_to_device(batch: dict) -> dict:
     """`batch` with its tensors on the current device, as Megatron-LM's get_batch moves them:
     asynchronously from page-locked host memory where CUDA is present (the copy overlaps the
