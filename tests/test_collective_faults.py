@@ -32,6 +32,10 @@ CASES = {
     "two-at-once-4": (4, "allreduce", ["1:reduce", "3:reduce", "0:delay-reduce@0.3"]),
     "two-at-once-8": (8, "allreduce", ["2:reduce", "6:reduce", "0:delay-reduce@0.3"]),
     "64mib-4": (4, "allreduce64m", ["2:reduce", "1:delay-reduce@0.3"]),
+    # A member dies between two chunks of one transfer (chunks lowered to 64 KiB).
+    "broadcast-chunks-4": (4, "broadcast-chunks", ["2:broadcast-chunk:3"]),
+    "broadcast-root-chunks-4": (4, "broadcast-chunks", ["0:broadcast-chunk:5"]),
+    "allgather-chunks-4": (4, "allgather-chunks", ["1:allgather-chunk:2"]),
     "disjoint-groups-8": (8, "disjoint", ["1:reduce", "0:delay-reduce@0.3", "6:reduce",
                                           "4:delay-reduce@0.3"]),
 }
@@ -65,6 +69,9 @@ def check_survivors(run, members: list[int], victims: set[int], hit_is_consensus
         verify = res["verify"]
         assert not verify["record"]["failed"] and verify["exact"], (rank, verify)
         assert verify["expected"] == sum(r + 1 for r in survivors)
+        if "verify_transfer" in res:
+            assert (not res["verify_transfer"]["record"]["failed"]
+                    and res["verify_transfer"]["exact"]), (rank, res["verify_transfer"])
         if "verify64m" in res:
             assert not res["verify64m"]["record"]["failed"] and res["verify64m"]["exact"]
     assert all(rec == consensus_records[0] for rec in consensus_records), consensus_records

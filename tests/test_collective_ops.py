@@ -27,6 +27,21 @@ def test_operations(tmp_path, num_ranks):
         assert "wait_timeout_raises" in run.results[0]["checks"]
 
 
+@pytest.mark.long
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_transfers_over_1_gib(tmp_path):
+    """A broadcast and an all-gather of more than 1 GiB (one MPI call's most) at the default
+    chunk size, byte for byte, on 2 ranks."""
+    run = run_worker(tmp_path, "ops_worker.py", 2, ["big"], TIMEOUT_S)
+    assert not run.timed_out, run.output[-3000:]
+    assert sorted(run.results) == [0, 1], run.output[-3000:]
+    for rank, result in run.results.items():
+        checks = result["checks"]
+        assert checks["broadcast_over_1gib"] and checks["allgather_over_1gib"], (rank, checks)
+        print(f"rank {rank}: broadcast {checks['broadcast_seconds']:.2f} s, all-gather "
+              f"{checks['allgather_seconds']:.2f} s")
+
+
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_refuses_without_fault_tolerance(tmp_path):
     """mpirun without --with-ft ulfm: group creation stops with a message saying how to relaunch."""

@@ -36,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("world_ranks"), py::arg("name"), py::arg("timeout_s"), nogil)
       .def("set_agree_each_op", &PG::set_agree_each_op, py::arg("on"))
+      .def("set_max_chunk_bytes", &PG::set_max_chunk_bytes, py::arg("bytes"))
       .def("allreduce_sum", &PG::allreduce_sum, py::arg("tensor"), nogil)
       .def("broadcast_from", &PG::broadcast_from, py::arg("tensor"), py::arg("root_world_rank"),
            nogil)

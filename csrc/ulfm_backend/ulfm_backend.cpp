@@ -541,10 +541,17 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_broadcast(at::Tensor tens
     TORCH_CHECK_VALUE(it != current.end(), "ulfm: broadcast root ", root_world_rank,
                       " is not a live member of group ", options_.name);
     const int root = int(it - current.begin());
+    char* data = static_cast<char*>(staged->host.data_ptr());
     const int64_t nbytes = staged->host.nbytes();
-    TORCH_CHECK_VALUE(nbytes <= kMaxChunk, "ulfm: broadcast of ", nbytes, " bytes is too large");
+    const int64_t chunk = max_chunk_bytes_;
     run_data_op("broadcast", [&](MPI_Comm comm) {
-      return MPI_Bcast(staged->host.data_ptr(), int(nbytes), MPI_BYTE, root, comm);
+      for (int64_t offset = 0; offset == 0 || offset < nbytes; offset += chunk) {
+        if (offset > 0) fault_enter("broadcast-chunk");
+        const int count = int(std::min(chunk, nbytes - offset));
+        const int rc = MPI_Bcast(data + offset, count, MPI_BYTE, root, comm);
+        if (rc != MPI_SUCCESS) return rc;
+      }
+      return MPI_SUCCESS;
     }, record);
     if (!record->repaired) staged->write_back();
   });
@@ -569,13 +576,30 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor outp
   return enqueue(c10d::OpType::ALLGATHER, {output}, fail_stop,
                  [this, in, out, rows](FailureRecord* record) {
     const int64_t nbytes = in->host.nbytes();
-    TORCH_CHECK_VALUE(nbytes * current_size() <= kMaxChunk, "ulfm: all-gather is too large");
+    const int64_t chunk = max_chunk_bytes_;
     run_data_op("allgather", [&](MPI_Comm comm) {
       int size = 0;
       MPI_Comm_size(comm, &size);
       if (int64_t(size) * nbytes != out->host.nbytes()) return int(MPI_ERR_SIZE);
-      return MPI_Allgather(in->host.data_ptr(), int(nbytes), MPI_BYTE, out->host.data_ptr(),
-                           int(nbytes), MPI_BYTE, comm);
+      const char* input = static_cast<const char*>(in->host.data_ptr());
+      char* output = static_cast<char*>(out->host.data_ptr());
+      // Each round gathers bytes [offset, offset + count) of every member's input straight into
+      // place: member r's piece lands at r * nbytes + offset, through a receive type of `count`
+      // bytes whose extent is a whole row (nbytes).
+      for (int64_t offset = 0; offset == 0 || offset < nbytes; offset += chunk) {
+        if (offset > 0) fault_enter("allgather-chunk");
+        const int count = int(std::min(chunk, nbytes - offset));
+        MPI_Datatype piece, row;
+        MPI_Type_contiguous(count, MPI_BYTE, &piece);
+        MPI_Type_create_resized(piece, 0, MPI_Aint(nbytes), &row);
+        MPI_Type_commit(&row);
+        const int rc = MPI_Allgather(input + offset, count, MPI_BYTE, output + offset, 1, row,
+                                     comm);
+        MPI_Type_free(&row);
+        MPI_Type_free(&piece);
+        if (rc != MPI_SUCCESS) return rc;
+      }
+      return MPI_SUCCESS;
     }, record);
     if (record->repaired) return;
     out->write_back();
@@ -583,6 +607,12 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor outp
     auto chunks = out->host.chunk(int64_t(rows.size() == 0 ? 1 : rows.size()));
     for (size_t i = 0; i < rows.size(); ++i) rows[i].copy_(chunks[i].view(rows[i].sizes()));
   });
+}
+
+void ProcessGroupULFM::set_max_chunk_bytes(int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes >= 1 && bytes <= kMaxChunk, "ulfm: a chunk holds 1 to ", kMaxChunk,
+                    " bytes, got ", bytes);
+  max_chunk_bytes_ = bytes;
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::barrier_ft() {
@@ -659,7 +689,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::barrier(const c10d::BarrierOpti
 void ProcessGroupULFM::arm_fault(FaultArm arm) {
   TORCH_CHECK_VALUE(arm.point == "reduce" || arm.point == "consensus" || arm.point == "shrink" ||
                         arm.point == "barrier" || arm.point == "broadcast" ||
-                        arm.point == "allgather" || arm.point == "adopt",
+                        arm.point == "allgather" || arm.point == "adopt" ||
+                        arm.point == "broadcast-chunk" || arm.point == "allgather-chunk",
                     "ulfm: unknown fault point '", arm.point, "'");
   TORCH_CHECK_VALUE(arm.action == "kill" || arm.action == "stop" || arm.action == "delay",
                     "ulfm: unknown fault action '", arm.action, "'");

@@ -56,7 +56,9 @@ struct FailureRecord {
 
 // Test-only fault injection: SIGKILL or SIGSTOP this process (or delay it) at a named point.
 // "reduce"/"consensus": after the non-blocking MPI call was posted; "shrink": while the shrink is
-// in progress (from a timer thread, the call being blocking). The victim appends a JSON marker
+// in progress (from a timer thread, the call being blocking); "broadcast-chunk"/"allgather-chunk":
+// between two chunks of one transfer, before the next is posted; the other points on entry to
+// the operation. The victim appends a JSON marker
 // line to `marker_path` right before it dies, so tests count kills that really happened.
 struct FaultArm {
   std::string point;
@@ -140,6 +142,13 @@ class ProcessGroupULFM : public c10d::Backend {
   // the per-iteration consensus makes outcomes uniform instead. Set it on every member alike.
   void set_agree_each_op(bool on) { agree_each_op_ = on; }
 
+  // The most bytes one MPI call of a broadcast or all-gather moves (default 1 GiB, under the C
+  // int counts of MPI); larger transfers run as consecutive calls of at most this many bytes,
+  // each preceded by fault point "<op>-chunk" (the second chunk on). Set it on every member
+  // alike: members with different sizes would post mismatched calls. Tests lower it to cross
+  // chunk boundaries with small tensors.
+  void set_max_chunk_bytes(int64_t bytes);
+
   void arm_fault(FaultArm arm);
   int64_t fault_hits(const std::string& point);  // times `point` was reached so far
 
@@ -179,6 +188,7 @@ class ProcessGroupULFM : public c10d::Backend {
 
   GroupOptions options_;
   std::atomic<bool> agree_each_op_{false};
+  std::atomic<int64_t> max_chunk_bytes_{int64_t(1) << 30};
   MPI_Comm comm_ = MPI_COMM_NULL;  // touched only by the worker thread after construction
 
   mutable std::mutex state_mutex_;   // guards the membership fields below

@@ -143,6 +143,11 @@ class ULFMGroup:
         """Make each data operation's failure verdict uniform (one agreement per call)."""
         self._native.set_agree_each_op(on)
 
+    def set_max_chunk_bytes(self, nbytes: int) -> None:
+        """The most bytes one MPI call of a broadcast or all-gather moves (default 1 GiB); larger
+        transfers run in chunks of this size, any total size. Set it on every member alike."""
+        self._native.set_max_chunk_bytes(int(nbytes))
+
     def allreduce(self, tensor: torch.Tensor) -> ULFMWork:
         """In-place SUM. On failure the tensor's contents are not to be trusted."""
         return ULFMWork(self._native.allreduce_sum(tensor))

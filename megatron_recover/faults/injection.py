@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-POINTS = ("before", "reduce", "consensus", "shrink")
-NATIVE_POINTS = ("reduce", "consensus", "shrink")
+POINTS = ("before", "reduce", "consensus", "shrink", "broadcast-chunk", "allgather-chunk")
+NATIVE_POINTS = ("reduce", "consensus", "shrink", "broadcast-chunk", "allgather-chunk")
 
 
 @dataclass(frozen=True)

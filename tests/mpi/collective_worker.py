@@ -34,6 +34,10 @@ def verify(group, rank) -> dict:
             "expected": expected, "exact": bool(torch.all(t == expected))}
 
 
+def kind_of(scenario: str) -> str:
+    return scenario_ops(scenario)[0]
+
+
 def scenario_ops(scenario: str) -> tuple[str, int]:
     """(kind of the operation that is hit, payload elements)."""
     return {
@@ -42,7 +46,33 @@ def scenario_ops(scenario: str) -> tuple[str, int]:
         "allreduce64m": ("allreduce", 64 * MIB // 4),
         "disjoint": ("allreduce", 256),
         "torch-allreduce": ("torch", 256),
+        "broadcast-chunks": ("broadcast", CHUNKED_BYTES),
+        "allgather-chunks": ("allgather", CHUNKED_BYTES),
     }[scenario]
+
+
+# Chunked transfers: CHUNKED_BYTES in chunks of CHUNK_BYTES (the 1 GiB default lowered), so a
+# victim can die between chunks of one operation.
+CHUNK_BYTES = 64 * 1024
+CHUNKED_BYTES = 1 * MIB + 13
+
+
+def pattern(numel: int, seed: int) -> torch.Tensor:
+    """Bytes no two members or offsets share by accident: (index + 7 seed) mod 251."""
+    return ((torch.arange(numel, dtype=torch.int64) + 7 * seed) % 251).to(torch.uint8)
+
+
+def transfer(group, kind: str, rank: int, numel: int) -> tuple[object, bool]:
+    """One chunked broadcast (from the lowest live member) or all-gather; (record, exact)."""
+    if kind == "broadcast":
+        root = min(group.members)
+        data = pattern(numel, root) if rank == root else torch.zeros(numel, dtype=torch.uint8)
+        record = group.broadcast(data, root).wait()
+        return record, torch.equal(data, pattern(numel, root))
+    out = torch.zeros(group.size * numel, dtype=torch.uint8)
+    record = group.allgather(out, pattern(numel, rank)).wait()
+    expected = torch.cat([pattern(numel, member) for member in group.members])
+    return record, torch.equal(out, expected)
 
 
 def main() -> None:
@@ -61,6 +91,8 @@ def main() -> None:
         members = list(range(world))
         group = collective.new_group(members)
     group.set_agree_each_op(uniform)
+    if kind_of(scenario) in ("broadcast", "allgather"):
+        group.set_max_chunk_bytes(CHUNK_BYTES)
     runtime.track_group(group)
     injector = FaultInjector(faults, rank, marker)
 
@@ -73,6 +105,8 @@ def main() -> None:
     if kind == "allreduce":
         hit = torch.full((numel,), float(rank + 1))
         ops.append(record_dict("hit", group.allreduce(hit).wait()))
+    elif kind in ("broadcast", "allgather"):
+        ops.append(record_dict("hit", transfer(group, kind, rank, numel)[0]))
     elif kind == "torch":
         # A stock caller: torch.distributed on the group fails stop, the group is repaired.
         hit = torch.full((numel,), float(rank + 1))
@@ -91,6 +125,10 @@ def main() -> None:
         "verify": verify(group, rank),
         "epoch": group.epoch,
     }
+    if kind in ("broadcast", "allgather"):  # the same transfer again, over the survivors
+        again, exact = transfer(group, kind, rank, numel)
+        result["verify_transfer"] = {"record": record_dict("verify_transfer", again),
+                                     "exact": exact}
     if scenario == "allreduce64m":
         big = torch.full((numel,), float(rank + 1))
         big_record = group.allreduce(big).wait()

@@ -86,6 +86,23 @@ def check_ops(group, rank: int, n: int) -> dict:
     dist.all_gather(rows, torch.tensor([rank, rank * 10]), group=pg)
     checks["torch_all_gather"] = [r.tolist() for r in rows] == [[r, r * 10] for r in range(n)]
 
+    # Transfers larger than one MPI call moves, in chunks (lowered from 1 GiB to 1000 bytes):
+    # lengths that do not divide, and an empty one.
+    group.set_max_chunk_bytes(1000)
+    payload = (torch.arange(10007) % 251).to(torch.uint8)
+    b3 = payload.clone() if rank == n - 1 else torch.zeros(10007, dtype=torch.uint8)
+    record = group.broadcast(b3, src_world_rank=n - 1).wait()
+    checks["broadcast_chunked"] = not record.has_failure and torch.equal(b3, payload)
+    checks["broadcast_empty"] = not group.broadcast(torch.empty(0), n - 1).wait().has_failure
+    mine = ((torch.arange(2503) + 7 * rank) % 251).to(torch.uint8)
+    out = torch.zeros(n * 2503, dtype=torch.uint8)
+    record = group.allgather(out, mine).wait()
+    expected = torch.cat([((torch.arange(2503) + 7 * r) % 251).to(torch.uint8) for r in range(n)])
+    checks["allgather_chunked"] = not record.has_failure and torch.equal(out, expected)
+    checks["chunk_bounds"] = "a chunk holds 1 to" in expect_error(
+        ValueError, lambda: group.set_max_chunk_bytes(0))
+    group.set_max_chunk_bytes(1 << 30)
+
     checks["barrier"] = not group.barrier().wait().has_failure
     dist.barrier(group=pg)
     record = group.consensus([1, rank, 7]).wait()
@@ -112,6 +129,31 @@ def check_ops(group, rank: int, n: int) -> dict:
     return checks
 
 
+def check_big(group, rank: int, n: int) -> dict:
+    """A broadcast and an all-gather of more than 1 GiB at the default chunk size (so they
+    cross the 1 GiB boundary of one MPI call), checked byte for byte, with their times."""
+    def pattern(numel: int, shift: int) -> torch.Tensor:  # period 251: no chunk repeats it
+        period = torch.roll(torch.arange(251, dtype=torch.uint8), shift)
+        return period.repeat(numel // 251 + 1)[:numel]
+
+    checks = {}
+    numel = (1 << 30) + (1 << 20) + 3
+    data = pattern(numel, 0) if rank == 0 else torch.zeros(numel, dtype=torch.uint8)
+    start = time.perf_counter()
+    record = group.broadcast(data, src_world_rank=0).wait()
+    checks["broadcast_seconds"] = time.perf_counter() - start
+    checks["broadcast_over_1gib"] = not record.has_failure and torch.equal(data, pattern(numel, 0))
+    del data
+    part = (1 << 30) // n + 4099  # the gathered total passes 1 GiB
+    out = torch.zeros(n * part, dtype=torch.uint8)
+    start = time.perf_counter()
+    record = group.allgather(out, pattern(part, rank)).wait()
+    checks["allgather_seconds"] = time.perf_counter() - start
+    checks["allgather_over_1gib"] = not record.has_failure and all(
+        torch.equal(out[r * part:(r + 1) * part], pattern(part, r)) for r in range(n))
+    return checks
+
+
 def main() -> None:
     check, out_dir = sys.argv[1], Path(sys.argv[2])
     ctx = runtime.init_distributed(status_dir=out_dir / "status")
@@ -122,7 +164,8 @@ def main() -> None:
         os._exit(0)
     group = collective.new_group(list(range(ctx.world_size)))
     runtime.track_group(group)
-    write(out_dir, ctx.rank, {"checks": check_ops(group, ctx.rank, ctx.world_size)})
+    check_of = check_big if check == "big" else check_ops
+    write(out_dir, ctx.rank, {"checks": check_of(group, ctx.rank, ctx.world_size)})
     runtime.finish()
 
 
