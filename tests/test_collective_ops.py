@@ -27,6 +27,24 @@ def test_operations(tmp_path, num_ranks):
         assert "wait_timeout_raises" in run.results[0]["checks"]
 
 
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_training_state_travels_tensor_by_tensor(tmp_path, num_ranks):
+    """`state.broadcast_state` with packs and chunks lowered (structure, dtypes and a state
+    dict's `_metadata` arrive intact); with 4 ranks, a join's transfer whose donor dies inside
+    the big tensor is finished by the next survivor."""
+    run = run_worker(tmp_path, "ops_worker.py", num_ranks, ["state"], TIMEOUT_S)
+    assert not run.timed_out, run.output[-3000:]
+    expected = list(range(1, num_ranks)) if num_ranks == 4 else [0]
+    assert sorted(run.results) == expected, run.output[-3000:]
+    assert [m["rank"] for m in run.markers] == ([0] if num_ranks == 4 else [])
+    for rank, result in run.results.items():
+        failed = [name for name, ok in result["checks"].items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+    if num_ranks == 4:
+        assert all("transfer_state" in r["checks"] for r in run.results.values())
+
+
 @pytest.mark.long
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_transfers_over_1_gib(tmp_path):

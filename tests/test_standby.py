@@ -272,3 +272,30 @@ def test_a_standby_replaces_a_distributed_optimizer_instance(tmp_path):
     run = replace_replica_0(tmp_path, HSDP, B // 4)
     digests = [run.result.statuses[r]["joined"]["digests"]["optimizer"] for r in (4, 5)]
     assert digests[0] != digests[1]  # each shard's own state
+
+
+@pytest.mark.long
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_a_join_carries_a_state_above_1_gib(tmp_path):
+    """A position's state above 1 GiB (113 M parameters with Adam: 12 bytes each) reaches a
+    standby: replica 1 of 2 dies in iteration 1, standby rank 2 joins after it, tensor by tensor
+    in 64 MiB packs (one MPI call moves at most 1 GiB), and holds its donor's state bitwise."""
+    model = ["--num-layers", "4", "--hidden-size", "1536", "--num-attention-heads", "12",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+             "--global-batch-size", "2", "--train-iters", "3", *STABLE_LR, "--eval-iters", "0",
+             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+             "--log-interval", "1", "--recover-standby-replicas", "1"]
+    schedule = "entries:\n  - {iteration: 1, replica: 1, local_rank: 0, location: during-reduce}\n"
+    run = run_training(tmp_path / "big", 3, model, schedule, 2 * TIMEOUT_S - 60)
+    assert [(m["rank"], m["location"]) for m in run.markers] == [(1, "during-reduce")]
+    assert [r["iteration"] for r in run.records] == [1, 2, 3]
+    assert_ledger_held(run.records, 2)
+    assert joins(run) == [([1], [2], 1)]
+    joined = run.result.statuses[2]["joined"]
+    assert joined["state_bytes"] > 1 << 30, joined["state_bytes"]
+    assert joined["digests"] == joined["donor_digests"], joined
+    seconds = joined["state_received"] - joined["called"]
+    print(f"join of {joined['state_bytes'] / 2**30:.2f} GiB per position: {seconds:.1f} s "
+          "from the call to the state received")
+    digests = {r: run.result.statuses[r]["param_digest"] for r in (0, 2)}
+    assert len(set(digests.values())) == 1, digests

@@ -455,9 +455,10 @@ class ScheduledFaults:
 
 
 def _arm_transfer(group, marker_path: Path, fields: dict) -> None:
-    """Kill this rank entering the state broadcast of a join: the transfer's second broadcast
-    (the first carries the size)."""
-    group.arm_fault("broadcast", group.fault_hits("broadcast") + 2, "kill", 0.0,
+    """Kill this rank entering the state broadcast of a join: the transfer's third broadcast,
+    its first pack of tensors (the first two carry the structure's size and the structure:
+    `state.broadcast_state`)."""
+    group.arm_fault("broadcast", group.fault_hits("broadcast") + 3, "kill", 0.0,
                     str(marker_path), {**fields, "action": "kill"})
 
 

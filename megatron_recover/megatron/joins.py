@@ -64,9 +64,9 @@ def grow_back(w_init: int, trainer: ResilientTrainer, setup: RankSetup, pool: st
     if not (ok and assignment):
         _abandon(trainer, event, lost)
         return
-    blob = training_state.to_bytes(join_state(trainer, setup, iteration))
+    state = join_state(trainer, setup, iteration)
     trainer.p.faults.arm_join(group, iteration)
-    _, alive, lost_here = standby.transfer(group, assignment, blob)
+    _, alive, lost_here = standby.transfer(group, assignment, state)
     lost += lost_here  # since the adoption: every position learns of them in `settle`
     dead = {trainer.p.replica_of_rank[r] for r in lost if r in trainer.p.replica_of_rank}
     settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
@@ -130,10 +130,9 @@ def wait_for_call(w_init: int, setup: RankSetup, pool: standby.Pool, faults,
             leave("join abandoned: the grown groups did not take at every position")
         lost = standby.drop_members(group, settled.dropped)
         faults.arm_join(group, message["iteration"])
-        blob, alive, lost_here = standby.transfer(group, assignment, None)
+        state, alive, lost_here = standby.transfer(group, assignment, None)
         lost += lost_here
         break
-    state = training_state.from_bytes(blob)
     received = time.time()
     if state["position"] != setup.checkpoint_position:
         raise RuntimeError(f"standby join: the state received is of position "
@@ -159,6 +158,7 @@ def continue_as_joiner(trainer: ResilientTrainer, call: Call, setup: RankSetup,
              "state_received": call.received, "after_iteration": call.state["iteration"]}
     trainer.add_event(dict(event))
     return call.state["iteration"] + 1, {**event, "replica": setup.replica_index,
+                                         "state_bytes": training_state.tensor_bytes(call.state),
                                          "waited_s": pool.waited_s,
                                          "wait_cpu_s": pool.wait_cpu_s,
                                          "donor_digests": call.state["digests"],

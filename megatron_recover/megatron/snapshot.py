@@ -216,8 +216,8 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
     there is none. Every rank of the (torch) world calls it at start-up.
 
     `group` is this position's cross-replica group: a rank without a local file of its position
-    receives the file's bytes from the lowest rank that has one. Contract: no rank fails during
-    the restore (the job ends and the launcher relaunches it again).
+    receives its state, tensor by tensor, from the lowest rank that has one. Contract: no rank
+    fails during the restore (the job ends and the launcher relaunches it again).
     """
     name = checkpoint.position_name(position)
     mine = inventory(directory)
@@ -236,16 +236,13 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
     else:
         assert sorted(group.members) == members, (group.members, members)
         donor = min(holders)
-        blob = None
-        if dist.get_rank() == donor:
-            blob = torch.frombuffer(bytearray(next(local.glob(f"{name}-replica_*.pt"))
-                                              .read_bytes()), dtype=torch.uint8)
-        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
-        _broadcast(group, size, donor)
-        if blob is None:
-            blob = torch.empty(int(size[0]), dtype=torch.uint8)
-        _broadcast(group, blob, donor)
-        saved = training_state.from_bytes(blob)
+        saved = None
+        if dist.get_rank() == donor:  # mapped, not read: it goes out tensor by tensor
+            saved = torch.load(next(local.glob(f"{name}-replica_*.pt")), map_location="cpu",
+                               mmap=True, weights_only=False)
+        saved, ok = training_state.broadcast_state(group, donor, saved)
+        if not ok:
+            raise RuntimeError("a rank failed while restoring a snapshot")
     if saved["iteration"] != iteration:
         raise RuntimeError(f"snapshot {local} holds iteration {saved['iteration']}")
     training_state.restore(saved, ddp_model, optimizer, scheduler)
@@ -256,9 +253,3 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
         prune(directory, lambda t: t != iteration)
     dist.barrier(group=groups.world_control())
     return saved["recovery"]
-
-
-def _broadcast(group, tensor: torch.Tensor, donor: int) -> None:
-    record = group.broadcast(tensor, donor).wait()
-    if record.has_failure:
-        raise RuntimeError(f"a rank failed while restoring a snapshot: {record}")

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_recover import runtime
+from megatron_recover.megatron import state as training_state
 
 CALL_TAG = 7101
 POLL_S = 0.005
@@ -257,34 +258,25 @@ def drop_members(group, ranks: list[int]) -> list[int]:
     return sorted(lost)
 
 
-def transfer(group, assignment: dict[int, int], blob: torch.Tensor | None) -> tuple[
-        torch.Tensor | None, list[int], list[int]]:
-    """Step 3: broadcast `blob` (given on every survivor; None on joiners) from the lowest
-    surviving member until every live member holds it; the joiners are the assigned ranks in
-    `group`. Returns (the blob, the joiners still alive, every member lost meanwhile), the
-    same lists on every member. Every member of the grown group calls it."""
+def transfer(group, assignment: dict[int, int], state: dict | None) -> tuple[
+        dict | None, list[int], list[int]]:
+    """Step 3: broadcast the training state (`state`: given on every survivor, None on joiners)
+    from the lowest surviving member, tensor by tensor (`training_state.broadcast_state`), until
+    every live member holds it; the joiners are the assigned ranks in `group`. Returns (the
+    state: a joiner's received one, a survivor's own; the joiners still alive; every member
+    lost meanwhile), the same lists on every member. Every member of the grown group calls it."""
     joiners = sorted(r for r in assignment if r in group.members)
+    me = group.members[group.rank]
     lost = []
     while True:
         donor = min(m for m in group.members if m not in joiners)
-        size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
-        record = group.broadcast(size, donor).wait()
-        received = None
-        if not record.has_failure:
-            # Every member receives into a buffer of the donor's size: survivors' own blobs may
-            # be of other sizes (their generators' states pickle to other lengths), and a
-            # smaller buffer would be overrun. Survivors keep their own state.
-            if group.members[group.rank] == donor:
-                scratch = blob  # the source: a broadcast does not write into it
-            else:
-                scratch = torch.empty(int(size[0]), dtype=torch.uint8)
-            received = blob if blob is not None else scratch
-            record = group.broadcast(scratch, donor).wait()
-        ok = int(not record.has_failure)
-        agreed = group.consensus([ok]).wait()
+        # Survivors keep their own state: the donor's passes through one scratch buffer there.
+        received, ok = training_state.broadcast_state(group, donor, state,
+                                                      keep=me in joiners)
+        agreed = group.consensus([int(ok)]).wait()
         lost += agreed.failed_ranks
         joiners = [j for j in joiners if j in group.members]
         if not agreed.failed_ranks and agreed.census[0] == agreed.size:
-            return received, joiners, sorted(lost)
+            return (received if state is None else state), joiners, sorted(lost)
         if not joiners:
-            return blob, joiners, sorted(lost)
+            return state, joiners, sorted(lost)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -154,6 +155,77 @@ def check_big(group, rank: int, n: int) -> dict:
     return checks
 
 
+def sample_state() -> dict:
+    """A training state's shapes of value, the same on every rank: a module state_dict (an
+    OrderedDict with `_metadata`), optimizer state, RNG bytes, 0-dim, empty, bool and bf16
+    tensors, one tensor larger than a pack, and plain objects."""
+    g = torch.Generator().manual_seed(7)
+    model = OrderedDict([("a", torch.randn(1000, generator=g)),
+                         ("b", torch.randn(37, 3, generator=g).to(torch.bfloat16)),
+                         ("empty", torch.empty(0, 4)), ("step", torch.tensor(5)),
+                         ("mask", torch.rand(17, generator=g) > 0.5)])
+    model._metadata = OrderedDict([("", {"version": 1})])
+    torch.manual_seed(11)
+    # The RNG state shares a pack with the model's tensors, after them (not at its start).
+    return {"iteration": 3, "model": model, "rng": [torch.get_rng_state()],
+            "big": torch.randn(300_000, generator=g),
+            "optimizer": {"state": {0: {"exp_avg": torch.randn(2000, generator=g,
+                                                               dtype=torch.float64)}},
+                          "param_groups": [{"lr": 0.1, "params": [0]}]},
+            "layout": ("majors", (0, 1, 2))}
+
+
+def same(a, b) -> bool:
+    """Equal structure, types and bytes (`_metadata` of a state_dict included)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                                b.view(-1).view(torch.uint8) if b.numel() else b))
+    if isinstance(a, dict):
+        return (type(a) is type(b) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+                and getattr(a, "_metadata", None) == getattr(b, "_metadata", None))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def check_state(group, rank: int, n: int, marker: Path) -> dict:
+    """`broadcast_state` with small packs and chunks; then, with 4 ranks, a join's transfer
+    (`standby.transfer`) whose donor dies in the middle of the tensors: the next survivor
+    sends, and both joiners hold the state."""
+    from megatron_recover.megatron import standby
+    from megatron_recover.megatron import state as training_state
+
+    training_state.PACK_BYTES = 16384  # the RNG state shares a pack, the big tensor goes alone
+    group.set_max_chunk_bytes(64 * 1024)  # which crosses chunks
+    expected = sample_state()
+    checks = {}
+    state, ok = training_state.broadcast_state(group, n - 1, expected if rank == n - 1 else None)
+    checks["state_received"] = ok and same(state, expected)
+    checks["state_is_host_tensors"] = ok and all(t.device.type == "cpu"
+                                                 for t in state["model"].values())
+    # Readers that take a tensor's storage from its start (torch.set_rng_state) get the right
+    # bytes: the next draw is the sender's.
+    if ok:
+        torch.set_rng_state(state["rng"][0])
+        drawn = torch.rand(3)
+        torch.set_rng_state(expected["rng"][0])
+        checks["rng_state_usable"] = torch.equal(drawn, torch.rand(3))
+    state, ok = training_state.broadcast_state(group, n - 1, expected if rank == n - 1 else None,
+                                               keep=False)
+    checks["state_not_kept"] = ok and (state is None if rank != n - 1 else state is expected)
+    if n == 4:
+        survivors = rank < 2
+        if rank == 0:  # the donor dies entering its 2nd pack, the big tensor (4th broadcast)
+            group.arm_fault("broadcast", group.fault_hits("broadcast") + 4, "kill", 0.0,
+                            str(marker), {"point": "broadcast"})
+        state, alive, lost = standby.transfer(group, {2: 2, 3: 3},
+                                              expected if survivors else None)
+        checks["transfer_state"] = same(state, expected)
+        checks["transfer_lists"] = (alive, lost) == ([2, 3], [0])
+    return checks
+
+
 def main() -> None:
     check, out_dir = sys.argv[1], Path(sys.argv[2])
     ctx = runtime.init_distributed(status_dir=out_dir / "status")
@@ -164,8 +236,12 @@ def main() -> None:
         os._exit(0)
     group = collective.new_group(list(range(ctx.world_size)))
     runtime.track_group(group)
-    check_of = check_big if check == "big" else check_ops
-    write(out_dir, ctx.rank, {"checks": check_of(group, ctx.rank, ctx.world_size)})
+    if check == "state":
+        checks = check_state(group, ctx.rank, ctx.world_size, Path(sys.argv[3]))
+    else:
+        check_of = check_big if check == "big" else check_ops
+        checks = check_of(group, ctx.rank, ctx.world_size)
+    write(out_dir, ctx.rank, {"checks": checks})
     runtime.finish()
 
 
