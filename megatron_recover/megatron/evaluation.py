@@ -71,7 +71,8 @@ def _eval_loss(loss_mask, index, output_tensor):
     mask = loss_mask.view(-1).float()
     loss_sum = torch.sum(losses * mask)
     tokens = mask.sum()
-    reported = {"index": index, "loss sum": loss_sum.item(), "tokens": tokens.item()}
+    # On the device until the pass is done (`EvalPass.values` reads them with one host sync).
+    reported = {"index": index, "loss sum": loss_sum.detach(), "tokens": tokens.detach()}
     return loss_sum / tokens.clamp(min=1), reported
 
 
@@ -114,10 +115,11 @@ class EvalPass:
                 micro_batch_size=self.micro_batch_size, forward_only=True)
         finally:
             self.model.train()
-        if reports_loss:
-            for out in outputs:  # only the last pipeline stage has them
-                values[2 * out["index"]] = out["loss sum"]
-                values[2 * out["index"] + 1] = out["tokens"]
+        if reports_loss and outputs:  # only the last pipeline stage has them
+            pairs = torch.stack([torch.stack([out["loss sum"].double(), out["tokens"].double()])
+                                 for out in outputs]).cpu()
+            for out, pair in zip(outputs, pairs):
+                values[2 * out["index"]:2 * out["index"] + 2] = pair
         return values
 
     def _forward_step(self, data_iterator, model):

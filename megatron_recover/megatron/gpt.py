@@ -186,7 +186,9 @@ def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, che
     # Reported: the sum over the loss tokens, whatever the flag; the logged loss is the
     # committed sum over the committed tokens, as Megatron-LM logs it. A copy: the schedule
     # divides the returned loss in place (and the forced overflow below is never reported).
-    reported = {"id": microbatch_id, "lm loss": loss.detach().clone(), "tokens": int(tokens)}
+    # Both stay on the device: they are read once after the pass (`MicrobatchPass.run`), not
+    # with a host sync per microbatch between its forward and its backward.
+    reported = {"id": microbatch_id, "lm loss": loss.detach().clone(), "tokens": count.detach()}
     if not per_token:
         loss = loss / count.clamp(min=1)
     if on_first_loss():
@@ -262,6 +264,9 @@ class MicrobatchPass:
             forward_only=False,
         )
         self.faults.phase("after-schedule")
-        for out in outputs:  # only the last pipeline stage has losses
-            losses[out["id"]] = float(out["lm loss"])
-            tokens[out["id"]] = out["tokens"]
+        if outputs:  # only the last pipeline stage has losses; one host sync for the pass
+            values = torch.stack([torch.stack([out["lm loss"].double(), out["tokens"].double()])
+                                  for out in outputs]).tolist()
+            for out, (loss, count) in zip(outputs, values):
+                losses[out["id"]] = loss
+                tokens[out["id"]] = int(count)
