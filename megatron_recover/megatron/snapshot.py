@@ -43,16 +43,49 @@ from megatron_recover.megatron import state as training_state
 _FILE = re.compile(r"^(mp_rank_\d+_\d+(?:_shard_\d+)?)-replica_\d+\.pt$")
 
 
-def _cloned(value):
-    """`value` with every tensor copied: the copy the writer thread may hold while the next
-    iteration updates the live tensors in place."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(v) for v in value)
-    return value
+class HostMirror:
+    """Host copies of a state's tensors, kept from one snapshot to the next.
+
+    `copy(state)` returns `state` with every tensor replaced by its host copy: a buffer
+    allocated at the first snapshot (page-locked where CUDA is present) and overwritten at
+    each later one, so a snapshot takes no device memory and, after the first, no allocation.
+    Device tensors are copied asynchronously on the current stream; `ready()` waits for those
+    copies, and the writer thread calls it before it reads the copies. On the CPU the copies are
+    plain host-to-host copies and `ready()` has nothing to wait for. The caller lets the
+    previous snapshot's write finish before the next `copy` (the buffers are reused).
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._event = None
+
+    def copy(self, state):
+        copied = self._copy(state, ())
+        if torch.cuda.is_available():
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return copied
+
+    def ready(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def _copy(self, value, path: tuple):
+        if isinstance(value, torch.Tensor):
+            source = value.detach()
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
+                                     pin_memory=torch.cuda.is_available())
+                self._buffers[path] = buffer
+            buffer.copy_(source, non_blocking=True)
+            return buffer
+        if isinstance(value, dict):
+            return {k: self._copy(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(v, (*path, i)) for i, v in enumerate(value))
+        return value
 
 
 def _iteration_dir(directory: Path, iteration: int) -> Path:
@@ -82,9 +115,11 @@ def inventory(directory: Path) -> dict[int, set[str]]:
 class Snapshots:
     """This rank's snapshot writer: `take` at the iteration boundary, `finish` at the end.
 
-    `take` copies the state on the calling thread and returns; the helper thread writes it. A
-    `take` while the previous write still runs waits for it first (a rank has at most one
-    write in flight, so the files of its previous snapshot are always complete).
+    `take` copies the state into host memory on the calling thread (`HostMirror`: reused
+    buffers, asynchronous from a device) and returns; the helper thread writes it. A `take`
+    while the previous write still runs waits for it first (a rank has at most one write in
+    flight, so the files of its previous snapshot are always complete, and the host buffers are
+    free to reuse).
     """
 
     def __init__(self, directory: Path, interval: int, position: tuple[int, ...], replica: int,
@@ -100,6 +135,7 @@ class Snapshots:
         self.name = f"{checkpoint.position_name(position)}-replica_{replica:04d}.pt"
         self._slow_writes = slow_writes or {}
         self._on_pause = on_pause
+        self._mirror = HostMirror()
         self._writer: threading.Thread | None = None
         self._previous: int | None = None  # the newest snapshot this rank completed
         self.copy_s: list[float] = []  # time on the training thread, per snapshot
@@ -119,7 +155,7 @@ class Snapshots:
         as of the end of `iteration`; blocks only for the copy (and a write still running)."""
         start = time.perf_counter()
         self.wait()
-        copy = {**_cloned(state), "iteration": iteration}
+        copy = {**self._mirror.copy(state), "iteration": iteration}
         self.copy_s.append(time.perf_counter() - start)
         self._writer = threading.Thread(target=self._write, args=(iteration, copy),
                                         name="snapshot-writer", daemon=True)
@@ -128,6 +164,7 @@ class Snapshots:
     def _write(self, iteration: int, copy: dict) -> None:
         start = time.perf_counter()
         try:
+            self._mirror.ready()
             path = _iteration_dir(self.directory, iteration) / self.name
             tmp = path.with_suffix(".tmp")
             buffer = io.BytesIO()
