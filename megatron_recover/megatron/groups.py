@@ -112,7 +112,8 @@ _world_control = {"group": None}
 
 def world_control():
     """The gloo group over the whole torch world (the default group itself when it is gloo).
-    Created on the first call, which every rank makes at start-up."""
+    Created on the first call, collective over the world: `run.build` makes it first, on every
+    rank, at start-up."""
     import torch.distributed as dist
 
     if dist.get_backend() == "gloo":

@@ -217,6 +217,7 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     until it joins)."""
     from megatron.core import parallel_state
 
+    groups.world_control()  # created now, at start-up, by every rank (groups.py)
     hang_s = cfg.recover.hang_timeout_s if cfg.recover.enabled else 0
     par = cfg.parallel
     instances = par.use_distributed_optimizer and par.num_distributed_optimizer_instances > 1
