@@ -67,17 +67,23 @@ def model_args() -> list[str]:
             "--transformer-impl", "local", "--no-gradient-accumulation-fusion"]
 
 
-# (b): 4 one-rank replicas on one GPU; replica 1 dies inside a bucket all-reduce of iteration 3
-# (an extension pass follows), replica 2 in its backward of iteration 5.
-B_RANKS = 4
-B_ARGS = ["--use-distributed-optimizer", "--recover-ranks-per-device", str(B_RANKS)]
+# (b): 4 one-rank replicas and a standby on one GPU; replica 1 dies inside a bucket all-reduce of
+# iteration 3 (an extension pass follows) and the standby (rank 4) takes its id after that
+# iteration, its state sent from a survivor's device memory; replica 2 dies in its backward of
+# iteration 5.
+B_REPLICAS = 4
+B_RANKS = B_REPLICAS + 1
+B_ARGS = ["--use-distributed-optimizer", "--recover-ranks-per-device", str(B_RANKS),
+          "--recover-standby-replicas", "1"]
 B_SCHEDULE = ("entries:\n"
               "  - {iteration: 3, replica: 1, local_rank: 0, location: during-reduce}\n"
               "  - {iteration: 5, replica: 2, local_rank: 0, location: backward}\n")
 B_FIRED = [(1, 3, "during-reduce"), (2, 5, "backward")]
 B_FAILURES = [(3, [1]), (5, [2])]
-B_LIVE = [4, 4, 3, 3, 2, 2, 2, 2]
-B_SURVIVORS = [0, 3]
+B_LIVE = [4, 4, 3, 4, 3, 3, 3, 3]
+B_SURVIVORS = [0, 3, 4]
+B_JOINS = [([1], [4], 3)]  # (replica ids, standby ranks, the iteration after which they joined)
+B_SAME_AS = {4: 0}  # the joiner holds what the reference's rank 0 holds (an idle standby there)
 
 # (c): 2 replicas x TP 2, one rank per GPU (ranks 2, 3 are replica 1); replica 1's second rank
 # dies inside a bucket all-reduce of iteration 3, its TP peer must leave with it.
@@ -338,9 +344,11 @@ def ledger_problems(records: list[dict], label: str) -> list[str]:
     return [f"{label}: ledger invariant violated: {bad}"] if bad else []
 
 
-def compare_runs(reference: dict, run: dict, survivors: list[int]) -> dict:
+def compare_runs(reference: dict, run: dict, survivors: list[int],
+                 same_as: dict[int, int] | None = None) -> dict:
     """The project's "exact" (tests/training_harness.py): every iteration's loss and every
-    survivor's final parameters against the reference's same rank; and bitwise."""
+    survivor's final parameters against the reference's same rank (`same_as`: a joiner's
+    reference rank); and bitwise."""
     import torch
 
     from megatron_recover.testing.compare import EXACT_RTOL, loss_rdiff, param_rdiff
@@ -349,7 +357,8 @@ def compare_runs(reference: dict, run: dict, survivors: list[int]) -> dict:
     params, bitwise = 0.0, True
     for rank in survivors:
         mine = torch.load(run["status_dir"] / f"rank-{rank}.params.pt", map_location="cpu")
-        ref = torch.load(reference["status_dir"] / f"rank-{rank}.params.pt",
+        ref_rank = (same_as or {}).get(rank, rank)
+        ref = torch.load(reference["status_dir"] / f"rank-{ref_rank}.params.pt",
                          map_location="cpu")
         params = max(params, param_rdiff(mine, ref))
         bitwise = bitwise and mine.keys() == ref.keys() and all(
@@ -362,9 +371,11 @@ def compare_runs(reference: dict, run: dict, survivors: list[int]) -> dict:
 
 
 def judge_training(reference: dict, run: dict, fired: list, failures: list, live: list,
-                   survivors: list[int], left=()) -> tuple[dict, list[str]]:
+                   survivors: list[int], left=(), joins=(),
+                   same_as: dict[int, int] | None = None) -> tuple[dict, list[str]]:
     """What the e2e tests check of a run with failures against its failure-free reference, both
-    of which committed every iteration: (the figures, the problems found)."""
+    of which committed every iteration: (the figures, the problems found). `joins`: the standby
+    joins expected, each joiner holding its donor's state bitwise."""
     part, problems = {}, []
     problems += ledger_problems(reference["records"], "reference")
     problems += ledger_problems(run["records"], "failures")
@@ -403,7 +414,17 @@ def judge_training(reference: dict, run: dict, fired: list, failures: list, live
     part["survivors_agree"] = len(digests) == 1
     if len(digests) != 1:
         problems.append("survivors' final parameters differ")
-    part.update(compare_runs(reference, run, survivors))
+    part["joins"] = [[e["replicas"], e["ranks"], e["after_iteration"]] for r in run["records"]
+                     for e in r["events"] if e["event"] == "join"]
+    if part["joins"] != [list(j) for j in joins]:
+        problems.append(f"joins {part['joins']}, expected {[list(j) for j in joins]}")
+    for _, ranks, _ in joins:
+        for rank in ranks:
+            joined = statuses.get(rank, {}).get("joined") or {}
+            part[f"joiner_{rank}_state_bytes"] = joined.get("state_bytes")
+            if not joined or joined.get("digests") != joined.get("donor_digests"):
+                problems.append(f"standby rank {rank} does not hold its donor's state: {joined}")
+    part.update(compare_runs(reference, run, survivors, same_as))
     if not part["exact"]:
         problems.append(f"not exact against the failure-free run: loss "
                         f"{part['max_rel_loss_diff']:.2e}, parameters "
@@ -413,7 +434,8 @@ def judge_training(reference: dict, run: dict, fired: list, failures: list, live
 
 def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], schedule: str,
                   fired: list, failures: list, live: list, survivors: list[int],
-                  left: list[int] = (), part: dict | None = None) -> dict:
+                  left: list[int] = (), part: dict | None = None, joins=(),
+                  same_as: dict[int, int] | None = None) -> dict:
     """A failure-free reference and the same job under `schedule`; judged as the e2e tests do.
     Fills `part` as it goes (what an interrupted run still reports)."""
     part = {} if part is None else part
@@ -438,7 +460,7 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
             break
     if not problems:
         judged, found = judge_training(runs["reference"], runs["failures"], fired, failures,
-                                       live, survivors, left)
+                                       live, survivors, left, joins, same_as)
         part.update(judged)
         problems += found
     part["verdict"] = "fail" if problems else "pass"
@@ -448,10 +470,10 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
 
 
 def part_b(out: Path, deadline: float, part: dict) -> dict:
-    part["layout"] = (f"{B_RANKS} replicas x 1 rank, {B_RANKS} ranks per device, bf16, "
-                      "distributed optimizer, overlapped grad reduce")
+    part["layout"] = (f"{B_REPLICAS} replicas x 1 rank and a standby, {B_RANKS} ranks per "
+                      "device, bf16, distributed optimizer, overlapped grad reduce")
     return training_part(out, deadline, B_RANKS, B_ARGS, B_SCHEDULE, B_FIRED, B_FAILURES,
-                         B_LIVE, B_SURVIVORS, part=part)
+                         B_LIVE, B_SURVIVORS, part=part, joins=B_JOINS, same_as=B_SAME_AS)
 
 
 def part_c(out: Path, deadline: float, part: dict) -> dict:

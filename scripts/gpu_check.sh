@@ -30,18 +30,21 @@
 #      bitwise equal (SHA-256); one repair (epoch 1). Reported, not judged: the all-reduce's
 #      time, the time from the kill to the survivors' failure records, and whether the failed
 #      all-reduce left the CUDA tensor untouched (the staging writes back only on success).
-#  (b) 4 one-rank replicas sharing one GPU (--recover-ranks-per-device 4, TP = PP = 1):
-#      pretrain_gpt_recover.py --recover, a 2-layer hidden-64 GPT on mock data (megatron-core's
-#      own layers: --transformer-impl local --no-gradient-accumulation-fusion, so neither
-#      Transformer Engine nor Apex is needed; the JSON's "packages" says whether they import),
-#      --bf16 --use-distributed-optimizer --overlap-grad-reduce, dropout on, 8 iterations, run
-#      failure free and then with two failures: replica 1 killed inside a bucket all-reduce of
-#      iteration 3, replica 2 in its backward of iteration 5. Passes when: both runs commit every
-#      iteration; both kills fired (markers) and the recovery log shows both failures; the ledger
-#      invariant held, with B = 16 contributions, in every iteration of both runs; the survivors'
-#      final parameters agree; and the run with failures is exact against the failure-free one:
-#      final parameters bitwise equal, or (as the e2e tests check) every iteration's loss and
-#      every survivor's parameters within 1e-6 relative. Both measures are reported.
+#  (b) 4 one-rank replicas and one standby sharing one GPU (--recover-ranks-per-device 5,
+#      --recover-standby-replicas 1, TP = PP = 1): pretrain_gpt_recover.py --recover, a 2-layer
+#      hidden-64 GPT on mock data (megatron-core's own layers: --transformer-impl local
+#      --no-gradient-accumulation-fusion, so neither Transformer Engine nor Apex is needed; the
+#      JSON's "packages" says whether they import), --bf16 --use-distributed-optimizer
+#      --overlap-grad-reduce, dropout on, 8 iterations, run failure free and then with two
+#      failures: replica 1 killed inside a bucket all-reduce of iteration 3, after which the
+#      standby (rank 4) joins in its place, its state sent tensor by tensor from a survivor's
+#      device memory; replica 2 killed in its backward of iteration 5. Passes when: both runs
+#      commit every iteration; both kills fired (markers) and the recovery log shows both
+#      failures and the join; the joiner holds its donor's state bitwise; the ledger invariant
+#      held, with B = 16 contributions, in every iteration of both runs; the survivors' final
+#      parameters agree; and the run with failures is exact against the failure-free one: final
+#      parameters bitwise equal, or (as the e2e tests check) every iteration's loss and every
+#      survivor's parameters within 1e-6 relative. Both measures are reported.
 #  (c) With 4 or more GPUs: 2 replicas x TP 2, one rank per GPU, NCCL inside the replicas, the
 #      same model, bf16, --overlap-grad-reduce; replica 1's second rank killed inside a bucket
 #      all-reduce of iteration 3 (its TP peer must leave with it). Judged as (b). With 1-3 GPUs it

@@ -257,7 +257,8 @@ def test_the_training_judge_fails_what_is_wrong(tmp_path):
     assert not torch.equal(moved["w"], weights["w"])
 
     def fabricated(name, params=weights, events=((3, [1]), (5, [2])), fired=None,
-                   break_ledger=False, digests=("x", "x")):
+                   break_ledger=False, digests=("x", "x", "x"), joined=True,
+                   donor_digests="d"):
         status = tmp_path / name
         status.mkdir()
         for rank in driver.B_SURVIVORS:
@@ -269,11 +270,16 @@ def test_the_training_judge_fails_what_is_wrong(tmp_path):
                             "live_replicas": live,
                             "events": [{"event": "failure", "replicas": r} for it, r in events
                                        if it == i]})
+        if joined and events:  # the standby's join after iteration 3, reported with iteration 4
+            records[3]["events"].append({"event": "join", "replicas": [1], "ranks": [4],
+                                         "after_iteration": 3})
         if break_ledger:
             records[2].update(invariant_ok=False, contributions=driver.GBS - 1)
         statuses = {r: {"state": "completed", "param_digest": d}
                     for r, d in zip(driver.B_SURVIVORS, digests)}
         statuses.update({1: {"state": "running"}, 2: {"state": "running"}})
+        statuses[4]["joined"] = {"digests": "d", "donor_digests": donor_digests,
+                                 "state_bytes": 1000}
         markers = [{"rank": r, "iteration": i, "location": loc}
                    for r, i, loc in (driver.B_FIRED if fired is None else fired)]
         return {"result": SimpleNamespace(statuses=statuses), "records": records,
@@ -283,7 +289,8 @@ def test_the_training_judge_fails_what_is_wrong(tmp_path):
 
     def judge(run):
         return driver.judge_training(reference, run, driver.B_FIRED, driver.B_FAILURES,
-                                     driver.B_LIVE, driver.B_SURVIVORS)
+                                     driver.B_LIVE, driver.B_SURVIVORS, joins=driver.B_JOINS,
+                                     same_as=driver.B_SAME_AS)
 
     part, problems = judge(fabricated("good"))
     assert not problems and part["params_bitwise_equal"] and part["exact"], (part, problems)
@@ -292,7 +299,10 @@ def test_the_training_judge_fails_what_is_wrong(tmp_path):
             ("unfired", fabricated("unfired", fired=driver.B_FIRED[:1]), "failures fired"),
             ("unlogged", fabricated("unlogged", events=((3, [1]),)), "failure events"),
             ("ledger", fabricated("ledger", break_ledger=True), "ledger invariant"),
-            ("disagree", fabricated("disagree", digests=("x", "y")), "differ")):
+            ("disagree", fabricated("disagree", digests=("x", "x", "y")), "differ"),
+            ("no join", fabricated("no join", joined=False), "joins"),
+            ("other state", fabricated("other state", donor_digests="e"),
+             "does not hold its donor's state")):
         part, problems = judge(run)
         assert any(expected in p for p in problems), (name, problems)
     part, _ = judge(fabricated("moved-again", params=moved))
