@@ -79,6 +79,8 @@ COMMANDS = {
     "make bench-node-loss": ("long", ".venv/bin/python scripts/bench_node_loss.py --iterations 12 "
                                      "--interval 2 --pairs 1 --out runs/readme-node-loss"),
     "scripts/bench_node_loss.py --json": ("skip", "as make bench-node-loss"),
+    "scripts/bench_node_loss.py --json --only overhead --pairs 3":
+        ("skip", "the overhead half of make bench-node-loss, which runs above"),
     "make bench-sdc": ("long", ".venv/bin/python scripts/bench_sdc.py --json --rates 0,1 "
                                "--trials 2 --flips 20 --ranks 2 --iterations 7"),
     "scripts/bench_sdc.py --json --rounds 2": ("skip", "the command make bench-sdc runs, above"),
