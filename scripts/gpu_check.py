@@ -266,6 +266,9 @@ def judge_allreduce(run, out: Path, size_mib: int, victim: int, emulate: bool,
         # From the victim's death to the last failure record of the survivors not held back.
         "kill_to_failure_record_ms": round(detect_ms, 1) if detect_ms is not None else None,
         "survivors_allreduce_s": round(first["redo"]["seconds"], 4) if first else None,
+        # Reported, not judged: one survivor's GB/s of fp32 and bf16 all-reduces and of
+        # a device-host round trip of the same bytes (the staging ceiling).
+        "bandwidth": first.get("bandwidth") if first else None,
         **({"problems": problems} if problems else {}),
         **({"reason": f"timed out after {run.elapsed_s:.0f} s"} if run.timed_out else {}),
     }

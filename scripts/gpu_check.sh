@@ -28,8 +28,11 @@
 #      the agreed survivors after it, equal the closed-form sum (rank r contributes
 #      (r + 1) + 16 (i mod 1024), exact in float32) on every element; the survivors' results are
 #      bitwise equal (SHA-256); one repair (epoch 1). Reported, not judged: the all-reduce's
-#      time, the time from the kill to the survivors' failure records, and whether the failed
-#      all-reduce left the CUDA tensor untouched (the staging writes back only on success).
+#      time, the time from the kill to the survivors' failure records, whether the failed
+#      all-reduce left the CUDA tensor untouched (the staging writes back only on success), and
+#      the survivors' GB/s ("bandwidth") of float32 and bfloat16 all-reduces of the same bytes
+#      against a device-to-host plus host-to-device copy through page-locked memory (the
+#      ceiling of the backend's host staging).
 #  (b) 4 one-rank replicas and one standby sharing one GPU (--recover-ranks-per-device 5,
 #      --recover-standby-replicas 1, TP = PP = 1): pretrain_gpt_recover.py --recover, a 2-layer
 #      hidden-64 GPT on mock data (megatron-core's own layers: --transformer-impl local

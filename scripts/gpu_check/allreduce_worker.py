@@ -12,7 +12,10 @@ MPI, not NCCL: ranks may share a GPU), then:
 1. a failure-free all-reduce of SIZE_MIB MiB of float32 over every rank (the warm-up);
 2. the faults armed, the same all-reduce again: the victim dies inside it;
 3. a consensus (the agreed survivors), then the all-reduce once more from the same inputs over
-   the survivors (what the recovery layer does after a failed reduction).
+   the survivors (what the recovery layer does after a failed reduction);
+4. reported, not judged: the survivors' all-reduce of the same number of bytes in float32 and
+   in bfloat16, and a device-to-host plus host-to-device copy of those bytes through page-locked
+   memory (the ceiling of the backend's host staging), each the best of 3, in GB/s.
 
 Rank r's input is element i = (r + 1) + 16 * (i mod 1024), so the sum over any set S of ranks is
 sum_{r in S} (r + 1) + 16 |S| (i mod 1024): integers below 2^24, exact in float32 in any order,
@@ -70,6 +73,39 @@ def timed_allreduce(group, t: torch.Tensor, wait_s: float) -> tuple[dict, float,
     record = group.allreduce(t).wait(wait_s)
     synchronize()
     return record_dict(record), time.perf_counter() - start, time.time()
+
+
+def best_seconds(step, reps: int = 3) -> float:
+    """The fastest of `reps` runs of `step()`, each timed to its device's completion."""
+    times = []
+    for _ in range(reps):
+        synchronize()
+        start = time.perf_counter()
+        step()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bandwidth(group, inputs: torch.Tensor, wait_s: float) -> dict:
+    """Step 4: GB/s of the buffer's bytes (see the module docstring)."""
+    nbytes = inputs.numel() * inputs.element_size()
+    as_bf16 = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=inputs.device)
+    host = torch.empty(inputs.numel(), dtype=inputs.dtype,
+                       pin_memory=torch.cuda.is_available())
+    device_copy = inputs.clone()
+
+    def staging():
+        host.copy_(device_copy, non_blocking=True)
+        device_copy.copy_(host, non_blocking=True)
+
+    figures = {}
+    for name, step in (
+            ("fp32_allreduce", lambda: group.allreduce(inputs.clone()).wait(wait_s)),
+            ("bf16_allreduce", lambda: group.allreduce(as_bf16).wait(wait_s)),
+            ("staging_copy", staging)):
+        figures[f"{name}_gbps"] = round(nbytes / best_seconds(step) / 1e9, 3)
+    return figures
 
 
 def compare(t: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -138,6 +174,10 @@ def main() -> None:
     record, seconds, _ = timed_allreduce(group, t, wait_s)
     result["redo"] = {"record": record, "seconds": seconds, "survivors": survivors,
                       **compare(t, expected_sum(base, survivors))}
+    del t
+
+    # 4. Bandwidth over the survivors (every survivor runs the same operations).
+    result["bandwidth"] = bandwidth(group, inputs, wait_s)
     result["epoch"] = group.epoch
 
     tmp = out_dir / f"result-{rank}.tmp"
