@@ -106,12 +106,21 @@ class LedgerAudit:
         dataset = blend.datasets[int(blend.dataset_index[index])]
         return dataset[int(blend.dataset_sample_index[index])]
 
+    def share(self, iteration: int, index: int, count: int) -> dict[int, tuple[int, int]]:
+        """The expected (checksum, loss tokens) of the main ids k < B_t with k % count ==
+        index: this rank's share of the expected side, when the `count` contributors to a
+        lane split it (each reads 1/count of the iteration's samples, not all of them)."""
+        b = self.global_batch(iteration)[1] // self.mbs
+        return {k: self._microbatch(iteration, k) for k in range(index, b, count)}
+
     def problems(self, iteration: int, totals: LaneTotals, divisor: int,
-                 tokens: int | None = None) -> list[str]:
+                 tokens: int | None = None,
+                 expected: dict[int, tuple[int, int]] | None = None) -> list[str]:
         """What is wrong with the committed ledger `totals` of `iteration` (empty: the invariant
         holds). `divisor`: how many microbatches the iteration's loss and gradient are divided
         by; `tokens`: with per-token loss, the loss tokens the commit lane counted (None: not
-        checked here)."""
+        checked here); `expected`: the main ids' (checksum, tokens) as the lane's shares summed
+        them (`share`), None: read here for every id. Reserve ids are always read here."""
         problems = []
         if totals.poison:
             problems.append(f"{totals.poison} bucket(s) reduced with contents the ledger cannot "
@@ -147,13 +156,25 @@ class LedgerAudit:
                 problems.append(f"reserve ids {list(totals.reserve)} in exact mode")
         counts = {k: n for k, n in enumerate(totals.main_counts) if n > 0}
         counts.update((k, 1) for k in totals.reserve)
-        expected = sum(n * self.checksum(iteration, k) for k, n in counts.items())
-        if totals.checksum != expected:
-            problems.append(f"batch checksums {totals.checksum} != {expected} from the dataset")
+        shared = {} if expected is None else expected
+        unshared = sorted(k for k in counts if expected is not None and k < b
+                          and k not in shared)
+        if unshared:
+            problems.append(f"the expected side of ids {unshared} was not computed exactly "
+                            "once by the lane's shares")
+
+        def value(k: int) -> tuple[int, int]:
+            if expected is None or k >= b:
+                return self._microbatch(iteration, k)
+            return shared.get(k, (0, 0))
+
+        want = sum(n * value(k)[0] for k, n in counts.items())
+        if totals.checksum != want:
+            problems.append(f"batch checksums {totals.checksum} != {want} from the dataset")
         if tokens is not None:
-            expected = sum(n * self.tokens(iteration, k) for k, n in counts.items())
-            if tokens != expected:
-                problems.append(f"{tokens} loss tokens counted, {expected} in the dataset's "
+            want = sum(n * value(k)[1] for k, n in counts.items())
+            if tokens != want:
+                problems.append(f"{tokens} loss tokens counted, {want} in the dataset's "
                                 "samples of the committed ids")
         return problems
 

@@ -85,9 +85,15 @@ class ControlGroup(Protocol):
 class Audit(Protocol):
     """The per-iteration invariant, computed without the policy."""
 
+    def share(self, iteration: int, index: int, count: int) -> dict[int, tuple[int, int]]:
+        """This rank's share of the expected side: (dataset checksum, loss tokens) of the main
+        ids k with k % count == index (`index` of `count` contributors to the lane)."""
+
     def problems(self, iteration: int, totals: LaneTotals, divisor: int,
-                 tokens: int | None = None) -> list[str]:
-        """What is wrong with the summed ledger `totals` (empty: the invariant holds)."""
+                 tokens: int | None = None,
+                 expected: dict[int, tuple[int, int]] | None = None) -> list[str]:
+        """What is wrong with the summed ledger `totals` (empty: the invariant holds);
+        `expected`: the shares summed by the lane (None: computed here, every id)."""
 
     def committed(self, totals: LaneTotals) -> None:
         """The iteration committed with `totals`."""

@@ -59,32 +59,61 @@ class SpeedSlots:
                 if vector[w + r] > 0}
 
 
+class ExpectedSlots:
+    """The ledger audit's expected side, computed in shares: for each main id k < b, how many
+    ranks computed it, its dataset checksum and its loss tokens. Each contributor to the lane
+    fills the ids of its share (`Audit.share`); summed, every id's values come from the one
+    rank that computed them (a count other than 1 leaves the id out: the audit says so)."""
+
+    def __init__(self, b: int):
+        self.b = b
+        self.size = 3 * b
+
+    def encode(self, expected: dict[int, tuple[int, int]]) -> torch.Tensor:
+        vector = torch.zeros(self.size, dtype=torch.float64)
+        for k, (checksum, tokens) in expected.items():
+            vector[3 * k:3 * k + 3] = torch.tensor([1.0, float(checksum), float(tokens)],
+                                                   dtype=torch.float64)
+        return vector
+
+    def decode(self, vector: torch.Tensor) -> dict[int, tuple[int, int]]:
+        rows = vector.view(self.b, 3).tolist()
+        return {k: (int(checksum), int(tokens)) for k, (count, checksum, tokens)
+                in enumerate(rows) if count == 1}
+
+
 class CommitLane:
     """Encodes and decodes the commit lane: [loss sum, tokens, exit request, ledger...], then,
     with sampled verification, the fingerprint slots (`verification.Slots`), then, with
     non-finite reruns, their flags (`rerun.RerunSlots`), then, with straggler handling, the
-    replicas' times per microbatch (`SpeedSlots`)."""
+    replicas' times per microbatch (`SpeedSlots`), then, with a shared audit, its expected side
+    (`ExpectedSlots`)."""
 
     HEAD = 3
 
     def __init__(self, layout: LaneLayout, slots: Slots | None = None,
-                 reruns: RerunSlots | None = None, speeds: SpeedSlots | None = None):
+                 reruns: RerunSlots | None = None, speeds: SpeedSlots | None = None,
+                 expected: ExpectedSlots | None = None):
         self.layout = layout
         self.slots = slots
         self.reruns = reruns
         self.speeds = speeds
+        self.expected = expected
         self._reruns_at = self.HEAD + layout.size + (0 if slots is None else slots.size)
         self._speeds_at = self._reruns_at + (0 if reruns is None else reruns.size)
-        self.size = self._speeds_at + (0 if speeds is None else speeds.size)
+        self._expected_at = self._speeds_at + (0 if speeds is None else speeds.size)
+        self.size = self._expected_at + (0 if expected is None else expected.size)
 
     def encode(self, head: LaneHead, sent: Ledger | None, iteration: int,
                poison: int = 0, fingerprints: dict | None = None,
                reruns: RerunView | None = None,
-               speed: tuple[int, float | None] | None = None) -> torch.Tensor:
+               speed: tuple[int, float | None] | None = None,
+               expected: dict[int, tuple[int, int]] | None = None) -> torch.Tensor:
         """The lane vector of this rank; `sent` is None when its buckets sent nothing;
         `fingerprints` (kind -> replica id -> fingerprint) is what this rank computed, `reruns`
         what it found non-finite, `speed` (its replica, its first pass's seconds per microbatch
-        or None) what it measured."""
+        or None) what it measured, `expected` its share of the audit's expected side (id ->
+        (checksum, tokens))."""
         values = torch.tensor([head.loss_sum, head.tokens, float(head.exit_requested)],
                               dtype=torch.float64)
         parts = [values, self.layout.encode(sent, iteration, poison=poison)]
@@ -94,6 +123,8 @@ class CommitLane:
             parts.append(self.reruns.encode(reruns or RerunView()))
         if self.speeds is not None:
             parts.append(self.speeds.encode(*(speed or (0, None))))
+        if self.expected is not None:
+            parts.append(self.expected.encode(expected or {}))
         return torch.cat(parts)
 
     def decode_head(self, lane: torch.Tensor) -> LaneHead:
@@ -118,7 +149,14 @@ class CommitLane:
         handling)."""
         if self.speeds is None:
             return {}
-        return self.speeds.decode(lane[self._speeds_at:])
+        return self.speeds.decode(lane[self._speeds_at:self._expected_at])
+
+    def decode_expected(self, lane: torch.Tensor) -> dict[int, tuple[int, int]] | None:
+        """The summed lane's expected side: id -> (checksum, tokens), each from the one rank
+        that computed it (None without a shared audit)."""
+        if self.expected is None:
+            return None
+        return self.expected.decode(lane[self._expected_at:])
 
     def empty(self) -> torch.Tensor:
         """A lane that sent nothing and asks nothing (an evaluation round)."""

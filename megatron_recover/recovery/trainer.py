@@ -70,7 +70,14 @@ from megatron_recover.recovery.interfaces import (
     PassRunner,
 )
 from megatron_recover.recovery.ledger import LaneLayout
-from megatron_recover.recovery.lane import CommitLane, LaneHead, SpeedSlots, Verdict, VerdictCodec
+from megatron_recover.recovery.lane import (
+    CommitLane,
+    ExpectedSlots,
+    LaneHead,
+    SpeedSlots,
+    Verdict,
+    VerdictCodec,
+)
 from megatron_recover.recovery.rerun import (
     CHECKER,
     DATA,
@@ -225,7 +232,8 @@ class ResilientTrainer:
                                None if verify is None else Slots(config.w_init),
                                None if parts.nonfinite_rerun == OFF
                                else RerunSlots(config.w_init),
-                               SpeedSlots(config.w_init) if config.straggler.enabled else None)
+                               SpeedSlots(config.w_init) if config.straggler.enabled else None,
+                               ExpectedSlots(config.b))
         # This rank's first pass: (its timer, microbatches), then its seconds per microbatch.
         self._speed: tuple | float | None = None
         self._fingerprint = None if verify is None else Fingerprint(verify.seed)
@@ -316,7 +324,8 @@ class ResilientTrainer:
                 totals = self.lane.decode_ledger(lane)
                 # Only the last pipeline stage saw the loss tokens.
                 counted = summed.tokens if p.per_token_loss and p.computes_loss else None
-                problems = p.audit.problems(iteration, totals, self._divisor(), counted)
+                problems = p.audit.problems(iteration, totals, self._divisor(), counted,
+                                            self.lane.decode_expected(lane))
                 if p.verification is not None:
                     judgement = judge(self.lane.decode_fingerprints(lane), self._checks,
                                       self._live(), p.verification.tolerance)
@@ -698,10 +707,19 @@ class ResilientTrainer:
             nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else []))
         lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
                                 fingerprints=self._fingerprints, reruns=reruns,
-                                speed=(self.p.replica, self._seconds_per_microbatch()))
+                                speed=(self.p.replica, self._seconds_per_microbatch()),
+                                expected=self.p.audit.share(iteration, *self._audit_share()))
         if self.p.shard_control is not None:
             self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane
+
+    def _audit_share(self) -> tuple[int, int]:
+        """(this rank's index, the count) among the lane's contributors at this position: the
+        live members of the cross-replica group, times the replica's shards. Each computes
+        1/count of the audit's expected side; a lane redone after a failure splits it again
+        over the members that remain."""
+        return (self.p.group.rank * self._shards + self._shard,
+                self.p.group.size * self._shards)
 
     def _seconds_per_microbatch(self) -> float | None:
         """This rank's first pass: seconds per microbatch (None: it ran none, or nobody asks).

@@ -105,3 +105,23 @@ def test_replica_times_sum_exactly_and_take_each_replicas_slowest_position():
     verdict = codec.decode(torch.maximum(*views))
     assert verdict.speeds == {0: 0.03, 2: 0.05} and verdict.commit
     assert VerdictCodec(3).decode(VerdictCodec(3).encode(set(), False, head, False)).speeds == {}
+
+
+def test_the_audits_shares_sum_to_every_id_once():
+    """Each contributor fills its share of the expected side; summed, each id decodes from the
+    one rank that computed it, and an id computed twice or never is left out."""
+    from megatron_recover.recovery.lane import ExpectedSlots
+
+    lane = CommitLane(LaneLayout(B, reserve=False), expected=ExpectedSlots(B))
+    head = LaneHead(0.0, 0, False)
+    values = {k: (1000 + 7 * k, 50 + k) for k in range(B)}
+    parts = [lane.encode(head, None, 3, expected={k: values[k] for k in range(i, B, 3)})
+             for i in range(3)]
+    assert lane.decode_expected(torch.stack(parts).sum(dim=0)) == values
+    # A rank that computed every id (a wrong share) and one that computed none.
+    doubled = [*parts, lane.encode(head, None, 3, expected={0: values[0]})]
+    decoded = lane.decode_expected(torch.stack(doubled).sum(dim=0))
+    assert 0 not in decoded and decoded == {k: v for k, v in values.items() if k}
+    assert lane.decode_expected(torch.stack(parts[1:]).sum(dim=0)) == {
+        k: v for k, v in values.items() if k % 3}
+    assert CommitLane(LaneLayout(B, reserve=False)).decode_expected(parts[0]) is None

@@ -67,8 +67,8 @@ def test_without_the_measured_time_in_the_lane_no_work_moves(monkeypatch):
     """A mutation: the trainer sends no time in the commit lane. The policy then never sees the
     slow replica, and the test above would fail on its quotas."""
     mutate(monkeypatch, "megatron_recover/recovery/trainer.py",
-           "speed=(self.p.replica, self._seconds_per_microbatch()))",
-           "speed=(self.p.replica, None))")
+           "speed=(self.p.replica, self._seconds_per_microbatch()),",
+           "speed=(self.p.replica, None),")
     case = setup(3 * BASE_S)
     runs, world = run_lockstep(case, timeout_s=60)
     check_run(case, runs, world)
