@@ -1,9 +1,11 @@
 """Failure-free cost of --recover, overlapped and deferred, and of its hang watchdog, side by side.
 
 Usage: .venv/bin/python scripts/bench_overhead.py [--json] [--ranks 4] [--iterations 40]
-       [--rounds 2] [--hang-timeout 3]
+       [--rounds 2] [--hang-timeout 3] [--size tiny|compute]
 
-Runs the same tiny GPT job (mock data, CPU, data parallelism over `--ranks` replicas) in these
+Runs the same GPT job (mock data, CPU, data parallelism over `--ranks` replicas; `--size`
+tiny: 2 layers, hidden 64, sequence 64, where communication and bookkeeping dominate; compute:
+4 layers, hidden 512, sequence 512, where the compute does, as on a real job) in these
 modes, alternately, `--rounds` times each, in one sitting (this machine is noisy):
   stock           Megatron as a stock user runs it: gloo, --overlap-grad-reduce
   stock-ulfm      the same over the ulfm backend, no recovery (--cross-replica-backend ulfm)
@@ -45,22 +47,29 @@ MODES = {
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
 
 
-def job(iterations: int, ranks: int) -> list[str]:
-    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--eval-iters", "0",
-            "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+# --size: (layers, hidden size, attention heads, sequence length)
+SIZES = {"tiny": (2, 64, 4, 64), "compute": (4, 512, 8, 512)}
+
+
+def job(iterations: int, ranks: int, size: str = "tiny") -> list[str]:
+    layers, hidden, heads, seq = SIZES[size]
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(heads), "--eval-iters", "0",
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--micro-batch-size", "1",
             "--global-batch-size", str(4 * ranks), "--train-iters", str(iterations),
             "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "256", "--log-interval", "1", "--ddp-bucket-size", "20000"]
 
 
-def run_mode(name: str, extra: list[str], ranks: int, iterations: int, tmp: Path) -> dict:
+def run_mode(name: str, extra: list[str], ranks: int, iterations: int, tmp: Path,
+             size: str = "tiny") -> dict:
     """One run: its per-iteration times after warm-up and, under --recover, its log records."""
     where = tmp / name
     log = where / "log.jsonl"
     recover = ["--recover-log", str(log)] if "--recover" in extra else []
     command = [sys.executable, str(ROOT / "pretrain_gpt_recover.py"),
-               *job(iterations, ranks), *extra, *recover]
+               *job(iterations, ranks, size), *extra, *recover]
     result = launch(LaunchConfig(ranks, command, where / "status", timeout_s=900))
     if not result.succeeded:
         raise SystemExit(f"{name} run failed:\n{result.output[-3000:]}")
@@ -87,6 +96,7 @@ def main() -> int:
     parser.add_argument("--hang-timeout", type=float, default=3.0,
                         help="--recover-hang-timeout of the watchdog mode (the tests' value: "
                              "the shortest heartbeat period, so the largest cost)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = parser.parse_args()
     if args.iterations <= WARMUP_ITERATIONS:
         parser.error(f"--iterations must exceed the {WARMUP_ITERATIONS} warm-up iterations "
@@ -102,7 +112,7 @@ def main() -> int:
                 print(f"round {round_index + 1}/{args.rounds}: {name}", file=sys.stderr,
                       flush=True)
                 run = run_mode(f"{name}-{round_index}", extra, args.ranks, args.iterations,
-                               Path(tmp))
+                               Path(tmp), args.size)
                 runs[name]["times"] += run["times"]
                 runs[name]["records"] += run["records"]
     ms = {name: statistics.median(run["times"]) for name, run in runs.items()}
@@ -110,7 +120,7 @@ def main() -> int:
     deferred_reduce_share, deferred_hidden_share = shares(runs["deferred-fp32"]["records"])
     last = runs["overlapped-fp32"]["records"][-1]["reduction"]
     report = {
-        "ranks": args.ranks,
+        "ranks": args.ranks, "size": args.size,
         "iterations_measured": {name: len(run["times"]) for name, run in runs.items()},
         "median_ms": ms,
         "ratio_overlap_vs_stock": ms["overlapped-fp32"] / ms["stock-fp32"],
