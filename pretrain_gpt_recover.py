@@ -12,26 +12,19 @@ under the CPU emulation (megatron_recover.testing). This file only reads argv an
 environment, then hands a validated TrainConfig to megatron_recover.megatron.run.
 """
 
+import importlib
 import os
 import sys
 from pathlib import Path
 
 
-def _transformer_engine_imports() -> bool:
-    """Whether Transformer Engine's layers can be used (megatron-core asks the same way)."""
+def _imports(module: str) -> bool:
+    """Whether `module` imports, as megatron-core asks before using Transformer Engine's layers
+    (`transformer_engine`) or Apex's kernel for gradient-accumulation fusion
+    (`fused_weight_gradient_mlp_cuda`: its linear layers raise without it)."""
     try:
-        import transformer_engine  # noqa: F401
+        importlib.import_module(module)
     except Exception:  # absent, or installed without the CUDA it needs
-        return False
-    return True
-
-
-def _gradient_fusion_kernel_imports() -> bool:
-    """Whether Apex's kernel for --gradient-accumulation-fusion imports (megatron-core's
-    linear layers ask the same way, and raise without it)."""
-    try:
-        import fused_weight_gradient_mlp_cuda  # noqa: F401
-    except Exception:
         return False
     return True
 
@@ -54,9 +47,9 @@ def main() -> None:
         training_ranks = arguments.training_world_size(sys.argv[1:], ctx.world_size)
         cfg = arguments.parse_args(
             sys.argv[1:], world_size=training_ranks, cuda_available=torch.cuda.is_available(),
-            te_available=_transformer_engine_imports(),
+            te_available=_imports("transformer_engine"),
             fusion_kernel_available=(torch.cuda.is_available()
-                                     and _gradient_fusion_kernel_imports()),
+                                     and _imports("fused_weight_gradient_mlp_cuda")),
             run_id=os.environ.get("MEGATRON_RECOVER_RUN_ID"))
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)

@@ -82,18 +82,15 @@ def plan_groups(cuda: bool, distributed_backend: str, cross_replica_backend: str
     return GroupPlan(world=world, cross_replica=cross_replica_backend)
 
 
-def gloo_mirror(members: list[int], everyone_members: list[tuple[int, ...]]):
-    """The gloo group over `members` (this rank's training group), created by every rank of the
-    torch world for every distinct group in `everyone_members` (all ranks' member tuples, in one
-    order everywhere: group creation is collective over the world). Start-up only."""
+def every_group(members) -> list[tuple[int, ...]]:
+    """The distinct groups of one role over the torch world, given this rank's `members`, in
+    one order on every rank: the order in which their creation, collective over the world,
+    must go. Collective over the world, start-up only."""
     import torch.distributed as dist
 
-    mine = None
-    for ranks in sorted(set(everyone_members)):
-        group = dist.new_group(list(ranks), backend="gloo")
-        if tuple(ranks) == tuple(members):
-            mine = group
-    return mine
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tuple(members), group=world_control())
+    return sorted(set(everyone))
 
 
 def mirror_of(group):
@@ -102,9 +99,12 @@ def mirror_of(group):
     import torch.distributed as dist
 
     members = tuple(dist.get_process_group_ranks(group))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, members, group=world_control())
-    return gloo_mirror(list(members), everyone)
+    mine = None
+    for ranks in every_group(members):
+        mirror = dist.new_group(list(ranks), backend="gloo")
+        if ranks == members:
+            mine = mirror
+    return mine
 
 
 _world_control = {"group": None}

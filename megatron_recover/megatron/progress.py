@@ -85,7 +85,8 @@ class Progress:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         run_id = [f"megatron-recover-{int(time.time())}-{os.getpid()}"]
         if cfg.logging.wandb_project is not None:
-            dist.broadcast_object_list(run_id, src=0, group=groups.world_control())  # the W&B run every writer resumes
+            # The W&B run every writer resumes.
+            dist.broadcast_object_list(run_id, src=0, group=groups.world_control())
         self.writers = MetricWriters(cfg, run_id[0])
         self.flops = (model_flops(cfg.model, mcore_config.padded_vocab_size(cfg, vocab_size), 1)
                       if cfg.logging.log_throughput else None)

@@ -130,15 +130,14 @@ def _cross_replica_groups(replica_group_ranks: list[int],
 
     Returns this rank's group and the map world rank -> replica id (the data-parallel rank).
     """
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, tuple(replica_group_ranks), group=groups.world_control())
+    distinct = groups.every_group(replica_group_ranks)
     mine = None
-    for ranks in sorted(set(everyone)):
+    for ranks in distinct:
         group = collective.new_group(list(ranks), timeout_s=timeout_s)
         if group is not None:
             mine = group
     replica_of_rank = {}
-    for ranks in set(everyone):
+    for ranks in distinct:
         for dp_rank, world_rank in enumerate(sorted(ranks)):
             replica_of_rank[world_rank] = dp_rank
     return mine, replica_of_rank
