@@ -156,9 +156,8 @@ class LedgerAudit:
                 problems.append(f"reserve ids {list(totals.reserve)} in exact mode")
         counts = {k: n for k, n in enumerate(totals.main_counts) if n > 0}
         counts.update((k, 1) for k in totals.reserve)
-        shared = {} if expected is None else expected
-        unshared = sorted(k for k in counts if expected is not None and k < b
-                          and k not in shared)
+        unshared = [] if expected is None else sorted(k for k in counts
+                                                      if k < b and k not in expected)
         if unshared:
             problems.append(f"the expected side of ids {unshared} was not computed exactly "
                             "once by the lane's shares")
@@ -166,7 +165,7 @@ class LedgerAudit:
         def value(k: int) -> tuple[int, int]:
             if expected is None or k >= b:
                 return self._microbatch(iteration, k)
-            return shared.get(k, (0, 0))
+            return expected.get(k, (0, 0))
 
         want = sum(n * value(k)[0] for k, n in counts.items())
         if totals.checksum != want:

@@ -46,9 +46,10 @@ _FILE = re.compile(r"^(mp_rank_\d+_\d+(?:_shard_\d+)?)-replica_\d+\.pt$")
 class HostMirror:
     """Host copies of a state's tensors, kept from one snapshot to the next.
 
-    `copy(state)` returns `state` with every tensor replaced by its host copy: a buffer
-    allocated at the first snapshot (page-locked where CUDA is present) and overwritten at
-    each later one, so a snapshot takes no device memory and, after the first, no allocation.
+    `copy(state)` returns `state` with every tensor replaced by its host copy (containers as
+    `state.split_tensors` rebuilds them): a buffer allocated at the first snapshot (page-locked
+    where CUDA is present) and overwritten at each later one, so a snapshot takes no device
+    memory and, after the first, no allocation.
     Device tensors are copied asynchronously on the current stream; `ready()` waits for those
     copies, and the writer thread calls it before it reads the copies. On the CPU the copies are
     plain host-to-host copies and `ready()` has nothing to wait for. The caller lets the
@@ -56,36 +57,28 @@ class HostMirror:
     """
 
     def __init__(self):
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[int, torch.Tensor] = {}  # by the tensor's place in the state
         self._event = None
 
     def copy(self, state):
-        copied = self._copy(state, ())
+        tensors: list[torch.Tensor] = []
+        skeleton = training_state.split_tensors(state, tensors)
+        for index, source in enumerate(tensors):
+            buffer = self._buffers.get(index)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                buffer = self._buffers[index] = torch.empty(
+                    source.shape, dtype=source.dtype, device="cpu",
+                    pin_memory=torch.cuda.is_available())
+            buffer.copy_(source.detach(), non_blocking=True)
         if torch.cuda.is_available():
             self._event = torch.cuda.Event()
             self._event.record()
-        return copied
+        return training_state.fill_tensors(skeleton, self._buffers)
 
     def ready(self) -> None:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-
-    def _copy(self, value, path: tuple):
-        if isinstance(value, torch.Tensor):
-            source = value.detach()
-            buffer = self._buffers.get(path)
-            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-                buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
-                                     pin_memory=torch.cuda.is_available())
-                self._buffers[path] = buffer
-            buffer.copy_(source, non_blocking=True)
-            return buffer
-        if isinstance(value, dict):
-            return {k: self._copy(v, (*path, k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(v, (*path, i)) for i, v in enumerate(value))
-        return value
 
 
 def _iteration_dir(directory: Path, iteration: int) -> Path:

@@ -122,7 +122,7 @@ class _Slot:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _rebuilt(value, parts):
@@ -141,26 +141,29 @@ def _is_sequence(value) -> bool:
     return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")  # not namedtuples
 
 
-def _split(value, tensors: list):
-    """`value` with each tensor replaced by its `_Slot`; the tensors appended to `tensors`."""
+def split_tensors(value, tensors: list):
+    """`value` (dicts, lists and tuples of tensors and plain objects) with each tensor replaced
+    by a slot naming its index in `tensors`, where it is appended; `fill_tensors` puts tensors
+    back. Containers keep their types, and a dict subclass its attributes."""
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return _Slot(len(tensors) - 1, value.dtype, tuple(value.shape))
     if isinstance(value, dict):
-        return _rebuilt(value, ((k, _split(v, tensors)) for k, v in value.items()))
+        return _rebuilt(value, ((k, split_tensors(v, tensors)) for k, v in value.items()))
     if _is_sequence(value):
-        return _rebuilt(value, (_split(v, tensors) for v in value))
+        return _rebuilt(value, (split_tensors(v, tensors) for v in value))
     return value
 
 
-def _fill(value, tensors: dict):
-    """`value` (a structure from `_split`) with each `_Slot` replaced by its tensor."""
+def fill_tensors(value, tensors):
+    """`value` (a structure from `split_tensors`) with each slot replaced by `tensors[index]`
+    (a list, or a dict by index)."""
     if isinstance(value, _Slot):
         return tensors[value.index]
     if isinstance(value, dict):
-        return _rebuilt(value, ((k, _fill(v, tensors)) for k, v in value.items()))
+        return _rebuilt(value, ((k, fill_tensors(v, tensors)) for k, v in value.items()))
     if _is_sequence(value):
-        return _rebuilt(value, (_fill(v, tensors) for v in value))
+        return _rebuilt(value, (fill_tensors(v, tensors) for v in value))
     return value
 
 
@@ -170,7 +173,7 @@ def _slots(value, found: list) -> list:
     elif isinstance(value, dict):
         for v in value.values():
             _slots(v, found)
-    elif isinstance(value, (list, tuple)):
+    elif _is_sequence(value):
         for v in value:
             _slots(v, found)
     return found
@@ -202,7 +205,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def tensor_bytes(state) -> int:
     """The bytes of every tensor in `state`, the part `broadcast_state` sends in packs."""
     tensors: list[torch.Tensor] = []
-    _split(state, tensors)
+    split_tensors(state, tensors)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -219,7 +222,7 @@ def broadcast_state(group, donor: int, state, keep: bool = True):
     """
     sending = group.members[group.rank] == donor
     tensors: list[torch.Tensor] = []
-    skeleton = _split(state, tensors) if sending else None
+    skeleton = split_tensors(state, tensors) if sending else None
     head = to_bytes(skeleton) if sending else None
     size = torch.tensor([head.numel() if sending else 0], dtype=torch.int64)
     if group.broadcast(size, donor).wait().has_failure:
@@ -257,7 +260,7 @@ def broadcast_state(group, donor: int, state, keep: bool = True):
                 received[slot.index] = tensor if len(pack) == 1 else tensor.clone()
     if sending:
         return state, True
-    return (_fill(skeleton, received) if keep else None), True
+    return (fill_tensors(skeleton, received) if keep else None), True
 
 
 def parameter_digest(model) -> str:

@@ -71,9 +71,10 @@ class ExpectedSlots:
 
     def encode(self, expected: dict[int, tuple[int, int]]) -> torch.Tensor:
         vector = torch.zeros(self.size, dtype=torch.float64)
-        for k, (checksum, tokens) in expected.items():
-            vector[3 * k:3 * k + 3] = torch.tensor([1.0, float(checksum), float(tokens)],
-                                                   dtype=torch.float64)
+        if expected:
+            vector.view(self.b, 3)[list(expected)] = torch.tensor(
+                [(1.0, float(checksum), float(tokens)) for checksum, tokens in expected.values()],
+                dtype=torch.float64)
         return vector
 
     def decode(self, vector: torch.Tensor) -> dict[int, tuple[int, int]]:
