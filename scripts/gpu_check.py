@@ -239,6 +239,10 @@ def judge_allreduce(run, out: Path, size_mib: int, victim: int, emulate: bool,
                             f"({redo['mismatched_elements']} elements differ)")
         if res["epoch"] != 1:
             problems.append(f"rank {rank}: epoch {res['epoch']} after one repair")
+        # A staged CUDA tensor is written back only by a success (the emulation's host tensors
+        # are reduced in place, with no such promise).
+        if not emulate and not res["hit"]["untouched"]:
+            problems.append(f"rank {rank}: the failed all-reduce changed the CUDA tensor")
     devices = sorted({res["tensor_device"] for res in results.values()})
     if not emulate and any(not d.startswith("cuda") for d in devices):
         problems.append(f"tensors on {devices}, not CUDA")
@@ -569,10 +573,6 @@ def preflight(emulate: bool):
         native = native_module()
     except Exception as error:  # BackendUnavailable, or a build against another torch
         return f"the ulfm backend does not load ({error}): run `make build`"
-    staging = getattr(native, "cuda_staging_compiled", lambda: False)
-    if not emulate and not staging():
-        return ("the ulfm backend was built without CUDA staging (by a torch without CUDA): "
-                f"remove {BACKEND.relative_to(ROOT)} and run `make build` with this torch")
     mpirun = mpirun_path()
     if not Path(mpirun).exists():
         return f"{mpirun} not found: run `make build` (or `make build MPI_HOME=...`)"

@@ -27,9 +27,9 @@
 #      names the victim; a failure-free all-reduce before it, and the same all-reduce redone over
 #      the agreed survivors after it, equal the closed-form sum (rank r contributes
 #      (r + 1) + 16 (i mod 1024), exact in float32) on every element; the survivors' results are
-#      bitwise equal (SHA-256); one repair (epoch 1). Reported, not judged: the all-reduce's
-#      time, the time from the kill to the survivors' failure records, whether the failed
-#      all-reduce left the CUDA tensor untouched (the staging writes back only on success), and
+#      bitwise equal (SHA-256); one repair (epoch 1); the failed all-reduce left each survivor's
+#      CUDA tensor untouched (the staging writes back only on success). Reported, not judged:
+#      the all-reduce's time, the time from the kill to the survivors' failure records, and
 #      the survivors' GB/s ("bandwidth") of float32 and bfloat16 all-reduces of the same bytes
 #      against a device-to-host plus host-to-device copy through page-locked memory (the
 #      ceiling of the backend's host staging).
@@ -77,7 +77,7 @@
 # clone and wheels/ to the GPU machine, then there:
 #
 #   make setup WHEELS=wheels      # offline (pip --no-index --find-links), the container's torch
-#   make build                    # the backend against that torch, CUDA staging compiled in
+#   make build                    # the backend against that torch
 #   make gpu-check                # or scripts/gpu_check.sh
 #
 # As root: Open MPI needs OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, which the

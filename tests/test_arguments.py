@@ -206,6 +206,16 @@ def test_distributed_backend_and_ranks_per_device():
                  "2").parallel.ranks_per_device == 2
 
 
+def test_cuda_aware_mpi_only_with_recover_and_cuda():
+    assert not small("--recover").recover.cuda_aware_mpi  # staged by default
+    assert small("--recover", "--recover-cuda-aware-mpi",
+                 cuda_available=True).recover.cuda_aware_mpi
+    assert "passes CUDA buffers to MPI, and this machine trains on the CPU" in refused(
+        "--recover", "--recover-cuda-aware-mpi")
+    assert "--recover-cuda-aware-mpi given without --recover" in refused(
+        "--recover-cuda-aware-mpi", cuda_available=True)
+
+
 def test_legacy_split_default_with_data_path(gpt2_files):
     cfg = parse_args([a for a in SMALL if a != "--mock-data"]
                      + ["--data-path", gpt2_files["prefix"]], world_size=4, cuda_available=False)

@@ -25,6 +25,8 @@ CASES = {
     "reduce-4": (4, "allreduce", ["2:reduce", "1:delay-reduce@0.3"]),
     "reduce-8": (8, "allreduce", ["5:reduce", "1:delay-reduce@0.3"]),
     "reduce-rank0-4": (4, "allreduce", ["0:reduce", "1:delay-reduce@0.3"]),
+    # Tensors staged through host buffers, as CUDA tensors are: a failed one is left untouched.
+    "staged-reduce-4": (4, "staged-allreduce", ["2:reduce", "1:delay-reduce@0.3"]),
     "consensus-4": (4, "consensus", ["1:consensus", "0:delay-consensus@0.3"]),
     "consensus-8": (8, "consensus", ["7:consensus", "0:delay-consensus@0.3"]),
     "shrink-4": (4, "allreduce", ["3:before", "2:shrink@0.2", "0:delay-shrink@0.6"]),
@@ -46,7 +48,7 @@ def victims_of(specs: list[str]) -> set[int]:
 
 
 def check_survivors(run, members: list[int], victims: set[int], hit_is_consensus: bool,
-                    uniform: bool = True) -> None:
+                    uniform: bool = True, staged: bool = False) -> None:
     survivors = [r for r in members if r not in victims]
     assert sorted(r for r in run.results if r in members) == survivors, run.output[-3000:]
     expected_failed = sorted(victims & set(members))
@@ -57,6 +59,8 @@ def check_survivors(run, members: list[int], victims: set[int], hit_is_consensus
         assert not warmup["failed"], f"rank {rank}: failure reported before the fault"
         if uniform:
             assert hit["failed"] and hit["failed_ranks"] == expected_failed, (rank, hit)
+        if staged:
+            assert hit["untouched"], (rank, hit)
         repairs = sum(op["repaired"] for op in res["ops"]) + res["consensus"]["repaired"]
         assert res["epoch"] == repairs == 1, (rank, res["epoch"], repairs)
         consensus = res["consensus"]
@@ -97,7 +101,8 @@ def test_fault_case(tmp_path, case):
             check_survivors(run, members, victims, hit_is_consensus=False)
     else:
         check_survivors(run, list(range(num_ranks)), victims,
-                        hit_is_consensus=scenario == "consensus")
+                        hit_is_consensus=scenario == "consensus",
+                        staged=scenario.startswith("staged-"))
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)

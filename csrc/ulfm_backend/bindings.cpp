@@ -37,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("world_ranks"), py::arg("name"), py::arg("timeout_s"), nogil)
       .def("set_agree_each_op", &PG::set_agree_each_op, py::arg("on"))
       .def("set_max_chunk_bytes", &PG::set_max_chunk_bytes, py::arg("bytes"))
+      .def("set_stage_host", &PG::set_stage_host, py::arg("on"))
+      .def("set_direct_device", &PG::set_direct_device, py::arg("on"))
+      .def("staging_stats", &PG::staging_stats)
       .def("allreduce_sum", &PG::allreduce_sum, py::arg("tensor"), nogil)
       .def("broadcast_from", &PG::broadcast_from, py::arg("tensor"), py::arg("root_world_rank"),
            nogil)
@@ -60,11 +63,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("fault_tolerance_enabled", &ulfm::fault_tolerance_enabled);
   m.def("set_fault_phase", &ulfm::set_fault_phase, py::arg("phase"));
-  m.def("cuda_staging_compiled", [] {
-#ifdef ULFM_CUDA_STAGING
-    return true;
-#else
-    return false;
-#endif
-  });
+  m.def("mpi_cuda_aware", &ulfm::mpi_cuda_aware);
 }

@@ -4,6 +4,7 @@
 #include "ulfm_backend.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <mpi-ext.h>
 
 #include <algorithm>
@@ -79,33 +80,6 @@ SumSpec sum_spec(at::ScalarType dtype) {
   }
 }
 
-// The tensor MPI reads and writes: the caller's own storage when it is a contiguous CPU tensor,
-// otherwise a contiguous host copy that is written back only when the operation succeeded.
-struct Staged {
-  at::Tensor user;
-  at::Tensor host;
-  bool copied;
-
-  static Staged of(const at::Tensor& t) {
-#ifdef ULFM_CUDA_STAGING
-    // Untested on the development machines (no GPU): device-to-host copy on the caller's
-    // stream, synchronised by .to(); the write-back happens on the worker thread.
-    if (t.is_cuda()) return {t, t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true), true};
-#endif
-    TORCH_CHECK_VALUE(t.device().is_cpu(), "ulfm: tensors must be on the CPU", 
-#ifdef ULFM_CUDA_STAGING
-                      " or CUDA",
-#endif
-                      " (got ", t.device(), ")");
-    if (t.is_contiguous()) return {t, t, false};
-    return {t, t.contiguous(), true};
-  }
-
-  void write_back() {
-    if (copied) user.copy_(host);
-  }
-};
-
 std::vector<int64_t> minus(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
   std::vector<int64_t> out;
   for (int64_t x : a) {
@@ -168,6 +142,12 @@ bool WorkULFM::wait(std::chrono::milliseconds timeout) {
                         std::to_string(limit.count()) + " ms");
   }
   if (exception_) std::rethrow_exception(exception_);
+  // The results' copies to the device are in flight: the caller's current stream waits for
+  // them, its thread does not (as ProcessGroupNCCL's Work.wait()).
+  for (const auto& fence : written_) {
+    c10::impl::VirtualGuardImpl impl(fence->device_type());
+    fence->block(impl.getStream(fence->device()));
+  }
   return true;
 }
 
@@ -207,9 +187,11 @@ static std::exception_ptr fail_stop_error(c10d::OpType type, const FailureRecord
   }
 }
 
-void WorkULFM::complete(const FailureRecord* record, std::exception_ptr error) {
+void WorkULFM::complete(const FailureRecord* record, std::exception_ptr error,
+                        std::vector<Fence> written) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    written_ = std::move(written);
     if (record != nullptr) {
       record_ = *record;
       failed_ = record->repaired || !record->failed_ranks.empty();
@@ -320,14 +302,14 @@ void ProcessGroupULFM::fill_membership(FailureRecord* record) {
 // ------------------------------------------------------------------------------------- worker
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue(
-    c10d::OpType type, std::vector<at::Tensor> outputs, bool fail_stop,
+    c10d::OpType type, std::vector<at::Tensor> outputs, bool fail_stop, Stages stages,
     std::function<void(FailureRecord*)> run) {
   auto work = c10::make_intrusive<WorkULFM>(type, std::move(outputs), options_.timeout,
                                             fail_stop);
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     TORCH_CHECK(!stopping_, "ulfm: group ", options_.name, " is shut down");
-    queue_.push_back(Task{work, std::move(run)});
+    queue_.push_back(Task{work, std::move(stages), std::move(run)});
   }
   queue_cv_.notify_one();
   return work;
@@ -347,13 +329,23 @@ void ProcessGroupULFM::worker_loop() {
     std::exception_ptr error;
     record.started_s = now_s();
     try {
+      for (auto& stage : task.stages) stage->ready();
       task.run(&record);
+      // Only a success writes staged results back: a failed operation leaves a staged tensor
+      // as the caller had it (an unstaged one may hold a partial result, see the contract).
+      if (!record.repaired) {
+        for (auto& stage : task.stages) stage->write_back();
+      }
     } catch (...) {
       error = std::current_exception();
     }
+    std::vector<Fence> written;
+    for (auto& stage : task.stages) {
+      if (Fence fence = stage->finish()) written.push_back(std::move(fence));
+    }
     record.finished_s = now_s();
     fill_membership(&record);
-    task.work->complete(&record, error);
+    task.work->complete(&record, error, std::move(written));
   }
 }
 
@@ -484,26 +476,26 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allreduce(
     c10d::OpType type, const std::vector<at::Tensor>& tensors, bool fail_stop) {
   // One operation for all tensors: one failure record, one repair, however many tensors.
   std::vector<SumSpec> specs;
-  auto staged = std::make_shared<std::vector<Staged>>();
+  Stages stages;
   for (const auto& tensor : tensors) {
     specs.push_back(sum_spec(tensor.scalar_type()));
-    staged->push_back(Staged::of(tensor));
+    // A 16-bit sum's MPI operator runs on the host: never hand it device memory.
+    stages.push_back(std::make_shared<Stage>(tensor, Stage::kReadWrite,
+                                             specs.back().op == MPI_SUM, staging()));
   }
-  return enqueue(type, tensors, fail_stop, [this, staged, specs](FailureRecord* record) {
+  return enqueue(type, tensors, fail_stop, stages, [this, stages, specs](FailureRecord* record) {
     run_data_op("reduce", [&](MPI_Comm comm) {
       const bool inject = kill_pending_at("reduce");
-      for (size_t i = 0; i < staged->size(); ++i) {
-        const int rc = reduce_in_place((*staged)[i].host, specs[i], comm, inject && i == 0);
+      for (size_t i = 0; i < stages.size(); ++i) {
+        const int rc = reduce_in_place(stages[i]->mpi(), specs[i], comm, inject && i == 0);
         if (rc != MPI_SUCCESS) return rc;
       }
       return MPI_SUCCESS;
     }, record);
-    if (record->repaired) return;
-    for (auto& s : *staged) s.write_back();
   });
 }
 
-int ProcessGroupULFM::reduce_in_place(at::Tensor& host, const SumSpec& spec, MPI_Comm comm,
+int ProcessGroupULFM::reduce_in_place(const at::Tensor& host, const SumSpec& spec, MPI_Comm comm,
                                       bool inject) {
   char* data = static_cast<char*>(host.data_ptr());
   const int64_t numel = host.numel();
@@ -533,16 +525,18 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::broadcast_from(at::Tensor tensor,
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_broadcast(at::Tensor tensor,
                                                                 int64_t root_world_rank,
                                                                 bool fail_stop) {
-  auto staged = std::make_shared<Staged>(Staged::of(tensor));
-  return enqueue(c10d::OpType::BROADCAST, {tensor}, fail_stop,
-                 [this, staged, root_world_rank](FailureRecord* record) {
+  // The root's tensor is only read, the others' only written.
+  const auto use = root_world_rank == world_rank() ? Stage::kRead : Stage::kWrite;
+  auto stage = std::make_shared<Stage>(tensor, use, /*direct_ok=*/true, staging());
+  return enqueue(c10d::OpType::BROADCAST, {tensor}, fail_stop, {stage},
+                 [this, stage, root_world_rank](FailureRecord* record) {
     const auto current = members();
     auto it = std::find(current.begin(), current.end(), root_world_rank);
     TORCH_CHECK_VALUE(it != current.end(), "ulfm: broadcast root ", root_world_rank,
                       " is not a live member of group ", options_.name);
     const int root = int(it - current.begin());
-    char* data = static_cast<char*>(staged->host.data_ptr());
-    const int64_t nbytes = staged->host.nbytes();
+    char* data = static_cast<char*>(stage->mpi().data_ptr());
+    const int64_t nbytes = stage->mpi().nbytes();
     const int64_t chunk = max_chunk_bytes_;
     run_data_op("broadcast", [&](MPI_Comm comm) {
       for (int64_t offset = 0; offset == 0 || offset < nbytes; offset += chunk) {
@@ -553,7 +547,6 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_broadcast(at::Tensor tens
       }
       return MPI_SUCCESS;
     }, record);
-    if (!record->repaired) staged->write_back();
   });
 }
 
@@ -571,18 +564,18 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor outp
   TORCH_CHECK_VALUE(output.numel() == input.numel() * current_size(),
                     "ulfm: all-gather output must hold size() x input elements (size() = ",
                     current_size(), ")");
-  auto in = std::make_shared<Staged>(Staged::of(input));
-  auto out = std::make_shared<Staged>(Staged::of(output));
-  return enqueue(c10d::OpType::ALLGATHER, {output}, fail_stop,
+  auto in = std::make_shared<Stage>(input, Stage::kRead, /*direct_ok=*/true, staging());
+  auto out = std::make_shared<Stage>(output, Stage::kWrite, /*direct_ok=*/true, staging());
+  return enqueue(c10d::OpType::ALLGATHER, {output}, fail_stop, {in, out},
                  [this, in, out, rows](FailureRecord* record) {
-    const int64_t nbytes = in->host.nbytes();
+    const int64_t nbytes = in->mpi().nbytes();
     const int64_t chunk = max_chunk_bytes_;
     run_data_op("allgather", [&](MPI_Comm comm) {
       int size = 0;
       MPI_Comm_size(comm, &size);
-      if (int64_t(size) * nbytes != out->host.nbytes()) return int(MPI_ERR_SIZE);
-      const char* input = static_cast<const char*>(in->host.data_ptr());
-      char* output = static_cast<char*>(out->host.data_ptr());
+      if (int64_t(size) * nbytes != out->mpi().nbytes()) return int(MPI_ERR_SIZE);
+      const char* input = static_cast<const char*>(in->mpi().data_ptr());
+      char* output = static_cast<char*>(out->mpi().data_ptr());
       // Each round gathers bytes [offset, offset + count) of every member's input straight into
       // place: member r's piece lands at r * nbytes + offset, through a receive type of `count`
       // bytes whose extent is a whole row (nbytes).
@@ -601,10 +594,9 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_allgather(at::Tensor outp
       }
       return MPI_SUCCESS;
     }, record);
-    if (record->repaired) return;
-    out->write_back();
+    if (record->repaired || rows.empty()) return;
     // torch's list form: split the gathered rows into the caller's tensors before completion.
-    auto chunks = out->host.chunk(int64_t(rows.size() == 0 ? 1 : rows.size()));
+    auto chunks = out->mpi().chunk(int64_t(rows.size()));
     for (size_t i = 0; i < rows.size(); ++i) rows[i].copy_(chunks[i].view(rows[i].sizes()));
   });
 }
@@ -615,19 +607,51 @@ void ProcessGroupULFM::set_max_chunk_bytes(int64_t bytes) {
   max_chunk_bytes_ = bytes;
 }
 
+void ProcessGroupULFM::set_stage_host(bool on) {
+  force_host_ = on;
+}
+
+void ProcessGroupULFM::set_direct_device(bool on) {
+  TORCH_CHECK_VALUE(!on || mpi_cuda_aware(),
+                    "ulfm: this MPI is not CUDA-aware (MPIX_Query_cuda_support() returns 0), so "
+                    "CUDA tensors cannot go to it directly; leave the direct path off (they are "
+                    "staged through pinned host memory) or use an Open MPI built with CUDA");
+  direct_ = on;
+}
+
+std::map<std::string, int64_t> ProcessGroupULFM::staging_stats() const {
+  const auto stats = pool_.stats();
+  return {{"allocated", stats.allocated}, {"reused", stats.reused}, {"idle", stats.idle},
+          {"idle_bytes", stats.idle_bytes}};
+}
+
+StagingContext ProcessGroupULFM::staging() {
+  return {&pool_, force_host_, direct_, [this](c10::Device device) {
+            std::lock_guard<std::mutex> lock(streams_mutex_);
+            auto it = streams_.find(device.index());
+            if (it == streams_.end()) {
+              c10::impl::VirtualGuardImpl impl(device.type());
+              it = streams_.emplace(device.index(),
+                                    std::make_pair(impl.getStreamFromGlobalPool(device),
+                                                   impl.getStreamFromGlobalPool(device))).first;
+            }
+            return it->second;
+          }};
+}
+
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::barrier_ft() {
   return enqueue_barrier(false);
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_barrier(bool fail_stop) {
-  return enqueue(c10d::OpType::BARRIER, {}, fail_stop, [this](FailureRecord* record) {
+  return enqueue(c10d::OpType::BARRIER, {}, fail_stop, {}, [this](FailureRecord* record) {
     run_data_op("barrier", [](MPI_Comm comm) { return MPI_Barrier(comm); }, record);
   });
 }
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::consensus(std::vector<int64_t> census) {
   auto shared = std::make_shared<std::vector<int64_t>>(std::move(census));
-  return enqueue(c10d::OpType::UNKNOWN, {}, false, [this, shared](FailureRecord* record) {
+  return enqueue(c10d::OpType::UNKNOWN, {}, false, {}, [this, shared](FailureRecord* record) {
     run_consensus(*shared, record);
   });
 }
@@ -636,7 +660,7 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::adopt(int64_t grown_handle) {
   // Open MPI's MPI_Comm is a pointer; mpi4py hands out its value (MPI._handleof).
   MPI_Comm grown = reinterpret_cast<MPI_Comm>(static_cast<intptr_t>(grown_handle));
   TORCH_CHECK_VALUE(grown != MPI_COMM_NULL, "ulfm: adopt needs a communicator");
-  return enqueue(c10d::OpType::UNKNOWN, {}, false,
+  return enqueue(c10d::OpType::UNKNOWN, {}, false, {},
                  [this, grown](FailureRecord* record) { run_adopt(grown, record); });
 }
 

@@ -25,6 +25,8 @@
 
 #include <mpi.h>
 
+#include "staging.hpp"
+
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -83,10 +85,14 @@ class WorkULFM : public c10d::Work {
   bool has_failure() const;
   FailureRecord record() const;  // valid once completed
 
-  void complete(const FailureRecord* record, std::exception_ptr error);
+  // `written`: the staged results' copies to the device still in flight (staging.hpp);
+  // wait() makes the caller's current stream wait for them.
+  void complete(const FailureRecord* record, std::exception_ptr error,
+                std::vector<Fence> written = {});
 
  private:
   std::vector<at::Tensor> outputs_;
+  std::vector<Fence> written_;
   std::chrono::milliseconds default_timeout_;
   bool fail_stop_;  // a failure completes the Work with an error (torch.distributed callers)
   bool failed_ = false;
@@ -149,6 +155,14 @@ class ProcessGroupULFM : public c10d::Backend {
   // chunk boundaries with small tensors.
   void set_max_chunk_bytes(int64_t bytes);
 
+  // Staging (staging.hpp). `set_stage_host`: stage CPU tensors through the host buffer pool as
+  // CUDA tensors are (tests run the staged path on CPU with it). `set_direct_device`: hand CUDA
+  // tensors' device memory to MPI, except 16-bit sums; refused unless the MPI is CUDA-aware.
+  // Both apply to operations submitted afterwards.
+  void set_stage_host(bool on);
+  void set_direct_device(bool on);
+  std::map<std::string, int64_t> staging_stats() const;  // the buffer pool's counters
+
   void arm_fault(FaultArm arm);
   int64_t fault_hits(const std::string& point);  // times `point` was reached so far
 
@@ -156,6 +170,7 @@ class ProcessGroupULFM : public c10d::Backend {
   using Body = std::function<int(MPI_Comm)>;
   struct Task {
     c10::intrusive_ptr<WorkULFM> work;
+    Stages stages;  // made ready before `run`, written back after its success, then finished
     std::function<void(FailureRecord*)> run;
   };
 
@@ -166,11 +181,13 @@ class ProcessGroupULFM : public c10d::Backend {
   c10::intrusive_ptr<WorkULFM> enqueue_broadcast(at::Tensor tensor, int64_t root_world_rank,
                                                  bool fail_stop);
   c10::intrusive_ptr<WorkULFM> enqueue_barrier(bool fail_stop);
-  int reduce_in_place(at::Tensor& host, const SumSpec& spec, MPI_Comm comm, bool inject);
+  int reduce_in_place(const at::Tensor& host, const SumSpec& spec, MPI_Comm comm, bool inject);
   c10::intrusive_ptr<WorkULFM> enqueue_allgather(at::Tensor output, at::Tensor input,
                                                  std::vector<at::Tensor> rows, bool fail_stop);
   c10::intrusive_ptr<WorkULFM> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                       bool fail_stop, std::function<void(FailureRecord*)> run);
+                                       bool fail_stop, Stages stages,
+                                       std::function<void(FailureRecord*)> run);
+  StagingContext staging();
   void worker_loop();
 
   // Runs `body` on the communicator; on any error repairs and fills `record`.
@@ -190,6 +207,12 @@ class ProcessGroupULFM : public c10d::Backend {
   std::atomic<bool> agree_each_op_{false};
   std::atomic<int64_t> max_chunk_bytes_{int64_t(1) << 30};
   MPI_Comm comm_ = MPI_COMM_NULL;  // touched only by the worker thread after construction
+
+  HostBufferPool pool_;
+  std::atomic<bool> force_host_{false};
+  std::atomic<bool> direct_{false};
+  std::mutex streams_mutex_;
+  std::map<c10::DeviceIndex, std::pair<c10::Stream, c10::Stream>> streams_;  // in, write-back
 
   mutable std::mutex state_mutex_;   // guards the membership fields below
   std::vector<int64_t> members_;

@@ -148,6 +148,23 @@ class ULFMGroup:
         transfers run in chunks of this size, any total size. Set it on every member alike."""
         self._native.set_max_chunk_bytes(int(nbytes))
 
+    def set_stage_host(self, on: bool) -> None:
+        """Stage CPU tensors through the group's host buffers, as CUDA tensors always are (the
+        copy in, MPI on the buffer, the copy back only on success): the staged path runs on
+        machines without a GPU. Tests use it; it costs two copies per operation."""
+        self._native.set_stage_host(bool(on))
+
+    def set_direct_device(self, on: bool) -> None:
+        """Hand CUDA tensors' device memory to MPI instead of staging them through pinned host
+        buffers (16-bit sums are staged all the same: MPI runs their sum on the host). Raises
+        ValueError unless the MPI is CUDA-aware (`mpi_cuda_aware()`)."""
+        self._native.set_direct_device(bool(on))
+
+    def staging_stats(self) -> dict[str, int]:
+        """The host buffer pool's counters: buffers allocated, acquisitions served by an idle
+        buffer (reused), buffers idle now and their bytes."""
+        return dict(self._native.staging_stats())
+
     def allreduce(self, tensor: torch.Tensor) -> ULFMWork:
         """In-place SUM. On failure the tensor's contents are not to be trusted."""
         return ULFMWork(self._native.allreduce_sum(tensor))

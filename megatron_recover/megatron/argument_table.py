@@ -366,6 +366,9 @@ IMPLEMENTED_NOTES = {
     "gloo on CPU; control collectives always on gloo mirrors (docs/devices.md)",
     "--recover-ranks-per-device": "N consecutive node-local ranks bind one GPU (default 1, one "
     "rank per GPU); refused on CUDA when a replica has more than one rank (NCCL)",
+    "--recover-cuda-aware-mpi": "hands the cross-replica buffers on the GPU to MPI; refused on "
+    "CPU, and at start-up unless MPIX_Query_cuda_support() says the MPI has CUDA "
+    "(docs/devices.md)",
     "--no-gradient-accumulation-fusion": "",
     "--ckpt-format": "torch_dist for stock runs; --recover saves per-rank torch files: "
                      "--ckpt-format torch (the default under --recover), torch_dist refused",

@@ -251,6 +251,10 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="bind N consecutive node-local ranks to one GPU (default 1, Megatron's "
                         "one rank per GPU); for tests of several one-rank replicas on one GPU, "
                         "with or without --recover")
+    g.add_argument("--recover-cuda-aware-mpi", action="store_true",
+                   help="hand the cross-replica reductions' CUDA buffers to MPI directly (needs "
+                        "an MPI built with CUDA; 16-bit sums are staged all the same); default: "
+                        "staged through pinned host memory on side streams")
     g.add_argument("--cross-replica-backend", choices=["gloo", "ulfm"],
                    help="backend of the data-parallel group: gloo (default) or ulfm (stock "
                         "Megatron data parallelism over the fault-tolerant collective, no "
@@ -392,6 +396,9 @@ def _device_refusals(ns, world_size: int, cuda_available: bool, te_available: bo
                         "fused_weight_gradient_mlp_cuda kernel, which does not import here: "
                         "add --no-gradient-accumulation-fusion, or install Apex with its CUDA "
                         "extensions")
+    if ns.recover_cuda_aware_mpi and not cuda_available:
+        problems.append("--recover-cuda-aware-mpi passes CUDA buffers to MPI, and this machine "
+                        "trains on the CPU: drop it")
     if ns.recover_ranks_per_device < 1:
         problems.append(f"--recover-ranks-per-device must be a positive integer, got "
                         f"{ns.recover_ranks_per_device}")
@@ -868,8 +875,8 @@ def _recover(ns) -> list[str]:
                                "--recover-nonfinite-rerun", "--recover-straggler-threshold",
                                "--recover-straggler-window", "--recover-evict-slower-than")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
-    if ns.recover_no_restore:
-        given.append("--recover-no-restore")
+    given += [flag for flag in ("--recover-no-restore", "--recover-cuda-aware-mpi")
+              if getattr(ns, flag[2:].replace("-", "_"))]
     if given and not ns.recover:
         return [f"{', '.join(given)} given without --recover: add --recover or drop them"]
     problems = []
@@ -1232,6 +1239,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             hang_timeout_s=(DEFAULT_HANG_TIMEOUT_S if ns.recover_hang_timeout is None
                             else ns.recover_hang_timeout),
             restore=not ns.recover_no_restore,
+            cuda_aware_mpi=ns.recover_cuda_aware_mpi,
             program_errors=ns.recover_program_errors or "abort",
             cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo"),
             standby_replicas=ns.recover_standby_replicas or 0,

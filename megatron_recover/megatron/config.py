@@ -366,6 +366,9 @@ class RecoverConfig:
     """--recover-hang-timeout: seconds after which a frozen rank is declared failed (0: off)."""
     restore: bool = True
     """False with --recover-no-restore (a diagnostic negative control)."""
+    cuda_aware_mpi: bool = False
+    """--recover-cuda-aware-mpi: the cross-replica group hands CUDA buffers to MPI directly
+    (refused at start-up unless the MPI reports CUDA support) instead of staging them."""
     program_errors: str = "abort"
     """--recover-program-errors: "abort" (default; a program error ends the job) or "survive"
     (it takes only its rank down); see megatron_recover/failures.py."""

@@ -263,6 +263,8 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         group, replica_of_rank = _cross_replica_groups(
             dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
+        if cfg.recover.cuda_aware_mpi:
+            group.set_direct_device(True)  # a ValueError unless the MPI is CUDA-aware
     if par.ranks_per_replica > 1:
         # MPI ranks: a standby's torch world starts past the training ranks.
         replica_ranks = collective.world_ranks(dist.get_process_group_ranks(replica_group))

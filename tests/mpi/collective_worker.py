@@ -42,6 +42,7 @@ def scenario_ops(scenario: str) -> tuple[str, int]:
     """(kind of the operation that is hit, payload elements)."""
     return {
         "allreduce": ("allreduce", 256),
+        "staged-allreduce": ("allreduce", 256),
         "consensus": ("consensus", 0),
         "allreduce64m": ("allreduce", 64 * MIB // 4),
         "disjoint": ("allreduce", 256),
@@ -91,6 +92,8 @@ def main() -> None:
         members = list(range(world))
         group = collective.new_group(members)
     group.set_agree_each_op(uniform)
+    if scenario.startswith("staged-"):
+        group.set_stage_host(True)  # the path of CUDA tensors, with host tensors
     if kind_of(scenario) in ("broadcast", "allgather"):
         group.set_max_chunk_bytes(CHUNK_BYTES)
     runtime.track_group(group)
@@ -105,6 +108,8 @@ def main() -> None:
     if kind == "allreduce":
         hit = torch.full((numel,), float(rank + 1))
         ops.append(record_dict("hit", group.allreduce(hit).wait()))
+        # A staged tensor is written back only on success: a failed one is as it was.
+        ops[-1]["untouched"] = bool(torch.all(hit == rank + 1))
     elif kind in ("broadcast", "allgather"):
         ops.append(record_dict("hit", transfer(group, kind, rank, numel)[0]))
     elif kind == "torch":

@@ -1,7 +1,7 @@
 """One rank of the ulfm operations check (no faults), run by tests/test_collective_ops.py.
 
 Usage: mpirun --with-ft ulfm -np N python ops_worker.py CHECK OUT_DIR MARKER
-CHECK is `ops` (every operation and dtype) or `no-ft` (expects group creation to refuse).
+CHECK is `ops` (every operation and dtype, in place and staged) or `no-ft` (expects group creation to refuse).
 Writes OUT_DIR/result-RANK.json: check name -> bool, plus details for failed checks.
 """
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_recover import collective, runtime
 from megatron_recover.collective import BackendUnavailable, CollectiveTimeout
+from megatron_recover.collective.backend import native_module
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 
@@ -130,6 +131,26 @@ def check_ops(group, rank: int, n: int) -> dict:
     return checks
 
 
+def check_staged(group, rank: int, n: int) -> dict:
+    """Every operation again with CPU tensors staged through the group's host buffers, the
+    path CUDA tensors take: the same results, and the buffers reused across operations."""
+    group.set_stage_host(True)
+    before = group.staging_stats()
+    checks = {f"staged_{name}": ok for name, ok in check_ops(group, rank, n).items()}
+    for _ in range(3):  # a bucket's size, iteration after iteration: one buffer serves them
+        t = torch.full((1000,), float(rank + 1))
+        group.allreduce(t).wait()
+    stats = group.staging_stats()
+    group.set_stage_host(False)
+    checks["staged_buffers_allocated"] = stats["allocated"] > before["allocated"]
+    checks["staged_buffers_reused"] = stats["reused"] >= before["reused"] + 2
+    checks["staged_buffers_idle"] = stats["idle"] >= 1 and stats["idle_bytes"] > 0
+    checks["direct_refused_without_cuda_mpi"] = (
+        native_module().mpi_cuda_aware()
+        or "not CUDA-aware" in expect_error(ValueError, lambda: group.set_direct_device(True)))
+    return checks
+
+
 def check_big(group, rank: int, n: int) -> dict:
     """A broadcast and an all-gather of more than 1 GiB at the default chunk size (so they
     cross the 1 GiB boundary of one MPI call), checked byte for byte, with their times."""
@@ -238,9 +259,11 @@ def main() -> None:
     runtime.track_group(group)
     if check == "state":
         checks = check_state(group, ctx.rank, ctx.world_size, Path(sys.argv[3]))
+    elif check == "big":
+        checks = check_big(group, ctx.rank, ctx.world_size)
     else:
-        check_of = check_big if check == "big" else check_ops
-        checks = check_of(group, ctx.rank, ctx.world_size)
+        checks = check_ops(group, ctx.rank, ctx.world_size)
+        checks.update(check_staged(group, ctx.rank, ctx.world_size))
     write(out_dir, ctx.rank, {"checks": checks})
     runtime.finish()
 
