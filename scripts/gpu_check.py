@@ -439,6 +439,22 @@ def judge_training(reference: dict, run: dict, fired: list, failures: list, live
     return part, problems
 
 
+def reduction_shares(records: list[dict]) -> dict:
+    """Reported, not judged, from the failure-free run's records (writer rank): the share of
+    the time some cross-replica reduction ran that passed before megatron's schedule returned
+    (`hidden_share`: under backward, with --overlap-grad-reduce), and the snapshot memory over
+    the gradient buffer's. Host clocks: a reduction starts once its bucket's device-to-host copy
+    finished, so time the GPU still spent on backward after the schedule returned on the host
+    counts as not hidden."""
+    reduce_ms = sum(r["reduction"]["reduce_ms"] for r in records)
+    hidden_ms = sum(r["reduction"]["hidden_ms"] for r in records)
+    last = records[-1]["reduction"] if records else {}
+    return {"reduce_ms": round(reduce_ms, 2), "hidden_ms": round(hidden_ms, 2),
+            "hidden_share": round(hidden_ms / reduce_ms, 3) if reduce_ms else None,
+            "snapshot_bytes_ratio": (round(last["snapshot_bytes"] / last["grad_bytes"], 3)
+                                     if last.get("grad_bytes") else None)}
+
+
 def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], schedule: str,
                   fired: list, failures: list, live: list, survivors: list[int],
                   left: list[int] = (), part: dict | None = None, joins=(),
@@ -469,6 +485,7 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
         judged, found = judge_training(runs["reference"], runs["failures"], fired, failures,
                                        live, survivors, left, joins, same_as)
         part.update(judged)
+        part["reduction"] = reduction_shares(runs["reference"]["records"])
         problems += found
     part["verdict"] = "fail" if problems else "pass"
     if problems:

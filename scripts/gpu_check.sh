@@ -47,7 +47,11 @@
 #      held, with B = 16 contributions, in every iteration of both runs; the survivors' final
 #      parameters agree; and the run with failures is exact against the failure-free one: final
 #      parameters bitwise equal, or (as the e2e tests check) every iteration's loss and every
-#      survivor's parameters within 1e-6 relative. Both measures are reported.
+#      survivor's parameters within 1e-6 relative. Both measures are reported, and so is
+#      "reduction": the share of the failure-free run's cross-replica reduction time hidden
+#      under backward (host clocks) and the snapshot memory over the gradient buffer's.
+#      Replica 2's failure is a policy boundary: its extension pass runs the non-blocking
+#      restore (the rewind on a side stream under the pass's first forward).
 #  (c) With 4 or more GPUs: 2 replicas x TP 2, one rank per GPU, NCCL inside the replicas, the
 #      same model, bf16, --overlap-grad-reduce; replica 1's second rank killed inside a bucket
 #      all-reduce of iteration 3 (its TP peer must leave with it). Judged as (b). With 1-3 GPUs it

@@ -59,15 +59,17 @@ class Mutation:
     extra: tuple[str, ...] = ()  # further job arguments
 
 
-ADD_BACK = "            self.recovery.add_snapshots()\n"
+REWIND = "            self.recovery.rewind_under_pass()\n"
+ADD_BACK = "            self.recovery.add_snapshots(deferred_only=True)\n"
 MUTATIONS = [
     Mutation("blocking restore zeroes a spare's extension ids (the old contributing line)",
              TRAINER, "contributing = (work.contributes_first_pass or self._extended) and not held",
              "contributing = work.contributes_first_pass and not held", 7, 7,
              SPARE_THEN_BLOCKING),
-    Mutation("add_snapshots skipped", TRAINER, ADD_BACK, "            pass\n", 3, 6, BOUNDARY),
-    Mutation("add_snapshots applied twice", TRAINER, ADD_BACK, ADD_BACK + ADD_BACK, 3, 6,
-             BOUNDARY),
+    Mutation("rewind before the extension pass skipped", TRAINER, REWIND,
+             "            self.recovery.zero()\n", 3, 6, BOUNDARY),
+    Mutation("snapshots added on top of the rewind", TRAINER, ADD_BACK,
+             "            self.recovery.add_snapshots()\n", 3, 6, BOUNDARY),
     Mutation("_mine drops one id", TRAINER,
              "return list(ids)[self._shard::self._shards]",
              "return list(ids)[self._shard::self._shards][1:]", 3, 6, None),

@@ -238,6 +238,7 @@ class MicrobatchPass:
         batch = devices.batch_to_device(batch)
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                        labels=batch["labels"])
+        hooks.forward_done()  # the restore's copies overlapped this forward; backward waits
 
         def on_first_loss() -> bool:
             if self._fired_backward_for != iteration:

@@ -65,5 +65,12 @@ def register_microbatch(iteration: int, microbatch_id: int, checksum: int) -> No
         recovery.register(iteration, microbatch_id, checksum)
 
 
+def forward_done() -> None:
+    """A microbatch's forward was enqueued: gradients are written from here on, so a pending
+    side-stream rewind of the buckets must come first (`GradientRecovery.restored`)."""
+    for recovery in _recoveries.values():
+        recovery.restored()
+
+
 def loss_divisor(num_microbatches: int) -> int:
     return num_microbatches if _loss_divisor is None else _loss_divisor

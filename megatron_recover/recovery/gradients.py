@@ -70,7 +70,7 @@ class GradientRecovery:
 
     def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
                  shard_group=None, deferred: list[torch.Tensor] = (), after_first_post=None,
-                 check_finite: bool = False):
+                 check_finite: bool = False, restore_stream=None):
         """`grads`: the gradient buckets, in the order every member reduces them (`deferred`
         ones, synced inside the replica after backward, moved to the end).
         `before_first_reduce()` runs before the first reduction of each pass is posted,
@@ -78,8 +78,11 @@ class GradientRecovery:
         `shard_group`: with a distributed optimizer in the replica, the torch group of the ranks
         holding the other shards of these buckets (Megatron's intra-instance data-parallel
         group); None without one. `check_finite`: Megatron's check_for_nan_in_grad, before
-        every reduction (`reduce_bucket`)."""
+        every reduction (`reduce_bucket`). `restore_stream`: a side CUDA stream for the
+        non-blocking restore (`rewind_under_pass`), None on the CPU."""
         self.group = group
+        self.restore_stream = restore_stream
+        self._restore_event = None  # the side-stream rewind's end, until the compute stream waits
         self.check_finite = check_finite
         self.shard_group = shard_group
         self.contributing = True
@@ -307,11 +310,55 @@ class GradientRecovery:
             bucket.ledger.clear()
             bucket.reduced_epoch = None
 
-    def add_snapshots(self) -> None:
-        """Add the pre-reduce contents back on top of what a pass accumulated since `zero()`."""
+    def add_snapshots(self, deferred_only: bool = False) -> None:
+        """Add the pre-reduce contents back on top of what a pass accumulated since `zero()`
+        (`deferred_only`: of the deferred buckets, after `rewind_under_pass`)."""
         for bucket in self._buckets.values():
-            bucket.grad.add_(bucket.snapshot)
-            bucket.ledger.add(bucket.snapshot_ledger)
+            if bucket.deferred or not deferred_only:
+                bucket.grad.add_(bucket.snapshot)
+                bucket.ledger.add(bucket.snapshot_ledger)
+
+    def rewind_under_pass(self) -> None:
+        """The non-blocking restore before an extension pass (the paper's): every bucket back to
+        its snapshot, so the pass accumulates on top of what this replica already counts.
+
+        With a `restore_stream` (on CUDA) the copies are enqueued on it, after everything the
+        current stream did to the buckets, and return at once: they overlap the pass's first
+        forward, which does not touch gradients, and `restored()` makes the compute stream wait
+        for them before the first backward. Without one (on the CPU, where kernels run in
+        program order on this thread anyway) they run here, now.
+
+        A deferred bucket is emptied instead, and `add_snapshots(deferred_only=True)` adds its
+        snapshot after the pass: its snapshot holds the replica's synced gradient, and the
+        pass's in-replica sync of snapshot plus new gradient would count that part twice.
+        """
+        stream = self.restore_stream
+        if stream is None:
+            self._rewind_for_pass()
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._rewind_for_pass()
+        self._restore_event = stream.record_event()
+
+    def _rewind_for_pass(self) -> None:
+        for bucket in self._buckets.values():
+            if bucket.deferred:
+                bucket.grad.zero_()
+                bucket.ledger.clear()
+            else:
+                bucket.grad.copy_(bucket.snapshot)
+                bucket.ledger = bucket.snapshot_ledger.copy()
+            bucket.reduced_epoch = None
+
+    def restored(self) -> None:
+        """Order a pending side-stream rewind before whatever the current stream does next (a
+        wait of the stream, not of this thread); nothing when none is pending. The pass runner
+        calls it after its first forward (`hooks.forward_done`), the trainer again before the
+        reductions."""
+        if self._restore_event is not None:
+            torch.cuda.current_stream().wait_event(self._restore_event)
+            self._restore_event = None
 
     def reduce_all(self) -> None:
         """Post every bucket's reduction not yet posted in this pass, in order (after a rewind

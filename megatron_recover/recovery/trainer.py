@@ -25,7 +25,8 @@ the interfaces of `interfaces.py` (megatron's DDP, schedule and optimizer behind
      fails in this exchange and leaves (the replica gate).
   4. Otherwise the new dead replicas go to the policy: a promotion or a drop means a blocking
      restore (rewind every bucket, reduce again under the new membership); a boundary means a
-     non-blocking one (empty the buckets, run the extension pass, add the snapshots back, reduce).
+     non-blocking one (rewind the buckets, on CUDA on a side stream under the extension pass's
+     first forward, run the pass on top, reduce).
      Failures during any of this loop back to 2.
   5. Commit: the policy installs the next layout; the adaptive policy rescales the summed gradient
      to its committed count; the optimizer steps.
@@ -253,7 +254,9 @@ class ResilientTrainer:
                                          after_first_post=self._after_post,
                                          shard_group=parts.shard_group,
                                          deferred=parts.buffers.deferred(),
-                                         check_finite=parts.check_finite)
+                                         check_finite=parts.check_finite,
+                                         restore_stream=(torch.cuda.Stream()
+                                                         if torch.cuda.is_available() else None))
         if parts.shard_control is None:
             self._shard, self._shards = 0, 1
         else:
@@ -797,14 +800,19 @@ class ResilientTrainer:
 
     def _extension_pass(self, iteration: int, work, losses: dict[int, float],
                         tokens: dict[int, int]) -> None:
-        """Run the extension ids on empty buckets (so the pass's intra-replica syncs see only
-        the new gradients), then add back what this replica already counts, then reduce."""
+        """Run the extension ids on top of what this replica already counts, then reduce: the
+        buckets are rewound to their snapshots (the non-blocking restore, overlapping the pass's
+        first forward on CUDA), except those megatron syncs inside the replica after backward,
+        which run the pass empty (so the sync sees only the new gradients) and get their
+        snapshots added after it. A replica that counted nothing yet starts from empty buckets."""
         self.recovery.begin_pass()
         self._extended = True
         self.recovery.hold_nonfinite = False  # reruns classify first passes only
         extension = work.extension
         counted_before = len(work.contributed) - len(extension)
-        if self.p.restore:
+        if self.p.restore and counted_before > 0:
+            self.recovery.rewind_under_pass()
+        elif self.p.restore:
             self.recovery.zero()
         self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
@@ -814,8 +822,9 @@ class ResilientTrainer:
         if mine:
             self.p.buffers.new_pass()
             self._pass(iteration, mine, losses, tokens)
+        self.recovery.restored()  # a shard that ran nothing still reduces the rewound buckets
         if self.p.restore and counted_before > 0:
-            self.recovery.add_snapshots()
+            self.recovery.add_snapshots(deferred_only=True)
         self.recovery.reduce_all()
 
     def _commit(self, iteration, totals, problems, verdict: Verdict, agreed, start,
