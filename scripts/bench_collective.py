@@ -5,7 +5,9 @@ Usage: .venv/bin/python scripts/bench_collective.py [--json] [--reps-scale X]
 Both backends run in the same processes, alternating per repetition (this machine is noisy), and
 the table reports medians and the ulfm/gloo ratio. The ulfm all-reduce of fp32 and bf16 tensors
 of the same bytes (DTYPE_SIZES_MIB, 2 ranks, one per core) alternate the same way; GB/s is the
-tensor's bytes over the median time (the rate at which the gradient buffer is reduced). Repair time: one rank SIGKILLs itself after a
+tensor's bytes over the median time (the rate at which the gradient buffer is reduced); fp32
+again staged through the group's host buffers (`set_stage_host`: the copy in and the copy back
+that a CUDA tensor's reduction makes, here host to host). Repair time: one rank SIGKILLs itself after a
 barrier; the survivors' all-reduce returns a failure record once the group is repaired; we report
 the largest survivor time from the victim's marker to that return.
 """
@@ -88,10 +90,13 @@ def worker_dtypes(out: Path, scale: float) -> None:
         generator = torch.Generator().manual_seed(ctx.rank)
         tensors = {name: torch.randn(size_mib * MIB // torch.tensor([], dtype=dtype).element_size(),
                                      generator=generator).to(dtype)
-                   for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+                   for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                       ("fp32_staged", torch.float32))}
         times = {name: [] for name in tensors}
         for rep in range(max(3, int(4 * scale)) + 1):  # +1: the first round warms up
             for name, t in tensors.items():
+                # fp32_staged: through the host buffer pool, the path of a CUDA tensor.
+                ulfm.set_stage_host(name == "fp32_staged")
                 dist.barrier(group=gloo)
                 start = time.perf_counter()
                 assert not ulfm.allreduce(t).wait().has_failure
@@ -105,7 +110,9 @@ def worker_dtypes(out: Path, scale: float) -> None:
         rows.append({"ranks": ctx.world_size, "size_mib": size_mib,
                      "fp32_ms": med[0].item() * 1e3, "bf16_ms": med[1].item() * 1e3,
                      "fp32_gbps": gbps["fp32"], "bf16_gbps": gbps["bf16"],
-                     "bf16_over_fp32_gbps": gbps["bf16"] / gbps["fp32"]})
+                     "bf16_over_fp32_gbps": gbps["bf16"] / gbps["fp32"],
+                     "fp32_staged_gbps": gbps["fp32_staged"],
+                     "staged_over_fp32_gbps": gbps["fp32_staged"] / gbps["fp32"]})
     if ctx.rank == 0:
         out.write_text(json.dumps(rows))
     runtime.finish()
@@ -201,7 +208,8 @@ def main() -> int:
     print(f"ulfm all-reduce, {DTYPE_RANKS} ranks, fp32 against bf16 of the same bytes:")
     for r in dtype_rows:
         print(f"{r['size_mib']:>5} MiB  fp32 {r['fp32_gbps']:.2f} GB/s  bf16 {r['bf16_gbps']:.2f} "
-              f"GB/s  (bf16/fp32 {r['bf16_over_fp32_gbps']:.2f})")
+              f"GB/s  (bf16/fp32 {r['bf16_over_fp32_gbps']:.2f})  fp32 staged "
+              f"{r['fp32_staged_gbps']:.2f} GB/s (staged/in place {r['staged_over_fp32_gbps']:.2f})")
     print("kill -> repaired group (worst survivor):")
     for r in repair_rows:
         print(f"{r['ranks']:>5} ranks {r['kill_to_repaired_ms']:>10.1f} ms")
