@@ -1,11 +1,13 @@
 """Failure-free cost of --recover, overlapped and deferred, and of its hang watchdog, side by side.
 
 Usage: .venv/bin/python scripts/bench_overhead.py [--json] [--ranks 4] [--iterations 40]
-       [--rounds 2] [--hang-timeout 3] [--size tiny|compute] [--modes M,...] [--precisions P,...]
+       [--rounds 2] [--hang-timeout 3] [--size tiny|mid|compute] [--modes M,...] [--precisions P,...]
 
 Runs the same GPT job (mock data, CPU, data parallelism over `--ranks` replicas; `--size`
 tiny: 2 layers, hidden 64, sequence 64, where communication and bookkeeping dominate; compute:
-4 layers, hidden 512, sequence 512, where the compute does, as on a real job) in these
+4 layers, hidden 512, sequence 512, where the compute does, as on a real job; mid: 4 layers,
+hidden 256, sequence 256, compute-dominated too, for bf16, whose matmuls on this CPU take about
+100 s per iteration at the compute size) in these
 modes, alternately, `--rounds` times each, in one sitting (this machine is noisy):
   stock           Megatron as a stock user runs it: gloo, --overlap-grad-reduce
   stock-ulfm      the same over the ulfm backend, no recovery (--cross-replica-backend ulfm)
@@ -50,7 +52,7 @@ PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
 
 
 # --size: (layers, hidden size, attention heads, sequence length)
-SIZES = {"tiny": (2, 64, 4, 64), "compute": (4, 512, 8, 512)}
+SIZES = {"tiny": (2, 64, 4, 64), "mid": (4, 256, 4, 256), "compute": (4, 512, 8, 512)}
 
 
 def job(iterations: int, ranks: int, size: str = "tiny") -> list[str]:

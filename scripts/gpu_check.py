@@ -486,6 +486,10 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
                                        live, survivors, left, joins, same_as)
         part.update(judged)
         part["reduction"] = reduction_shares(runs["reference"]["records"])
+        # Iterations whose failure was a policy boundary: their extension pass ran the
+        # non-blocking restore (the rewind on a side stream under its first forward).
+        part["extension_pass_iterations"] = [r["iteration"] for r in runs["failures"]["records"]
+                                             if r.get("extension_rounds")]
         problems += found
     part["verdict"] = "fail" if problems else "pass"
     if problems:

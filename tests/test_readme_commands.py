@@ -89,6 +89,18 @@ COMMANDS = {
     "-- .venv/bin/python pretrain_gpt_recover.py ARGS --recover --recover-snapshot-interval 10":
         ("skip", "needs several hosts; tests/test_node_loss.py runs the same launcher on fake "
                  "nodes"),
+    "scripts/bench_collective.py --json": ("long", ".venv/bin/python scripts/bench_collective.py "
+                                                   "--json --reps-scale 0.2"),
+    "scripts/bench_overhead.py --json --size compute --ranks 2 --modes stock,deferred,overlapped "
+    "--precisions fp32 --iterations 12 --rounds 2": ("long", ".venv/bin/python "
+                                                    "scripts/bench_overhead.py --json --size "
+                                                    "compute --ranks 2 --modes stock,overlapped "
+                                                    "--precisions fp32 --iterations 6 --rounds 1"),
+    "scripts/bench_overhead.py --json --size mid --ranks 2 --modes stock,deferred,overlapped "
+    "--precisions bf16 --iterations 12 --rounds 2": ("long", ".venv/bin/python "
+                                                    "scripts/bench_overhead.py --json --size mid "
+                                                    "--ranks 2 --modes stock,overlapped "
+                                                    "--precisions bf16 --iterations 6 --rounds 1"),
     "scripts/bench_overhead.py --json": ("long", ".venv/bin/python scripts/bench_overhead.py "
                                                  "--json --ranks 2 --iterations 7 --rounds 1"),
     "scripts/bench_straggler.py --json": ("long", ".venv/bin/python scripts/bench_straggler.py "
