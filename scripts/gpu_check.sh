@@ -50,8 +50,9 @@
 #      survivor's parameters within 1e-6 relative. Both measures are reported, and so is
 #      "reduction": the share of the failure-free run's cross-replica reduction time hidden
 #      under backward (host clocks) and the snapshot memory over the gradient buffer's.
-#      Replica 2's failure is a policy boundary: its extension pass runs the non-blocking
-#      restore (the rewind on a side stream under the pass's first forward).
+#      Both failures are policy boundaries (no spare): their extension passes run the
+#      non-blocking restore (the rewind on a side stream under the pass's first forward), and
+#      "extension_pass_iterations" lists them.
 #  (c) With 4 or more GPUs: 2 replicas x TP 2, one rank per GPU, NCCL inside the replicas, the
 #      same model, bf16, --overlap-grad-reduce; replica 1's second rank killed inside a bucket
 #      all-reduce of iteration 3 (its TP peer must leave with it). Judged as (b). With 1-3 GPUs it
