@@ -24,6 +24,9 @@
 //
 // The staged path and the buffer pool are the same code on CPU and CUDA; only the event and
 // stream calls are skipped for CPU tensors, whose copies are synchronous.
+//
+// Work.get_future() completes on the host when the worker is done, before a staged CUDA
+// result's copy back has run: read such a result after Work.wait(), which orders it.
 #pragma once
 
 #include <ATen/ATen.h>
