@@ -216,6 +216,19 @@ def test_cuda_aware_mpi_only_with_recover_and_cuda():
         "--recover-cuda-aware-mpi", cuda_available=True)
 
 
+def test_megatron_load_flags():
+    c = small("--load", "d", "--no-load-optim", "--no-load-rng", "--ckpt-step", "4",
+              "--exit-on-missing-checkpoint").checkpoint
+    assert (c.load_optim, c.load_rng, c.ckpt_step, c.exit_on_missing_checkpoint) == (
+        False, False, 4, True)
+    c = small("--pretrained-checkpoint", "p", "--finetune").checkpoint
+    assert c.finetune and c.pretrained_checkpoint == "p" and c.load is None
+    assert "--ckpt-step applies to --load, which is not given" in refused("--ckpt-step", "4")
+    assert "--no-load-optim says what to load, and nothing is loaded" in refused(
+        "--no-load-optim")
+    assert "--ckpt-step must name a saved iteration" in refused("--load", "d", "--ckpt-step", "0")
+
+
 def test_legacy_split_default_with_data_path(gpt2_files):
     cfg = parse_args([a for a in SMALL if a != "--mock-data"]
                      + ["--data-path", gpt2_files["prefix"]], world_size=4, cuda_available=False)

@@ -122,3 +122,23 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     figures.append(f"checkpoint {layout}: --save d --load d relaunch vs uninterrupted: loss "
                    f"{loss:.2e}, parameters {params:.2e}")
     assert loss <= EXACT_LOSS_RTOL and params <= EXACT_PARAM_RTOL
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_megatron_load_flags_under_recover(tmp_path):
+    """--ckpt-step with --no-load-optim, and --finetune, on a --recover checkpoint (2 replicas).
+    Iteration 3's loss comes before its optimizer step: it equals the uninterrupted run's when
+    the parameters were loaded, whatever the optimizer; the step then differs (fresh Adam
+    moments and schedule). A fine-tune starts at iteration 1 with the trained model."""
+    ckpt = tmp_path / "ckpt"
+    four = ["--train-iters", "4", "--save-interval", "2"]
+    _, full = train(tmp_path / "full", 2, [*four, "--save", str(ckpt)])
+    result, no_optim = train(tmp_path / "no-optim", 2, [*four, "--load", str(ckpt),
+                                                       "--ckpt-step", "2", "--no-load-optim"])
+    assert "resumed iteration 2" in result.output and sorted(no_optim) == [3, 4]
+    assert no_optim[3]["loss"] == full[3]["loss"]
+    assert params_rdiff(tmp_path / "no-optim", tmp_path / "full", [0, 1]) > 0
+    result, tuned = train(tmp_path / "finetune", 2, ["--train-iters", "2", "--load", str(ckpt),
+                                                     "--finetune"])
+    assert "fine-tuning from" in result.output and sorted(tuned) == [1, 2]
+    assert tuned[1]["loss"] != full[1]["loss"]  # the same data, the trained model

@@ -25,8 +25,8 @@ JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
-def stock_run(tmp_path, name, extra):
-    result = launch(LaunchConfig(RANKS, [*ENTRY, *JOB, *extra], tmp_path / name, TIMEOUT_S))
+def stock_run(tmp_path, name, extra, ranks=RANKS):
+    result = launch(LaunchConfig(ranks, [*ENTRY, *JOB, *extra], tmp_path / name, TIMEOUT_S))
     assert not result.timed_out and result.succeeded, result.output[-4000:]
     losses = {int(line.split("/")[0].split()[-1]): float(line.split("lm loss:")[1].split("|")[0])
               for line in result.output.splitlines() if "lm loss:" in line}
@@ -57,6 +57,35 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
     print(f"uninterrupted {[losses[5], losses[6]]}, resumed {[resumed[5], resumed[6]]}")
     assert [resumed[5], resumed[6]] == [losses[5], losses[6]]
     assert len(digests) == 1 and resumed_digests == digests  # bitwise-equal parameters
+
+
+@pytest.mark.timeout(5 * TIMEOUT_S)
+def test_megatron_load_flags(tmp_path):
+    """--ckpt-step, --no-load-rng, --no-load-optim and --pretrained-checkpoint (a fine-tune)
+    against a 4-iteration run that saved at 2 and 4 (2 ranks, dropout on). Each flag's effect
+    is what changes: iteration 3's loss is computed before its optimizer step, so it equals the
+    uninterrupted run's exactly when the parameters, data and dropout generators were loaded."""
+    save = tmp_path / "ckpt"
+    four = ["--train-iters", "4"]
+    _, losses, digests = stock_run(tmp_path, "full", [*four, "--save", str(save),
+                                                      "--save-interval", "2"], ranks=2)
+    from_2 = ["--load", str(save), "--ckpt-step", "2", *four]
+    output, whole, whole_digests = stock_run(tmp_path, "whole", from_2, ranks=2)
+    assert "at iteration       2" in output and sorted(whole) == [3, 4]
+    assert [whole[3], whole[4]] == [losses[3], losses[4]] and whole_digests == digests
+    _, no_rng, _ = stock_run(tmp_path, "no-rng", [*from_2, "--no-load-rng"], ranks=2)
+    assert no_rng[3] != losses[3]  # other dropout masks
+    _, no_optim, no_optim_digests = stock_run(tmp_path, "no-optim", [*from_2, "--no-load-optim"],
+                                              ranks=2)
+    assert no_optim[3] == losses[3] and no_optim_digests != digests  # fresh Adam and schedule
+    output, tuned, _ = stock_run(tmp_path, "finetune",
+                                 ["--load", str(tmp_path / "empty"), "--pretrained-checkpoint",
+                                  str(save), "--train-iters", "2"], ranks=2)
+    assert "fine-tuning from --pretrained-checkpoint" in output
+    assert "(fine-tuning from iteration 1)" in output and sorted(tuned) == [1, 2]
+    assert tuned[1] != losses[1]  # the same data and dropout, the trained model
+    print(f"iteration 3: uninterrupted {losses[3]}, --no-load-rng {no_rng[3]}, --no-load-optim "
+          f"{no_optim[3]}; fine-tune iteration 1 {tuned[1]} against {losses[1]}")
 
 
 def test_load_refuses_a_recover_checkpoint(tmp_path):

@@ -202,13 +202,13 @@ _REFUSED_GROUPS = (
      "complete state (model, optimizer, RNG, scheduler, data position); drop it",
      "--auto-detect-ckpt-format --ckpt-assume-constant-structure "
      "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format "
-     "--ckpt-step --disable-ckpt-fully-parallel-save --no-ckpt-fully-parallel-save "
+     "--disable-ckpt-fully-parallel-save --no-ckpt-fully-parallel-save "
      "--dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 --dist-ckpt-strictness "
-     "--distrib-optim-fully-reshardable-mem-efficient --exit-on-missing-checkpoint --finetune "
-     "--load-main-params-from-ckpt --no-load-optim --no-load-rng --no-save-optim --no-save-rng "
+     "--distrib-optim-fully-reshardable-mem-efficient "
+     "--load-main-params-from-ckpt --no-save-optim --no-save-rng "
      "--non-persistent-ckpt-type --non-persistent-global-ckpt-dir "
      "--non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir "
-     "--non-persistent-save-interval --pretrained-checkpoint "
+     "--non-persistent-save-interval "
      "--replication --replication-factor --replication-jump --save-dgrads-interval "
      "--save-wgrads-interval --save-retain-interval --use-checkpoint-args "
      "--use-mp-args-from-checkpoint-args --use-persistent-ckpt-worker "
@@ -370,6 +370,14 @@ IMPLEMENTED_NOTES = {
     "CPU, and at start-up unless MPIX_Query_cuda_support() says the MPI has CUDA "
     "(docs/devices.md)",
     "--no-gradient-accumulation-fusion": "",
+    "--no-load-optim": "Megatron-LM's meaning: neither the optimizer nor the scheduler is "
+    "loaded (docs/checkpoints.md)",
+    "--no-load-rng": "Megatron-LM's meaning: the generators are not loaded",
+    "--finetune": "Megatron-LM's meaning: the model only; the run starts at iteration 1",
+    "--pretrained-checkpoint": "Megatron-LM's meaning: when --load holds no checkpoint, "
+    "fine-tune from this one",
+    "--ckpt-step": "Megatron-LM's meaning: load this iteration instead of the tracker's",
+    "--exit-on-missing-checkpoint": "Megatron-LM's meaning: --load without a checkpoint stops",
     "--ckpt-format": "torch_dist for stock runs; --recover saves per-rank torch files: "
                      "--ckpt-format torch (the default under --recover), torch_dist refused",
     "--use-distributed-optimizer": "with --recover the optimizer state is sharded inside each "

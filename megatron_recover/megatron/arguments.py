@@ -206,6 +206,12 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", "--persistent-save-interval", type=int,
                    dest="save_interval")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist"])
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--pretrained-checkpoint")
+    g.add_argument("--ckpt-step", type=int)
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -838,6 +844,21 @@ def _checkpointing(ns) -> list[str]:
     if ns.save is not None and ns.save_interval is None:
         problems.append("--save needs --save-interval (iterations between checkpoints), as in "
                         "Megatron-LM")
+    if ns.ckpt_step is not None and ns.ckpt_step < 1:
+        problems.append(f"--ckpt-step must name a saved iteration (1 or more), got "
+                        f"{ns.ckpt_step}")
+    needs_a_directory = [flag for flag, given in (
+        ("--ckpt-step", ns.ckpt_step is not None),
+        ("--exit-on-missing-checkpoint", ns.exit_on_missing_checkpoint)) if given]
+    if needs_a_directory and ns.load is None:
+        problems.append(f"{', '.join(needs_a_directory)} applies to --load, which is not given: "
+                        "add --load DIR or drop it")
+    loads = [flag for flag, given in (
+        ("--no-load-optim", ns.no_load_optim), ("--no-load-rng", ns.no_load_rng),
+        ("--finetune", ns.finetune)) if given]
+    if loads and ns.load is None and ns.pretrained_checkpoint is None:
+        problems.append(f"{', '.join(loads)} says what to load, and nothing is loaded: add "
+                        "--load DIR (or --pretrained-checkpoint DIR) or drop it")
     if ns.recover and ns.ckpt_format == "torch_dist":
         problems.append("--ckpt-format torch_dist: --recover saves per-rank torch files (each "
                         "live rank writes its own, so a save needs no collective over dead "
@@ -1230,7 +1251,10 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             tokenizer_special_tokens=_special_tokens(ns) and tuple(_special_tokens(ns))),
         checkpoint=CheckpointConfig(
             save=ns.save, load=ns.load, save_interval=ns.save_interval,
-            ckpt_format=ns.ckpt_format or ("torch" if ns.recover else "torch_dist")),
+            ckpt_format=ns.ckpt_format or ("torch" if ns.recover else "torch_dist"),
+            load_optim=not ns.no_load_optim, load_rng=not ns.no_load_rng,
+            finetune=ns.finetune, pretrained_checkpoint=ns.pretrained_checkpoint,
+            ckpt_step=ns.ckpt_step, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint),
         recover=RecoverConfig(
             enabled=ns.recover, policy=ns.recover_policy or "static",
             mode=ns.recover_mode or "exact",

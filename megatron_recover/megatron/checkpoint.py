@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_recover.megatron import loading
 from megatron_recover.megatron import state as training_state
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = loading.TRACKER
 
 
 @dataclass
@@ -88,21 +89,18 @@ def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
 def latest_iteration(directory: Path) -> int | None:
     """The newest complete checkpoint's iteration; None when `directory` holds none (missing,
     empty, or no tracker yet: a job script's first launch with `--save d --load d`)."""
-    tracker = Path(directory) / TRACKER
-    if not tracker.is_file():
-        return None
-    return int(tracker.read_text().strip())
+    return loading.tracked_iteration(directory)
 
 
-def load(directory: Path, ddp_model, optimizer, scheduler,
-         position: tuple[int, ...]) -> RecoveryState:
-    """Load this position of the newest checkpoint into the model, optimizer and scheduler.
-    The caller checked that there is one (`latest_iteration`)."""
-    path = _position_file(directory, latest_iteration(directory), position)
+def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...]) -> RecoveryState:
+    """Load this position of the checkpoint `plan` (loading.LoadPlan) names into the model and,
+    as the plan says, the optimizer with the scheduler and the generators."""
+    path = _position_file(plan.directory, plan.iteration, position)
     if not path.is_file():
         raise ValueError(f"--load: {path} is missing; was the checkpoint written with the same "
                          "tensor and pipeline parallel sizes and distributed-optimizer shards?")
     # Our own files: they hold the policy layout, a plain dataclass, besides tensors.
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    training_state.restore(saved, ddp_model, optimizer, scheduler)
+    training_state.restore(saved, ddp_model, optimizer, scheduler, optim=plan.optimizer,
+                           rng=plan.rng)
     return saved["recovery"]

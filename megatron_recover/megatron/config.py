@@ -346,6 +346,19 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     """--ckpt-format: "torch_dist" (stock runs: megatron-core distributed checkpoints) or "torch"
     (--recover: per-rank torch files, written without a collective over dead ranks)."""
+    load_optim: bool = True
+    """False with --no-load-optim: the optimizer and scheduler start fresh (loading.py has the
+    meanings of these load flags)."""
+    load_rng: bool = True
+    """False with --no-load-rng: the generators are not loaded."""
+    finetune: bool = False
+    """--finetune: load the model only and start at iteration 1."""
+    pretrained_checkpoint: str | None = None
+    """--pretrained-checkpoint: fine-tune from this directory when --load holds no checkpoint."""
+    ckpt_step: int | None = None
+    """--ckpt-step: load this iteration instead of the tracker's."""
+    exit_on_missing_checkpoint: bool = False
+    """--exit-on-missing-checkpoint: stop when --load holds no checkpoint."""
 
 
 @dataclass(frozen=True)

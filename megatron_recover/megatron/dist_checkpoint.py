@@ -14,7 +14,8 @@ for writing (Megatron-LM's default fully parallel save). The data needs no state
 iteration's microbatch ids depend only on the iteration number.
 
 As in Megatron-LM, `--load` of a directory without a tracker file starts from scratch (a job
-script passes the same `--save`/`--load` on every launch). Rank 0 prints one line per save and
+script passes the same `--save`/`--load` on every launch); Megatron-LM's load flags
+(`--finetune`, `--no-load-optim`, ...) are resolved in `loading.py`. Rank 0 prints one line per save and
 load with its wall-clock span, which scripts/run_restart_baseline.py reads.
 """
 
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_recover.megatron import loading
 from megatron_recover.megatron import state as training_state
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = loading.TRACKER
 FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a complete checkpoint
 # As Megatron-LM passes them: the optimizer's keys follow the model's (no chained prefix).
 _METADATA = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False}
@@ -37,10 +39,7 @@ def iteration_dir(directory, iteration: int) -> Path:
 
 def latest_iteration(directory) -> int | None:
     """The newest complete checkpoint's iteration, or None when `directory` has none."""
-    tracker = Path(directory) / TRACKER
-    if not tracker.is_file():
-        return None
-    return int(tracker.read_text().strip())
+    return loading.tracked_iteration(directory)
 
 
 def check_start(cfg) -> None:
@@ -52,8 +51,9 @@ def check_start(cfg) -> None:
         # build the sharded state a load needs before its first step (its state_dict asserts).
         raise ValueError("--save/--load of stock runs do not support --use-distributed-optimizer "
                          "yet: drop one of them")
-    if cfg.checkpoint.load:
-        check_loadable(cfg.checkpoint.load)
+    for directory in (cfg.checkpoint.load, cfg.checkpoint.pretrained_checkpoint):
+        if directory:
+            check_loadable(directory)
 
 
 def check_loadable(directory) -> None:
@@ -91,13 +91,19 @@ def _set_rng_state(saved) -> None:
     training_state.restore_rng({k: saved[0][name] for k, name in _MEGATRON_RNG_NAMES.items()})
 
 
-def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: bool) -> dict:
+def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: bool,
+                optim: bool = True, rng: bool = True) -> dict:
+    """What a checkpoint holds; for a load, the parts to read (`optim`: the optimizer and the
+    scheduler; `rng`: the generators)."""
     model = ddp_model.module.sharded_state_dict()
-    return {"model": model,
-            "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading,
-                                                      metadata=_METADATA),
-            "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration,
-            "rng_state": _rng_state()}
+    state = {"model": model, "iteration": iteration}
+    if optim:
+        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                          metadata=_METADATA)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if rng:
+        state["rng_state"] = _rng_state()
+    return state
 
 
 def _report(message: str, start: float, end: float) -> None:
@@ -132,30 +138,37 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler) -> None:
             start, time.time())
 
 
-def load(directory, ddp_model, optimizer, scheduler) -> int:
-    """Load the newest checkpoint in `directory` into the model, optimizer, scheduler and RNGs.
+def nothing_to_load(directory, start: float) -> None:
+    """Say that `directory` holds no checkpoint yet (the run starts from scratch)."""
+    _report(f"no checkpoint in {directory}: training starts from iteration 1", start,
+            time.time())
 
-    Returns its iteration, or 0 (nothing loaded) when `directory` has no checkpoint yet.
-    """
+
+def load(plan, ddp_model, optimizer, scheduler) -> int:
+    """Load what `plan` (loading.LoadPlan) names into the model and, as it says, the
+    optimizer, scheduler and RNGs. Returns the iteration the run continues after: the
+    checkpoint's, or 0 for a fine-tune."""
     from megatron.core import dist_checkpointing
 
     start = time.time()
-    iteration = latest_iteration(directory)
-    if iteration is None:
-        _report(f"no checkpoint in {directory}: training starts from iteration 1", start,
-                time.time())
-        return 0
-    path = iteration_dir(directory, iteration)
-    template = _state_dict(ddp_model, optimizer, scheduler, iteration, True)
+    path = plan.path
+    if not (path / FORMAT_FILE).is_file():
+        raise ValueError(f"--load: {path} is not a complete megatron-core distributed "
+                         f"(torch_dist) checkpoint (no {FORMAT_FILE})")
+    template = _state_dict(ddp_model, optimizer, scheduler, plan.iteration, True,
+                           optim=plan.optimizer, rng=plan.rng)
     state = dist_checkpointing.load(template, str(path))
     ddp_model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
-    _set_rng_state(state["rng_state"])
-    if state["iteration"] != iteration:
-        raise ValueError(f"--load: {path} holds iteration {state['iteration']}, but {TRACKER} "
-                         f"names {iteration}")
+    if plan.optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    if plan.rng:
+        _set_rng_state(state["rng_state"])
+    if state["iteration"] != plan.iteration:
+        raise ValueError(f"--load: {path} holds iteration {state['iteration']}, not "
+                         f"{plan.iteration}")
     dist.barrier()  # every rank resumed
-    _report(f"successfully loaded checkpoint from {directory} at iteration {iteration:7d}",
+    _report(f"successfully loaded checkpoint from {plan.directory} at iteration "
+            f"{plan.iteration:7d}" + ("" if plan.resumes else " (fine-tuning from iteration 1)"),
             start, time.time())
-    return iteration
+    return plan.iteration if plan.resumes else 0

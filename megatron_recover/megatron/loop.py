@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, dist_checkpoint, groups
+from megatron_recover.megatron import checkpoint, dist_checkpoint, groups, loading
 from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.progress import ExitRequests, Progress
 from megatron_recover.megatron.rank_setup import RankSetup
@@ -91,8 +91,12 @@ class StockStepper:
         init_num_microbatches_calculator(rank, cfg.rampup_batch_size, cfg.global_batch_size,
                                          cfg.micro_batch_size, cfg.data_parallel_size)
         self.first_iteration = 1
-        if cfg.checkpoint.load:
-            self.first_iteration = dist_checkpoint.load(cfg.checkpoint.load, *self._state()) + 1
+        start = time.time()
+        plan = loading.plan(cfg.checkpoint, say=loading.printer(rank))
+        if plan is not None:
+            self.first_iteration = dist_checkpoint.load(plan, *self._state()) + 1
+        elif cfg.checkpoint.load:
+            dist_checkpoint.nothing_to_load(cfg.checkpoint.load, start)
         self.consumed = cfg.global_batches.first_sample(self.first_iteration)
 
     def _state(self):

@@ -7,7 +7,7 @@ a later run can continue.
 import time
 from dataclasses import dataclass, replace
 
-from megatron_recover.megatron import checkpoint, mcore_config, snapshot
+from megatron_recover.megatron import checkpoint, loading, mcore_config, snapshot
 from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.policy import ADAPTIVE, WorkloadPolicy, advance_layout
 
@@ -38,8 +38,11 @@ def load_newest(cfg, rank: int,
                 setup: RankSetup) -> tuple[checkpoint.RecoveryState | None, str]:
     """Load the newest state this job left into the model, optimizer and scheduler: in-memory
     snapshots (after a relaunch) unless the on-disk checkpoint of --load is newer; (None, "")
-    when there is neither. Returns the recovery state and where it came from."""
-    on_disk = checkpoint.latest_iteration(cfg.checkpoint.load) if cfg.checkpoint.load else None
+    when there is neither, or when the checkpoint is a fine-tune's start (`loading.py`: the
+    model only, the run from iteration 1). Returns the recovery state and where it came from."""
+    say = loading.printer(rank)
+    plan = loading.plan(cfg.checkpoint, say=say)
+    on_disk = plan.iteration if plan is not None and plan.resumes else None
     start = time.perf_counter()
     if cfg.recover.snapshot_interval:
         state = snapshot.restore(cfg.recover.snapshot_dir, setup.group,
@@ -48,14 +51,19 @@ def load_newest(cfg, rank: int,
         if state is not None:
             return state, (f"in-memory snapshots in {cfg.recover.snapshot_dir} "
                            f"({time.perf_counter() - start:.3f} s)")
-    if on_disk is not None:
-        state = checkpoint.load(cfg.checkpoint.load, setup.ddp_model, setup.optimizer,
-                                setup.scheduler, setup.checkpoint_position)
-        return state, f"{cfg.checkpoint.load} ({time.perf_counter() - start:.3f} s)"
-    if cfg.checkpoint.load and rank == 0:
+    if plan is not None:
+        state = checkpoint.load(plan, setup.ddp_model, setup.optimizer, setup.scheduler,
+                                setup.checkpoint_position)
+        took = f"{time.perf_counter() - start:.3f} s"
+        if not plan.resumes:
+            say(f"megatron-recover: fine-tuning from {plan.path} ({took}): its model, a fresh "
+                "optimizer, scheduler and generators, from iteration 1")
+            return None, ""
+        return state, f"{plan.path} ({took})"
+    if cfg.checkpoint.load:
         # As Megatron-LM: a job script passes the same --load on its first launch.
-        print(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
-              f"{checkpoint.TRACKER}): training from scratch", flush=True)
+        say(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
+            f"{checkpoint.TRACKER}): training from scratch")
     return None, ""
 
 

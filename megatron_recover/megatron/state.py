@@ -84,13 +84,17 @@ def capture(ddp_model, optimizer, scheduler) -> dict:
             "rng": capture_rng()}
 
 
-def restore(saved: dict, ddp_model, optimizer, scheduler) -> None:
-    """Install what `capture` returned (on a rank of the same position)."""
+def restore(saved: dict, ddp_model, optimizer, scheduler, optim: bool = True,
+            rng: bool = True) -> None:
+    """Install what `capture` returned (on a rank of the same position): the model, and the
+    optimizer with the scheduler (`optim`) and the generators (`rng`), as Megatron-LM's
+    --no-load-optim and --no-load-rng leave them out."""
     ddp_model.module.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    _load_parameter_state(optimizer, saved.get("parameter_state", []))
-    scheduler.load_state_dict(saved["scheduler"])
-    if "rng" in saved:  # --recover checkpoints written before they held the generators do not
+    if optim:
+        optimizer.load_state_dict(saved["optimizer"])
+        _load_parameter_state(optimizer, saved.get("parameter_state", []))
+        scheduler.load_state_dict(saved["scheduler"])
+    if rng and "rng" in saved:  # --recover checkpoints written before they held them do not
         restore_rng(saved["rng"])
 
 
