@@ -7,6 +7,7 @@ Run: `make test`. CPU only; 2-4 oversubscribed ranks, each run under a hard time
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -142,3 +143,36 @@ def test_megatron_load_flags_under_recover(tmp_path):
                                                      "--finetune"])
     assert "fine-tuning from" in result.output and sorted(tuned) == [1, 2]
     assert tuned[1]["loss"] != full[1]["loss"]  # the same data, the trained model
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
+    """Another model shape, another vocabulary, a torn file: each relaunch stops before training
+    with what is wrong, and the checkpoint directory is left as it was."""
+    ckpt = tmp_path / "ckpt"
+    train(tmp_path / "saved", 2, ["--train-iters", "2", "--save-interval", "2",
+                                  "--save", str(ckpt)])
+    torn = tmp_path / "torn"
+    shutil.copytree(ckpt, torn)
+    (victim,) = (torn / "iter_0000002").glob("*.pt")
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    before = {p: p.read_bytes() for d in (ckpt, torn) for p in d.rglob("*") if p.is_file()}
+
+    def stopped(name, load, extra=()):
+        result = launch(LaunchConfig(2, [*ENTRY, *JOB, "--train-iters", "2", "--load", str(load),
+                                         "--save", str(load), "--save-interval", "2", *extra],
+                                     tmp_path / name / "status", TIMEOUT_S))
+        assert not result.timed_out, result.output[-3000:]
+        assert {s.get("state") for s in result.statuses.values()} == {"error"}, result.statuses
+        assert "iteration        1/" not in result.output  # nothing trained
+        return result.output
+
+    output = stopped("hidden", ckpt, ["--hidden-size", "64"])
+    assert "megatron-recover: error: --load: the model in" in output
+    assert "size mismatch for" in output and "--hidden-size" in output
+    output = stopped("vocab", ckpt, ["--vocab-size", "300"])  # padded: 384 rows, not 256
+    assert "size mismatch for embedding.word_embeddings.weight" in output
+    output = stopped("torn-run", torn)
+    assert f"--load: {victim} cannot be read" in output and "torn or partial" in output
+    after = {p: p.read_bytes() for d in (ckpt, torn) for p in d.rglob("*") if p.is_file()}
+    assert after == before

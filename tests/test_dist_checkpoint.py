@@ -84,6 +84,13 @@ def test_megatron_load_flags(tmp_path):
     assert "fine-tuning from --pretrained-checkpoint" in output
     assert "(fine-tuning from iteration 1)" in output and sorted(tuned) == [1, 2]
     assert tuned[1] != losses[1]  # the same data and dropout, the trained model
+    # Another model shape stops before training, saying so (megatron-core's loader names the
+    # tensor and both shapes).
+    result = launch(LaunchConfig(2, [*ENTRY, *JOB, *from_2, "--hidden-size", "64"],
+                                 tmp_path / "hidden", TIMEOUT_S))
+    assert not result.timed_out and "megatron-recover: error: --load: the model in" in (
+        result.output), result.output[-3000:]
+    assert {s.get("state") for s in result.statuses.values()} == {"error"}
     print(f"iteration 3: uninterrupted {losses[3]}, --no-load-rng {no_rng[3]}, --no-load-optim "
           f"{no_optim[3]}; fine-tune iteration 1 {tuned[1]} against {losses[1]}")
 

@@ -99,8 +99,17 @@ def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...]) -> Re
     if not path.is_file():
         raise ValueError(f"--load: {path} is missing; was the checkpoint written with the same "
                          "tensor and pipeline parallel sizes and distributed-optimizer shards?")
-    # Our own files: they hold the policy layout, a plain dataclass, besides tensors.
-    saved = torch.load(path, map_location="cpu", weights_only=False)
-    training_state.restore(saved, ddp_model, optimizer, scheduler, optim=plan.optimizer,
-                           rng=plan.rng)
+    try:
+        # Our own files: they hold the policy layout, a plain dataclass, besides tensors.
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # truncated, or not a torch file: the unpickler's own errors
+        raise ValueError(f"--load: {path} cannot be read ({type(error).__name__}: {error}); "
+                         "a torn or partial checkpoint? Load an earlier one (--ckpt-step)") from error
+    if "recovery" not in saved:
+        raise ValueError(f"--load: {path} is not a --recover checkpoint (no recovery state)")
+    try:
+        training_state.restore(saved, ddp_model, optimizer, scheduler, optim=plan.optimizer,
+                               rng=plan.rng)
+    except RuntimeError as error:  # load_state_dict's missing keys and size mismatches
+        raise ValueError(loading.model_mismatch(path, error)) from error
     return saved["recovery"]

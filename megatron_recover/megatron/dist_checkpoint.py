@@ -155,10 +155,16 @@ def load(plan, ddp_model, optimizer, scheduler) -> int:
     if not (path / FORMAT_FILE).is_file():
         raise ValueError(f"--load: {path} is not a complete megatron-core distributed "
                          f"(torch_dist) checkpoint (no {FORMAT_FILE})")
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint import CheckpointException  # torch's, gathered from ranks
+
     template = _state_dict(ddp_model, optimizer, scheduler, plan.iteration, True,
                            optim=plan.optimizer, rng=plan.rng)
-    state = dist_checkpointing.load(template, str(path))
-    ddp_model.module.load_state_dict(state["model"])
+    try:
+        state = dist_checkpointing.load(template, str(path))
+        ddp_model.module.load_state_dict(state["model"])
+    except (CheckpointingException, CheckpointException, RuntimeError) as error:  # shapes, keys
+        raise ValueError(loading.model_mismatch(path, error)) from error
     if plan.optimizer:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -423,7 +423,10 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
     if not cfg.recover.enabled:
         micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch)
         progress = Progress(cfg, setup, micro_pass, source, vocab_size, exits)
-        stepper = StockStepper(cfg, ctx.rank, setup, micro_pass, exits)
+        try:
+            stepper = StockStepper(cfg, ctx.rank, setup, micro_pass, exits)
+        except ValueError as error:  # what --load names is missing or does not fit
+            runtime.stop_at_startup(str(error), finalize=True)
         return _run(setup, progress, stepper)
     call = None
     if is_standby(cfg, ctx):
@@ -445,7 +448,10 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
                                      exits.requested, continued=call.state)
         first_iteration, joined = joins.continue_as_joiner(trainer, call, setup, pool)
     else:
-        start = resume.starting_point(cfg, ctx.rank, setup)
+        try:
+            start = resume.starting_point(cfg, ctx.rank, setup)
+        except ValueError as error:  # what --load names is missing or does not fit
+            runtime.stop_at_startup(str(error))
         # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
         replica_of_rank = {rank: start.replica_ids[dp]
                            for rank, dp in setup.replica_of_rank.items()}
