@@ -60,7 +60,7 @@ class Mutation:
 
 
 REWIND = "            self.recovery.rewind_under_pass()\n"
-ADD_BACK = "            self.recovery.add_snapshots(deferred_only=True)\n"
+ADD_BACK = "            self.recovery.add_snapshots(synced_only=True)\n"
 MUTATIONS = [
     Mutation("blocking restore zeroes a spare's extension ids (the old contributing line)",
              TRAINER, "contributing = (work.contributes_first_pass or self._extended) and not held",

@@ -223,7 +223,9 @@ def test_megatron_load_flags():
         False, False, 4, True)
     c = small("--pretrained-checkpoint", "p", "--finetune").checkpoint
     assert c.finetune and c.pretrained_checkpoint == "p" and c.load is None
-    assert "--ckpt-step applies to --load, which is not given" in refused("--ckpt-step", "4")
+    assert "--ckpt-step says what to load, and nothing is loaded" in refused("--ckpt-step", "4")
+    assert "--exit-on-missing-checkpoint applies to --load" in refused(
+        "--exit-on-missing-checkpoint")
     assert "--no-load-optim says what to load, and nothing is loaded" in refused(
         "--no-load-optim")
     assert "--ckpt-step must name a saved iteration" in refused("--load", "d", "--ckpt-step", "0")

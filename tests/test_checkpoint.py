@@ -176,3 +176,28 @@ def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
     assert f"--load: {victim} cannot be read" in output and "torn or partial" in output
     after = {p: p.read_bytes() for d in (ckpt, torn) for p in d.rglob("*") if p.is_file()}
     assert after == before
+    # TP=2: each rank reads its own position's file; only rank 1's is torn. Rank 0 loads its
+    # own fine, and still stops with rank 1's reason rather than train on alone.
+    tp = tmp_path / "tp"
+    train(tmp_path / "tp-saved", 2, ["--tensor-model-parallel-size", "2", "--train-iters", "2",
+                                     "--save-interval", "2", "--save", str(tp)])
+    victim = tp / "iter_0000002" / "mp_rank_01_000.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    output = stopped("tp-run", tp, ["--tensor-model-parallel-size", "2"])
+    assert f"--load: {victim} cannot be read" in output
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_a_bf16_fine_tune_trains_the_loaded_model(tmp_path):
+    """bf16 keeps fp32 main parameters in the optimizer: a load that leaves the optimizer out
+    (--finetune) must refill them from the loaded model, or the first step writes the initial
+    weights back. With --lr 0 a step changes nothing, so the fine-tune's final parameters are
+    the checkpoint's, bitwise."""
+    ckpt = tmp_path / "ckpt"
+    saved, _ = train(tmp_path / "saved", 2, ["--bf16", "--train-iters", "2", "--save-interval",
+                                             "2", "--save", str(ckpt)])
+    tuned, records = train(tmp_path / "tuned", 2, ["--bf16", "--train-iters", "1", "--load",
+                                                   str(ckpt), "--finetune", "--lr", "0.0"])
+    assert sorted(records) == [1] and "fine-tuning from" in tuned.output
+    digests = {s["param_digest"] for s in saved.statuses.values()}
+    assert len(digests) == 1 and {s["param_digest"] for s in tuned.statuses.values()} == digests

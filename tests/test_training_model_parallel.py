@@ -60,3 +60,20 @@ def test_replica_leaves_as_a_unit(tmp_path, references, layout, local_rank, loca
     assert_ledger_held(records, 8)
     assert records[-1]["live_replicas"] == 1
     assert_exact(run, references[layout], f"{layout} {location} (local rank {local_rank})")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_pp2_extension_pass_without_overlap_counts_the_tied_embedding_once(tmp_path):
+    """Without --overlap-grad-reduce too, megatron syncs the tied embedding between the first
+    and last stage after backward. A failure inside a reduction makes the survivor extend the
+    iteration; the non-blocking restore empties that bucket for the pass and adds its snapshot
+    after it, so the sync never counts the snapshot's synced sum twice."""
+    job = [a for a in JOB if a != "--overlap-grad-reduce"] + LAYOUTS["pp2"]
+    reference = run_training(tmp_path / "reference", 4, job, None, TIMEOUT_S)
+    schedule = "entries:\n  - {iteration: 3, replica: 1, local_rank: 0, location: during-reduce}\n"
+    run = run_training(tmp_path / "run", 4, job, schedule, TIMEOUT_S)
+    assert [(m["rank"], m["location"]) for m in run.markers] == [(1, "during-reduce")]
+    assert [r["iteration"] for r in run.records] == list(range(1, ITERATIONS + 1))
+    assert run.records[2]["extension_rounds"] >= 1  # the failure was a policy boundary
+    assert_ledger_held(run.records, 8)
+    assert_exact(run, reference, "pp2 without overlap, extension pass")

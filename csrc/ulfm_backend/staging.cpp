@@ -80,6 +80,7 @@ Stage::Stage(const at::Tensor& user, Use use, bool direct_ok, const StagingConte
   write_stream_ = out_stream;
   if (!(use_ & kRead)) {
     pending_ = buffer_->fence;  // MPI overwrites the buffer once its previous copy finished
+    produced->block(out_stream);  // the copy back lands after what the caller queued before
     return;
   }
   produced->block(in_stream);

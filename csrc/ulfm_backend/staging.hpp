@@ -92,6 +92,8 @@ class Stage {
 
   // The tensor MPI reads and writes: contiguous, on the host (or the device when direct).
   const at::Tensor& mpi() const { return mpi_; }
+  // The caller's tensor's device.
+  c10::Device device() const { return user_.device(); }
 
   // On the worker: wait until the bytes MPI reads are in place (and the buffer is free).
   void ready();

@@ -329,6 +329,14 @@ void ProcessGroupULFM::worker_loop() {
     std::exception_ptr error;
     record.started_s = now_s();
     try {
+      for (auto& stage : task.stages) {
+        if (stage->device().is_cuda()) {
+          // This thread's event waits and copies then run on the tensors' device (a CUDA call
+          // on another device, the default 0, would open a context there).
+          c10::impl::VirtualGuardImpl(stage->device().type()).setDevice(stage->device());
+          break;
+        }
+      }
       for (auto& stage : task.stages) stage->ready();
       task.run(&record);
       // Only a success writes staged results back: a failed operation leaves a staged tensor

@@ -21,15 +21,16 @@ class DDPBuffers:
     """megatron-core DDP's gradient buffers as `GradientBuffers`.
 
     `synced_inside_replica`: the parameters finalize_model_grads syncs inside the replica after
-    backward; with `overlap_grad_reduce` their buckets are deferred to after the pass."""
+    backward (in every mode); with `overlap_grad_reduce` their buckets are also deferred to
+    after the pass."""
 
     def __init__(self, ddp_model, overlap_grad_reduce: bool,
                  synced_inside_replica: frozenset = frozenset()):
         self.model = ddp_model
         self.overlap_grad_reduce = overlap_grad_reduce
         self._buckets = [bucket for group in ddp_model.bucket_groups for bucket in group.buckets]
-        self._deferred = [bucket.grad_data for bucket in self._buckets
-                          if overlap_grad_reduce and bucket.params & synced_inside_replica]
+        self._synced = [bucket.grad_data for bucket in self._buckets
+                        if bucket.params & synced_inside_replica]
         # megatron's flag for a parameter all-gather dispatched by the optimizer step: the
         # forward pre-hooks then only wait, and do not dispatch the next bucket group's.
         self.overlap_param_gather = ddp_model.use_forward_hook
@@ -39,8 +40,11 @@ class DDPBuffers:
     def buckets(self) -> list[torch.Tensor]:
         return [bucket.grad_data for bucket in self._buckets]
 
+    def synced(self) -> list[torch.Tensor]:
+        return list(self._synced)
+
     def deferred(self) -> list[torch.Tensor]:
-        return list(self._deferred)
+        return list(self._synced) if self.overlap_grad_reduce else []
 
     def zero(self) -> None:
         self.model.zero_grad_buffer()

@@ -847,15 +847,12 @@ def _checkpointing(ns) -> list[str]:
     if ns.ckpt_step is not None and ns.ckpt_step < 1:
         problems.append(f"--ckpt-step must name a saved iteration (1 or more), got "
                         f"{ns.ckpt_step}")
-    needs_a_directory = [flag for flag, given in (
-        ("--ckpt-step", ns.ckpt_step is not None),
-        ("--exit-on-missing-checkpoint", ns.exit_on_missing_checkpoint)) if given]
-    if needs_a_directory and ns.load is None:
-        problems.append(f"{', '.join(needs_a_directory)} applies to --load, which is not given: "
+    if ns.exit_on_missing_checkpoint and ns.load is None:
+        problems.append("--exit-on-missing-checkpoint applies to --load, which is not given: "
                         "add --load DIR or drop it")
     loads = [flag for flag, given in (
         ("--no-load-optim", ns.no_load_optim), ("--no-load-rng", ns.no_load_rng),
-        ("--finetune", ns.finetune)) if given]
+        ("--finetune", ns.finetune), ("--ckpt-step", ns.ckpt_step is not None)) if given]
     if loads and ns.load is None and ns.pretrained_checkpoint is None:
         problems.append(f"{', '.join(loads)} says what to load, and nothing is loaded: add "
                         "--load DIR (or --pretrained-checkpoint DIR) or drop it")

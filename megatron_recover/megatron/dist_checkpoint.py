@@ -168,6 +168,8 @@ def load(plan, ddp_model, optimizer, scheduler) -> int:
     if plan.optimizer:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        optimizer.reload_model_params()  # fp16/bf16 main parameters from the loaded model
     if plan.rng:
         _set_rng_state(state["rng_state"])
     if state["iteration"] != plan.iteration:

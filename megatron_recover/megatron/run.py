@@ -143,6 +143,23 @@ def _cross_replica_groups(replica_group_ranks: list[int],
     return mine, replica_of_rank
 
 
+def _agreed_start(start, finalize: bool = False):
+    """Run `start()` (the checkpoint load) on every rank, then agree on the outcome: when it
+    raised ValueError (what --load names is missing or does not fit) on any rank, every rank
+    stops with the first such message, so no rank trains on while another left. A file that
+    only some ranks read (a torn position file) fails on those ranks alone."""
+    try:
+        result, message = start(), None
+    except ValueError as error:
+        result, message = None, str(error)
+    messages = [None] * dist.get_world_size(groups.world_control())
+    dist.all_gather_object(messages, message, group=groups.world_control())
+    first = next((m for m in messages if m is not None), None)
+    if first is not None:
+        runtime.stop_at_startup(first, finalize=finalize)
+    return result
+
+
 def _optimizer_and_scheduler(cfg, ddp_model, pg_collection):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -423,10 +440,8 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
     if not cfg.recover.enabled:
         micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch)
         progress = Progress(cfg, setup, micro_pass, source, vocab_size, exits)
-        try:
-            stepper = StockStepper(cfg, ctx.rank, setup, micro_pass, exits)
-        except ValueError as error:  # what --load names is missing or does not fit
-            runtime.stop_at_startup(str(error), finalize=True)
+        stepper = _agreed_start(lambda: StockStepper(cfg, ctx.rank, setup, micro_pass, exits),
+                                finalize=True)
         return _run(setup, progress, stepper)
     call = None
     if is_standby(cfg, ctx):
@@ -448,10 +463,7 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
                                      exits.requested, continued=call.state)
         first_iteration, joined = joins.continue_as_joiner(trainer, call, setup, pool)
     else:
-        try:
-            start = resume.starting_point(cfg, ctx.rank, setup)
-        except ValueError as error:  # what --load names is missing or does not fit
-            runtime.stop_at_startup(str(error))
+        start = _agreed_start(lambda: resume.starting_point(cfg, ctx.rank, setup))
         # Replica ids are the policy's (original ids when resumed); ranks map through dp rank.
         replica_of_rank = {rank: start.replica_ids[dp]
                            for rank, dp in setup.replica_of_rank.items()}

@@ -94,6 +94,10 @@ def restore(saved: dict, ddp_model, optimizer, scheduler, optim: bool = True,
         optimizer.load_state_dict(saved["optimizer"])
         _load_parameter_state(optimizer, saved.get("parameter_state", []))
         scheduler.load_state_dict(saved["scheduler"])
+    else:
+        # fp16/bf16: the optimizer's fp32 main parameters still hold the initial values, and
+        # its first step would copy them over the loaded model (Megatron-LM reloads them too).
+        optimizer.reload_model_params()
     if rng and "rng" in saved:  # --recover checkpoints written before they held them do not
         restore_rng(saved["rng"])
 

@@ -60,7 +60,8 @@ class _Bucket:
     ledger: Ledger = field(default_factory=Ledger)  # what `grad` holds now
     snapshot_ledger: Ledger = field(default_factory=Ledger)  # what `snapshot` holds
     sent: Ledger | None = None  # what the latest reduction of this pass summed from this rank
-    deferred: bool = False  # synced inside the replica after backward: posted after the pass
+    deferred: bool = False  # posted after the pass (overlapped: a `synced` bucket)
+    synced: bool = False  # synced in place inside the replica after backward (any mode)
     ready: bool = False  # overlapped pass: megatron found the bucket's gradients complete
     index: int = 0  # its place in the reduction order
 
@@ -70,7 +71,8 @@ class GradientRecovery:
 
     def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
                  shard_group=None, deferred: list[torch.Tensor] = (), after_first_post=None,
-                 check_finite: bool = False, restore_stream=None):
+                 check_finite: bool = False, restore_stream=None,
+                 synced: list[torch.Tensor] = ()):
         """`grads`: the gradient buckets, in the order every member reduces them (`deferred`
         ones, synced inside the replica after backward, moved to the end).
         `before_first_reduce()` runs before the first reduction of each pass is posted,
@@ -79,7 +81,9 @@ class GradientRecovery:
         holding the other shards of these buckets (Megatron's intra-instance data-parallel
         group); None without one. `check_finite`: Megatron's check_for_nan_in_grad, before
         every reduction (`reduce_bucket`). `restore_stream`: a side CUDA stream for the
-        non-blocking restore (`rewind_under_pass`), None on the CPU."""
+        non-blocking restore (`rewind_under_pass`), None on the CPU. `synced`: the buckets
+        megatron syncs in place inside the replica after backward, in any mode (the
+        non-blocking restore empties them rather than rewinding them)."""
         self.group = group
         self.restore_stream = restore_stream
         self._restore_event = None  # the side-stream rewind's end, until the compute stream waits
@@ -92,6 +96,8 @@ class GradientRecovery:
         late = {grad.data_ptr() for grad in deferred}
         for grad in [g for g in grads if g.data_ptr() not in late] + list(deferred):
             self._state(grad).deferred = grad.data_ptr() in late
+        for grad in synced:
+            self._state(grad).synced = True
         self._posted_in_pass = 0
         self._allreduced = False  # a ulfm all-reduce was posted in this pass
         self.intervals: list[tuple[float, float]] = []  # the last wait's reductions: (start, end)
@@ -310,11 +316,11 @@ class GradientRecovery:
             bucket.ledger.clear()
             bucket.reduced_epoch = None
 
-    def add_snapshots(self, deferred_only: bool = False) -> None:
+    def add_snapshots(self, synced_only: bool = False) -> None:
         """Add the pre-reduce contents back on top of what a pass accumulated since `zero()`
-        (`deferred_only`: of the deferred buckets, after `rewind_under_pass`)."""
+        (`synced_only`: of the synced buckets, after `rewind_under_pass`)."""
         for bucket in self._buckets.values():
-            if bucket.deferred or not deferred_only:
+            if bucket.synced or not synced_only:
                 bucket.grad.add_(bucket.snapshot)
                 bucket.ledger.add(bucket.snapshot_ledger)
 
@@ -328,7 +334,7 @@ class GradientRecovery:
         for them before the first backward. Without one (on the CPU, where kernels run in
         program order on this thread anyway) they run here, now.
 
-        A deferred bucket is emptied instead, and `add_snapshots(deferred_only=True)` adds its
+        A synced bucket is emptied instead, and `add_snapshots(synced_only=True)` adds its
         snapshot after the pass: its snapshot holds the replica's synced gradient, and the
         pass's in-replica sync of snapshot plus new gradient would count that part twice.
         """
@@ -343,7 +349,7 @@ class GradientRecovery:
 
     def _rewind_for_pass(self) -> None:
         for bucket in self._buckets.values():
-            if bucket.deferred:
+            if bucket.synced:
                 bucket.grad.zero_()
                 bucket.ledger.clear()
             else:

@@ -21,9 +21,14 @@ class GradientBuffers(Protocol):
         """Every bucket, in the order all members reduce them (the same on every rank of a
         position, across replicas)."""
 
+    def synced(self) -> list[torch.Tensor]:
+        """The buckets megatron syncs in place inside the replica after backward, in every
+        reduction mode (a tied embedding across pipeline stages, sequence-parallel norms); a
+        subset of `buckets()`."""
+
     def deferred(self) -> list[torch.Tensor]:
-        """The buckets synced in place inside the replica after backward (with an overlapped
-        reduction they are posted after the pass); a subset of `buckets()`."""
+        """The buckets posted only after the pass: with an overlapped reduction the `synced()`
+        ones (so a reduction in flight never races their sync), otherwise none."""
 
     def zero(self) -> None:
         """A new iteration: every bucket zero (Megatron-LM's train_step zeroes the DDP buffer,

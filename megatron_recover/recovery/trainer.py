@@ -254,9 +254,11 @@ class ResilientTrainer:
                                          after_first_post=self._after_post,
                                          shard_group=parts.shard_group,
                                          deferred=parts.buffers.deferred(),
+                                         synced=parts.buffers.synced(),
                                          check_finite=parts.check_finite,
-                                         restore_stream=(torch.cuda.Stream()
-                                                         if torch.cuda.is_available() else None))
+                                         restore_stream=(torch.cuda.Stream(
+                                             device=parts.buffers.buckets()[0].device)
+                                             if torch.cuda.is_available() else None))
         if parts.shard_control is None:
             self._shard, self._shards = 0, 1
         else:
@@ -824,7 +826,7 @@ class ResilientTrainer:
             self._pass(iteration, mine, losses, tokens)
         self.recovery.restored()  # a shard that ran nothing still reduces the rewound buckets
         if self.p.restore and counted_before > 0:
-            self.recovery.add_snapshots(deferred_only=True)
+            self.recovery.add_snapshots(synced_only=True)
         self.recovery.reduce_all()
 
     def _commit(self, iteration, totals, problems, verdict: Verdict, agreed, start,

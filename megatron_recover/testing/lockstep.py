@@ -102,6 +102,9 @@ class FakeBuffers:
     def buckets(self):
         return list(self.grads)
 
+    def synced(self):
+        return []
+
     def deferred(self):
         return []
 

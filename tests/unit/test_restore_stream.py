@@ -25,7 +25,7 @@ def recovery_with_snapshots(restore_stream=None):
     """Two buckets, the second deferred, reduced once: snapshots hold (1, 2, 3) and (10, 20),
     the ledgers microbatch 0; the buckets then hold a reduced sum (junk for the restore)."""
     plain, deferred = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0])
-    recovery = GradientRecovery(None, [plain, deferred], deferred=[deferred],
+    recovery = GradientRecovery(None, [plain, deferred], deferred=[deferred], synced=[deferred],
                                 restore_stream=restore_stream)
     recovery._post = lambda bucket: None  # no group: only the snapshot side of reduce_bucket
     recovery.begin_iteration()
@@ -52,7 +52,7 @@ def run_extension(recovery, plain, deferred):
     deferred.add_(0.5)
     recovery.register(1, 7, 777)
     recovery.restored()  # the trainer, before the reductions
-    recovery.add_snapshots(deferred_only=True)
+    recovery.add_snapshots(synced_only=True)
 
 
 def test_the_pass_accumulates_on_the_snapshots_and_the_ledger_follows():
