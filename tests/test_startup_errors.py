@@ -80,20 +80,25 @@ def test_recover_without_ulfm(tmp_path):
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_a_fatal_error_reaches_the_terminal_under_plain_mpirun(tmp_path):
-    """An error every rank hits during training (here a --load whose tracker names a missing
-    checkpoint) kills every rank; a plain `mpirun` user has no status files, so each rank's
-    message must be on the terminal."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("3\n")
-    cfg = LaunchConfig(2, [*ENTRY, *JOB, "--recover", "--load", str(ckpt)], tmp_path / "status",
+    """An error every rank hits during training (here a program error the failure schedule
+    raises in both replicas' backward, each taking only its own rank down) kills every rank; a
+    plain `mpirun` user has no status files, so each rank's message must be on the terminal."""
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("entries:\n"
+                        "  - {iteration: 2, replica: 0, local_rank: 0, location: backward, "
+                        "action: raise}\n"
+                        "  - {iteration: 2, replica: 1, local_rank: 0, location: backward, "
+                        "action: raise}\n")
+    cfg = LaunchConfig(2, [*ENTRY, *JOB, "--recover", "--recover-program-errors", "survive",
+                           "--recover-failure-schedule", str(schedule)], tmp_path / "status",
                        TIMEOUT_S)
     cfg.status_dir.mkdir(parents=True)
     rc, output, _ = run_bounded(mpirun_command(cfg), launch_env(cfg), TIMEOUT_S)
     assert rc is not None, output[-3000:]
     for rank in (0, 1):
         assert f"megatron-recover: rank {rank} stops on an error:" in output, output[-3000:]
-    assert output.count("ValueError: --load:") == 2 and "mp_rank_00_000.pt is missing" in output
+    assert output.count("InjectedError: failure schedule: a program error at backward of "
+                        "iteration 2") == 2, output[-3000:]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
