@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_recover.launch import LaunchConfig, launch
-from megatron_recover.megatron import dist_checkpoint
+from megatron_recover.megatron import dist_checkpoint, loading
 from tests.mpirun_harness import ENTRY
 
 pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
@@ -44,8 +44,8 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
                                          "--load", str(save)])
     assert f"no checkpoint in {save}" in output
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    assert dist_checkpoint.latest_iteration(save) == 6
-    assert all((dist_checkpoint.iteration_dir(save, i) / "metadata.json").is_file()
+    assert loading.tracked_iteration(save) == 6
+    assert all((loading.iteration_dir(save, i) / "metadata.json").is_file()
                for i in (2, 4, 6))
     # The job died after iteration 4 was checkpointed: the tracker names it.
     resume = tmp_path / "resume"

@@ -49,10 +49,6 @@ class RecoveryState:
     ramp: tuple[int, ...] = ()  # B of each ramp-up iteration (--rampup-batch-size)
 
 
-def _iteration_dir(directory: Path, iteration: int) -> Path:
-    return Path(directory) / f"iter_{iteration:07d}"
-
-
 def position_name(position: tuple[int, ...]) -> str:
     """position: (tensor rank, pipeline rank) or, with distributed-optimizer shards, (tensor
     rank, pipeline rank, shard)."""
@@ -63,7 +59,7 @@ def position_name(position: tuple[int, ...]) -> str:
 
 
 def _position_file(directory: Path, iteration: int, position: tuple[int, ...]) -> Path:
-    return _iteration_dir(directory, iteration) / f"{position_name(position)}.pt"
+    return loading.iteration_dir(directory, iteration) / f"{position_name(position)}.pt"
 
 
 def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
@@ -84,12 +80,6 @@ def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
         tracker = Path(directory) / TRACKER
         tracker.with_suffix(".tmp").write_text(f"{state.iteration}\n")
         os.replace(tracker.with_suffix(".tmp"), tracker)
-
-
-def latest_iteration(directory: Path) -> int | None:
-    """The newest complete checkpoint's iteration; None when `directory` holds none (missing,
-    empty, or no tracker yet: a job script's first launch with `--save d --load d`)."""
-    return loading.tracked_iteration(directory)
 
 
 def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...]) -> RecoveryState:

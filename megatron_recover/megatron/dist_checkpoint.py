@@ -33,15 +33,6 @@ FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a comp
 _METADATA = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False}
 
 
-def iteration_dir(directory, iteration: int) -> Path:
-    return Path(directory) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(directory) -> int | None:
-    """The newest complete checkpoint's iteration, or None when `directory` has none."""
-    return loading.tracked_iteration(directory)
-
-
 def check_start(cfg) -> None:
     """Start-up checks of a stock run's --save/--load (ValueError says what to change)."""
     if not (cfg.checkpoint.save or cfg.checkpoint.load):
@@ -58,10 +49,10 @@ def check_start(cfg) -> None:
 
 def check_loadable(directory) -> None:
     """A tracker in `directory`, if present, must name a torch_dist checkpoint."""
-    iteration = latest_iteration(directory)
+    iteration = loading.tracked_iteration(directory)
     if iteration is None:
         return
-    path = iteration_dir(directory, iteration)
+    path = loading.iteration_dir(directory, iteration)
     if not (path / FORMAT_FILE).is_file():
         raise ValueError(f"--load {directory}: {path} is not a megatron-core distributed "
                          f"(torch_dist) checkpoint (no {FORMAT_FILE}); stock runs resume from "
@@ -123,7 +114,7 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler) -> None:
     )
 
     start = time.time()
-    path = iteration_dir(directory, iteration)
+    path = loading.iteration_dir(directory, iteration)
     path.mkdir(parents=True, exist_ok=True)
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
                                                 parallel_state.get_data_parallel_group())

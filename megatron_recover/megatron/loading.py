@@ -34,12 +34,17 @@ class LoadPlan:
 
     @property
     def path(self) -> Path:
-        return self.directory / f"iter_{self.iteration:07d}"
+        return iteration_dir(self.directory, self.iteration)
 
     @property
     def resumes(self) -> bool:
         """Whether the run continues the checkpoint's iteration (not a fine-tune)."""
         return not self.finetune
+
+
+def iteration_dir(directory, iteration: int) -> Path:
+    """Megatron's directory of one checkpoint: DIR/iter_NNNNNNN."""
+    return Path(directory) / f"iter_{iteration:07d}"
 
 
 def tracked_iteration(directory) -> int | None:

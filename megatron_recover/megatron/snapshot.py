@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, groups
+from megatron_recover.megatron import checkpoint, groups, loading
 from megatron_recover.megatron import state as training_state
 
 _FILE = re.compile(r"^(mp_rank_\d+_\d+(?:_shard_\d+)?)-replica_\d+\.pt$")
@@ -79,10 +79,6 @@ class HostMirror:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-
-
-def _iteration_dir(directory: Path, iteration: int) -> Path:
-    return directory / f"iter_{iteration:07d}"
 
 
 def _iteration_of(path: Path) -> int | None:
@@ -158,7 +154,7 @@ class Snapshots:
         start = time.perf_counter()
         try:
             self._mirror.ready()
-            path = _iteration_dir(self.directory, iteration) / self.name
+            path = loading.iteration_dir(self.directory, iteration) / self.name
             tmp = path.with_suffix(".tmp")
             buffer = io.BytesIO()
             torch.save(copy, buffer)
@@ -259,7 +255,7 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
         return None
     members = [rank for rank, (_, other, _) in enumerate(everyone) if other == name]
     holders = [rank for rank in members if name in everyone[rank][2].get(iteration, ())]
-    local = _iteration_dir(directory, iteration)
+    local = loading.iteration_dir(directory, iteration)
     if all(rank in holders for rank in members):
         path = next(local.glob(f"{name}-replica_*.pt"))
         saved = torch.load(path, map_location="cpu", weights_only=False)  # our own files

@@ -316,13 +316,14 @@ class GradientRecovery:
             bucket.ledger.clear()
             bucket.reduced_epoch = None
 
-    def add_snapshots(self, synced_only: bool = False) -> None:
-        """Add the pre-reduce contents back on top of what a pass accumulated since `zero()`
-        (`synced_only`: of the synced buckets, after `rewind_under_pass`)."""
+    def add_synced_snapshots(self) -> None:
+        """After `rewind_under_pass` and the pass: add each synced bucket's pre-reduce contents
+        back on top of what the pass accumulated in it (the others were rewound)."""
         for bucket in self._buckets.values():
-            if bucket.synced or not synced_only:
-                bucket.grad.add_(bucket.snapshot)
-                bucket.ledger.add(bucket.snapshot_ledger)
+            if not bucket.synced:
+                continue
+            bucket.grad.add_(bucket.snapshot)
+            bucket.ledger.add(bucket.snapshot_ledger)
 
     def rewind_under_pass(self) -> None:
         """The non-blocking restore before an extension pass (the paper's): every bucket back to
@@ -334,7 +335,7 @@ class GradientRecovery:
         for them before the first backward. Without one (on the CPU, where kernels run in
         program order on this thread anyway) they run here, now.
 
-        A synced bucket is emptied instead, and `add_snapshots(synced_only=True)` adds its
+        A synced bucket is emptied instead, and `add_synced_snapshots()` adds its
         snapshot after the pass: its snapshot holds the replica's synced gradient, and the
         pass's in-replica sync of snapshot plus new gradient would count that part twice.
         """

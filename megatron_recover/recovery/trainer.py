@@ -826,7 +826,7 @@ class ResilientTrainer:
             self._pass(iteration, mine, losses, tokens)
         self.recovery.restored()  # a shard that ran nothing still reduces the rewound buckets
         if self.p.restore and counted_before > 0:
-            self.recovery.add_snapshots(synced_only=True)
+            self.recovery.add_synced_snapshots()
         self.recovery.reduce_all()
 
     def _commit(self, iteration, totals, problems, verdict: Verdict, agreed, start,

@@ -52,7 +52,7 @@ def run_extension(recovery, plain, deferred):
     deferred.add_(0.5)
     recovery.register(1, 7, 777)
     recovery.restored()  # the trainer, before the reductions
-    recovery.add_snapshots(synced_only=True)
+    recovery.add_synced_snapshots()
 
 
 def test_the_pass_accumulates_on_the_snapshots_and_the_ledger_follows():
