@@ -5,8 +5,6 @@
 # logging flags, sizes a 2-core CPU trains in a minute, `mpirun --with-ft ulfm` instead of
 # torchrun, and the --recover flags with a failure schedule. What differs, and why:
 #   DTYPE bf16     fp8 needs Transformer Engine on a GPU (set DTYPE=fp8 there);
-#   --ckpt-format torch   --recover writes per-rank torch checkpoints (no collective over dead
-#                  ranks); the original's torch_dist is refused under --recover;
 #   --num-distributed-optimizer-instances NP   under --recover the distributed optimizer is
 #                  one instance per replica, spelled out;
 #   no --profile   the PyTorch profiler is refused here (its step flags have no effect);
@@ -144,7 +142,7 @@ EVAL_AND_LOGGING_ARGS=(
     --eval-interval 10
     --save-interval 20
     --log-throughput
-    --ckpt-format torch
+    --ckpt-format torch_dist
     --distributed-timeout-minutes 60
     --save "$CHECKPOINT_PATH"
     --load "$CHECKPOINT_PATH"

@@ -851,7 +851,6 @@ def test_llama_style_options_reach_megatron_core():
     (["--start-weight-decay", "0.1"], ["--weight-decay-incr-style linear or cosine"]),
     (["--weight-decay-incr-style", "cosine"], ["needs --start-weight-decay and --end-weight"]),
     (["--decoupled-min-lr", "1e-5"], ["add --decoupled-lr"]),
-    (["--recover", "--ckpt-format", "torch_dist"], ["--ckpt-format torch"]),
     (["--ckpt-format", "torch"], ["--ckpt-format torch_dist"]),
     (["--hidden-size", "66"], ["or pass --kv-channels"]),
 ])

@@ -47,47 +47,61 @@ def params_rdiff(run_dir, reference_dir, ranks):
                for r in ranks)
 
 
-@pytest.mark.timeout(3 * TIMEOUT_S)
-def test_resume_on_fewer_replicas_after_replica_0_died(tmp_path):
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_a_save_after_failures_and_a_kill_during_the_next_resume_exactly(tmp_path):
+    """torch_dist (Megatron-LM's default format) under --recover, 3 replicas: replica 0 dies in
+    iteration 2's reduction, so replica 1 writes iteration 2's checkpoint; replica 1 dies inside
+    iteration 4's save, after its shards are on disk and before the tracker names them. The
+    tracker must still name iteration 2, and relaunches from it on the survivors' count (2) and
+    on the original count (3) continue the uninterrupted run."""
     _, reference = train(tmp_path / "reference", 3, ["--train-iters", "8"])
     schedule = tmp_path / "schedule.yaml"
-    schedule.write_text("entries:\n  - {iteration: 2, replica: 0, local_rank: 0, "
-                        "location: during-reduce}\n")
+    schedule.write_text("entries:\n"
+                        "  - {iteration: 2, replica: 0, local_rank: 0, location: during-reduce}\n"
+                        "  - {iteration: 4, replica: 1, local_rank: 0, location: checkpoint-save}\n")
     ckpt = tmp_path / "ckpt"
     # The run of the reference, stopped after iteration 4 (a shorter --train-iters would be
     # another schedule, whose checkpoint Megatron-LM's scheduler check refuses to resume).
     _, first = train(tmp_path / "first", 3, [
-        "--train-iters", "8", "--exit-interval", "4", "--save", str(ckpt), "--save-interval", "4",
+        "--train-iters", "8", "--exit-interval", "4", "--save", str(ckpt), "--save-interval", "2",
         "--recover-failure-schedule", str(schedule)])
     markers = [json.loads(line) for line in
                (tmp_path / "first/log.markers.jsonl").read_text().splitlines()]
     assert [(m["rank"], m["iteration"], m["location"]) for m in markers] == [
-        (0, 2, "during-reduce")]  # the fault fired
+        (0, 2, "during-reduce"), (1, 4, "checkpoint-save")]  # both faults fired
     assert first[4]["live_replicas"] == 2
-    state = json.loads((ckpt / "iter_0000004/recover_state.json").read_text())
+    assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # a torch_dist checkpoint
+    state = json.loads((ckpt / "iter_0000002/recover_state.json").read_text())
     assert state["live_replicas"] == [1, 2] and state["b"] == 12 and state["w_init"] == 3
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (ckpt / "iter_0000004").is_dir()  # written, never named
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
-    result, resumed = train(tmp_path / "resumed", 2, ["--train-iters", "8", "--load", str(ckpt)])
-    assert "resumed iteration 4" in result.output
-    assert sorted(resumed) == [5, 6, 7, 8]
-    assert all(r["contributions"] == 12 and r["invariant_ok"] for r in resumed.values())
-    loss = loss_rdiff([resumed[t] for t in sorted(resumed)],
-                      [reference[t] for t in sorted(resumed)])
     # Every replica holds the same parameters: compare each resumed rank with reference rank 0.
     expected = torch.load(tmp_path / "reference" / "status" / "rank-0.params.pt")
-    params = max(param_rdiff(torch.load(tmp_path / "resumed" / "status" / f"rank-{r}.params.pt"),
-                             expected) for r in (0, 1))
-    print(f"resumed on 2 replicas: max relative loss diff {loss:.2e}, "
-          f"final parameters {params:.2e}")
-    assert loss <= EXACT_LOSS_RTOL, loss
-    assert params <= EXACT_PARAM_RTOL, params
+    for replicas in (2, 3):
+        name = f"resumed-{replicas}"
+        result, resumed = train(tmp_path / name, replicas,
+                                ["--train-iters", "8", "--load", str(ckpt)])
+        assert "resumed iteration 2" in result.output
+        assert sorted(resumed) == [3, 4, 5, 6, 7, 8]
+        assert all(r["contributions"] == 12 and r["invariant_ok"] for r in resumed.values())
+        assert resumed[3]["live_replicas"] == replicas
+        loss = loss_rdiff([resumed[t] for t in sorted(resumed)],
+                          [reference[t] for t in sorted(resumed)])
+        params = max(param_rdiff(torch.load(tmp_path / name / "status" / f"rank-{r}.params.pt"),
+                                 expected) for r in range(replicas))
+        print(f"resumed on {replicas} replicas: max relative loss diff {loss:.2e}, "
+              f"final parameters {params:.2e}")
+        assert loss <= EXACT_LOSS_RTOL, loss
+        assert params <= EXACT_PARAM_RTOL, params
 
 
 LAYOUTS = {
     "dp": (3, []),
     "tp2xdp2": (4, ["--tensor-model-parallel-size", "2"]),
     "do-2x2": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]),
+    "do-2x2-torch": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                         "2", "--ckpt-format", "torch"]),
 }
 
 
@@ -95,7 +109,8 @@ LAYOUTS = {
 @pytest.mark.timeout(4 * TIMEOUT_S)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
-    """Megatron-LM's job-script form: every launch passes `--save d --load d`."""
+    """Megatron-LM's job-script form: every launch passes `--save d --load d` (torch_dist, and
+    the distributed-optimizer instances also in the torch format)."""
     ranks, extra = LAYOUTS[layout]
     _, reference = train(tmp_path / "reference", ranks, [*extra, "--train-iters", "8"])
     ckpt = tmp_path / "ckpt"
@@ -108,7 +123,9 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     # Megatron-LM does.
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
     files = sorted(p.name for p in (ckpt / "iter_0000004").glob("*.pt"))
-    if layout == "do-2x2":
+    if not layout.endswith("-torch"):
+        assert (ckpt / "iter_0000004" / "metadata.json").is_file()  # torch_dist, the default
+    else:
         assert files == ["mp_rank_00_000_shard_00.pt", "mp_rank_00_000_shard_01.pt"]
         saved = torch.load(ckpt / "iter_0000004" / files[1], weights_only=False)
         (moments,) = saved["parameter_state"]
@@ -148,9 +165,12 @@ def test_megatron_load_flags_under_recover(tmp_path):
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
     """Another model shape, another vocabulary, a torn file: each relaunch stops before training
-    with what is wrong, and the checkpoint directory is left as it was."""
+    with what is wrong, and the checkpoint directory is left as it was (--ckpt-format torch,
+    whose files are this project's; test_dist_checkpoint.py loads a torch_dist checkpoint into
+    another model shape)."""
     ckpt = tmp_path / "ckpt"
-    train(tmp_path / "saved", 2, ["--train-iters", "2", "--save-interval", "2",
+    torch_format = ["--ckpt-format", "torch"]
+    train(tmp_path / "saved", 2, [*torch_format, "--train-iters", "2", "--save-interval", "2",
                                   "--save", str(ckpt)])
     torn = tmp_path / "torn"
     shutil.copytree(ckpt, torn)
@@ -159,8 +179,9 @@ def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
     before = {p: p.read_bytes() for d in (ckpt, torn) for p in d.rglob("*") if p.is_file()}
 
     def stopped(name, load, extra=()):
-        result = launch(LaunchConfig(2, [*ENTRY, *JOB, "--train-iters", "2", "--load", str(load),
-                                         "--save", str(load), "--save-interval", "2", *extra],
+        result = launch(LaunchConfig(2, [*ENTRY, *JOB, *torch_format, "--train-iters", "2",
+                                         "--load", str(load), "--save", str(load),
+                                         "--save-interval", "2", *extra],
                                      tmp_path / name / "status", TIMEOUT_S))
         assert not result.timed_out, result.output[-3000:]
         assert {s.get("state") for s in result.statuses.values()} == {"error"}, result.statuses
@@ -179,8 +200,9 @@ def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
     # TP=2: each rank reads its own position's file; only rank 1's is torn. Rank 0 loads its
     # own fine, and still stops with rank 1's reason rather than train on alone.
     tp = tmp_path / "tp"
-    train(tmp_path / "tp-saved", 2, ["--tensor-model-parallel-size", "2", "--train-iters", "2",
-                                     "--save-interval", "2", "--save", str(tp)])
+    train(tmp_path / "tp-saved", 2, [*torch_format, "--tensor-model-parallel-size", "2",
+                                     "--train-iters", "2", "--save-interval", "2",
+                                     "--save", str(tp)])
     victim = tp / "iter_0000002" / "mp_rank_01_000.pt"
     victim.write_bytes(victim.read_bytes()[:100])
     output = stopped("tp-run", tp, ["--tensor-model-parallel-size", "2"])

@@ -6,7 +6,6 @@ timeout. Dropout is on, so the RNG states must travel with the checkpoint too.
 """
 
 import shutil
-from types import SimpleNamespace
 
 import pytest
 
@@ -62,11 +61,13 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
 @pytest.mark.timeout(5 * TIMEOUT_S)
 def test_megatron_load_flags(tmp_path):
     """--ckpt-step, --no-load-rng, --no-load-optim and --pretrained-checkpoint (a fine-tune)
-    against a 4-iteration run that saved at 2 and 4 (2 ranks, dropout on). Each flag's effect
-    is what changes: iteration 3's loss is computed before its optimizer step, so it equals the
-    uninterrupted run's exactly when the parameters, data and dropout generators were loaded."""
+    against a 4-iteration run that saved at 2 and 4 (2 ranks, dropout on, the distributed
+    optimizer). Each flag's effect is what changes: iteration 3's loss is computed before its
+    optimizer step, so it equals the uninterrupted run's exactly when the parameters, data and
+    dropout generators were loaded; the distributed optimizer's state makes the resumed run's
+    final parameters bitwise equal."""
     save = tmp_path / "ckpt"
-    four = ["--train-iters", "4"]
+    four = ["--train-iters", "4", "--use-distributed-optimizer"]
     _, losses, digests = stock_run(tmp_path, "full", [*four, "--save", str(save),
                                                       "--save-interval", "2"], ranks=2)
     from_2 = ["--load", str(save), "--ckpt-step", "2", *four]
@@ -80,7 +81,8 @@ def test_megatron_load_flags(tmp_path):
     assert no_optim[3] == losses[3] and no_optim_digests != digests  # fresh Adam and schedule
     output, tuned, _ = stock_run(tmp_path, "finetune",
                                  ["--load", str(tmp_path / "empty"), "--pretrained-checkpoint",
-                                  str(save), "--train-iters", "2"], ranks=2)
+                                  str(save), "--train-iters", "2", "--use-distributed-optimizer"],
+                                 ranks=2)
     assert "fine-tuning from --pretrained-checkpoint" in output
     assert "(fine-tuning from iteration 1)" in output and sorted(tuned) == [1, 2]
     assert tuned[1] != losses[1]  # the same data and dropout, the trained model
@@ -103,10 +105,57 @@ def test_load_refuses_a_recover_checkpoint(tmp_path):
         dist_checkpoint.check_loadable(tmp_path)
 
 
-def test_start_refuses_the_distributed_optimizer():
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(save="ckpt", load=None),
-                          parallel=SimpleNamespace(use_distributed_optimizer=True))
-    with pytest.raises(ValueError, match="--use-distributed-optimizer"):
-        dist_checkpoint.check_start(cfg)
-    cfg.checkpoint.save = None
-    dist_checkpoint.check_start(cfg)  # no checkpointing asked: nothing to refuse
+# make test's budget: in make test-long (test_megatron_load_flags resumes the distributed
+# optimizer bitwise in make test).
+@pytest.mark.long
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_distributed_optimizer_resumes_and_reshards(tmp_path):
+    """--use-distributed-optimizer saves its per-bucket state (Megatron-LM's dp_reshardable
+    format): a relaunch on the same 2 ranks continues bitwise; one on 4 ranks (the state cut
+    into 4 shards instead of 2) continues within the reduction-order tolerance."""
+    save = tmp_path / "ckpt"
+    optimizer = ["--use-distributed-optimizer", "--hidden-dropout", "0",
+                 "--attention-dropout", "0", "--train-iters", "4"]
+    _, losses, digests = stock_run(tmp_path, "full", [*optimizer, "--save", str(save),
+                                                      "--save-interval", "2"], ranks=2)
+    assert (loading.iteration_dir(save, 2) / "metadata.json").is_file()
+    (save / dist_checkpoint.TRACKER).write_text("2\n")
+    output, same, same_digests = stock_run(tmp_path, "same", [*optimizer, "--load", str(save)],
+                                           ranks=2)
+    assert "at iteration       2" in output and sorted(same) == [3, 4]
+    assert [same[3], same[4]] == [losses[3], losses[4]] and same_digests == digests
+    _, more, _ = stock_run(tmp_path, "more", [*optimizer, "--load", str(save)])
+    assert sorted(more) == [3, 4]
+    rdiff = max(abs(more[t] - losses[t]) / abs(losses[t]) for t in (3, 4))
+    print(f"uninterrupted {[losses[3], losses[4]]}, on 4 ranks {[more[3], more[4]]}: largest "
+          f"relative difference {rdiff:.2e}")
+    assert rdiff < 1e-5
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_stock_and_recover_checkpoints_load_each_other_resharded(tmp_path):
+    """One format both ways, across layouts: a stock run at TP=2 x PP=2 saves iteration 2; a
+    --recover run of 2 replicas at TP=1 x PP=1 resumes it (both model-parallel sizes resharded)
+    and saves iteration 4; a stock run of 2 data-parallel ranks resumes that. Each continues
+    the first run's trajectory within the tolerance of another reduction order. Dropout is off:
+    stock runs draw it in sequence, --recover per microbatch."""
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    stock_ckpt, recover_ckpt = tmp_path / "stock-ckpt", tmp_path / "recover-ckpt"
+    _, reference, _ = stock_run(tmp_path, "stock", [
+        *no_dropout, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--save", str(stock_ckpt), "--save-interval", "2"])
+    assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+    output, recovered, _ = stock_run(tmp_path, "recover", [
+        *no_dropout, "--recover", "--load", str(stock_ckpt), "--ckpt-step", "2",
+        "--save", str(recover_ckpt), "--save-interval", "2", "--exit-interval", "4"], ranks=2)
+    assert "resumed iteration 2" in output and "RNG state will be ignored" in output
+    assert sorted(recovered) == [3, 4]
+    assert (recover_ckpt / "iter_0000004" / "metadata.json").is_file()
+    output, resumed, _ = stock_run(tmp_path, "stock-again", [
+        *no_dropout, "--load", str(recover_ckpt)], ranks=2)
+    assert "at iteration       4" in output and sorted(resumed) == [5, 6]
+    continued = {**recovered, **resumed}
+    rdiff = max(abs(continued[t] - reference[t]) / abs(reference[t]) for t in range(3, 7))
+    print(f"uninterrupted TP=2 x PP=2 {[reference[t] for t in range(3, 7)]}, continued "
+          f"{[continued[t] for t in range(3, 7)]}: largest relative difference {rdiff:.2e}")
+    assert rdiff < 1e-5

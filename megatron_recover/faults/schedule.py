@@ -44,6 +44,9 @@ Locations, in the order an iteration reaches them:
   join-transfer     after the iteration, entering the broadcast of the training state to
                     standbys that join (the lowest survivor is the donor; any survivor takes
                     part); needs --recover-standby-replicas and a join after that iteration
+  checkpoint-save   in the --save of that iteration, on a rank of the writing replica (the
+                    lowest live one), after its part of the checkpoint is on disk and before the
+                    tracker names it; needs a save after that iteration
 With standby replicas a replica id comes back (a standby takes it), so it may be named again at a
 later iteration: that entry is for the rank holding the id then.
 
@@ -87,7 +90,7 @@ from megatron_recover.faults.injection import read_markers, write_marker
 LOCATIONS = ("pre-forward", "backward", "before-reduce", "after-post", "during-reduce",
              "during-consensus",
              "during-restore", "during-extension", "optimizer-step", "grad-norm", "param-gather",
-             "evaluation", "join-transfer")
+             "evaluation", "join-transfer", "checkpoint-save")
 # Reached inside megatron's optimizer step, where the trainer does not call: the iteration is
 # the one the trainer armed last.
 OPTIMIZER_LOCATIONS = ("grad-norm", "param-gather")
@@ -95,6 +98,9 @@ OPTIMIZER_LOCATIONS = ("grad-norm", "param-gather")
 EVALUATION_LOCATIONS = ("evaluation",)
 # Reached only between iterations at which standbys join.
 JOIN_LOCATIONS = ("join-transfer",)
+# Reached only by the ranks that write a checkpoint (the lowest live replica), after their part
+# is on disk and before the tracker names it.
+CHECKPOINT_LOCATIONS = ("checkpoint-save",)
 STANDBY_LOCATIONS = ("idle", "join-transfer")
 
 
@@ -302,10 +308,12 @@ def generate_schedule(num_replicas: int, ranks_per_replica: int, count: int, see
                       locations: tuple[str, ...] | None = None) -> list[ScheduleEntry]:
     """A seeded random schedule: `count` distinct replicas die, at least one replica survives.
     By default at the locations every job reaches (not the optimizer-step collectives, which
-    need --clip-grad or a distributed optimizer, nor evaluation, nor a standby's join)."""
+    need --clip-grad or a distributed optimizer, nor evaluation, a standby's join or a
+    checkpoint save)."""
     if locations is None:
         locations = tuple(loc for loc in LOCATIONS if loc not in
-                          OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS)
+                          OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS
+                          + CHECKPOINT_LOCATIONS)
     if count >= num_replicas:
         raise ValueError(f"--count {count} would kill every one of {num_replicas} replicas")
     unknown = set(locations) - set(LOCATIONS)

@@ -378,8 +378,8 @@ IMPLEMENTED_NOTES = {
     "fine-tune from this one",
     "--ckpt-step": "Megatron-LM's meaning: load this iteration instead of the tracker's",
     "--exit-on-missing-checkpoint": "Megatron-LM's meaning: --load without a checkpoint stops",
-    "--ckpt-format": "torch_dist for stock runs; --recover saves per-rank torch files: "
-                     "--ckpt-format torch (the default under --recover), torch_dist refused",
+    "--ckpt-format": "torch_dist (the default; stock and --recover runs load each other's) or, "
+                     "under --recover, torch (per-position files of this project's own)",
     "--use-distributed-optimizer": "with --recover the optimizer state is sharded inside each "
                                    "replica, never across replicas (see "
                                    "--num-distributed-optimizer-instances)",

@@ -856,10 +856,6 @@ def _checkpointing(ns) -> list[str]:
     if loads and ns.load is None and ns.pretrained_checkpoint is None:
         problems.append(f"{', '.join(loads)} says what to load, and nothing is loaded: add "
                         "--load DIR (or --pretrained-checkpoint DIR) or drop it")
-    if ns.recover and ns.ckpt_format == "torch_dist":
-        problems.append("--ckpt-format torch_dist: --recover saves per-rank torch files (each "
-                        "live rank writes its own, so a save needs no collective over dead "
-                        "ranks): pass --ckpt-format torch or drop the flag")
     if not ns.recover and ns.ckpt_format == "torch":
         problems.append("--ckpt-format torch: runs without --recover save megatron-core "
                         "distributed checkpoints: pass --ckpt-format torch_dist or drop the flag")
@@ -1248,7 +1244,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             tokenizer_special_tokens=_special_tokens(ns) and tuple(_special_tokens(ns))),
         checkpoint=CheckpointConfig(
             save=ns.save, load=ns.load, save_interval=ns.save_interval,
-            ckpt_format=ns.ckpt_format or ("torch" if ns.recover else "torch_dist"),
+            ckpt_format=ns.ckpt_format or "torch_dist",
             load_optim=not ns.no_load_optim, load_rng=not ns.no_load_rng,
             finetune=ns.finetune, pretrained_checkpoint=ns.pretrained_checkpoint,
             ckpt_step=ns.ckpt_step, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint),

@@ -1,6 +1,9 @@
-"""Checkpoints that can be written after failures and resumed on fewer replicas.
+"""--recover checkpoints: written after failures, resumed on fewer replicas.
 
-Layout (Megatron's torch format): SAVE/iter_NNNNNNN/mp_rank_TT_PPP.pt holds one intra-replica
+Two formats, as Megatron-LM's --ckpt-format: torch_dist (the default; `dist_checkpoint.py`
+writes and reads it, and it is the format stock runs use) and torch, this module's files:
+
+Layout (--ckpt-format torch): SAVE/iter_NNNNNNN/mp_rank_TT_PPP.pt holds one intra-replica
 position's complete training state (`state.capture`: model, optimizer, scheduler, random
 number generators) plus the recovery state (B, W_init, G_init,
 policy, mode, the policy layout, data position, reserve pointer); with distributed-optimizer
@@ -29,6 +32,8 @@ import torch.distributed as dist
 
 from megatron_recover.megatron import loading
 from megatron_recover.megatron import state as training_state
+from megatron_recover.policy import ADAPTIVE, Layout
+from megatron_recover.policy.adaptive import AdaptiveLayout
 
 TRACKER = loading.TRACKER
 
@@ -48,6 +53,16 @@ class RecoveryState:
     live_replicas: tuple[int, ...]
     ramp: tuple[int, ...] = ()  # B of each ramp-up iteration (--rampup-batch-size)
 
+    def to_dict(self) -> dict:
+        """Plain values only (a torch_dist checkpoint's common state is read with torch.load's
+        weights_only): the layout as its fields."""
+        return {**asdict(self), "layout": asdict(self.layout)}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "RecoveryState":
+        layout_type = AdaptiveLayout if saved["policy"] == ADAPTIVE else Layout
+        return cls(**{**saved, "layout": layout_type(**saved["layout"])})
+
 
 def position_name(position: tuple[int, ...]) -> str:
     """position: (tensor rank, pipeline rank) or, with distributed-optimizer shards, (tensor
@@ -63,23 +78,30 @@ def _position_file(directory: Path, iteration: int, position: tuple[int, ...]) -
 
 
 def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
-         position: tuple[int, ...], replica_group, local_rank: int) -> None:
-    """Write this rank's position; call on every rank of the writing replica only."""
+         position: tuple[int, ...], replica_group, local_rank: int, written=lambda: None) -> None:
+    """Write this rank's position; call on every rank of the writing replica only. `written()`
+    is called once the position's file is on disk, before the tracker names the checkpoint."""
     path = _position_file(directory, state.iteration, position)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({**training_state.capture(ddp_model, optimizer, scheduler), "recovery": state}, tmp)
     os.replace(tmp, path)
+    written()
     if replica_group is not None:
         dist.barrier(group=replica_group)  # every position of this replica is on disk
     if local_rank == 0:
-        summary = {k: v for k, v in asdict(state).items() if k != "layout"}
-        role_of = getattr(state.layout, "role_of", lambda replica: "major")  # adaptive: all majors
-        summary["roles"] = {str(r): role_of(r) for r in state.live_replicas}
-        (path.parent / "recover_state.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(path.parent, state)
         tracker = Path(directory) / TRACKER
         tracker.with_suffix(".tmp").write_text(f"{state.iteration}\n")
         os.replace(tracker.with_suffix(".tmp"), tracker)
+
+
+def write_summary(path: Path, state: RecoveryState) -> None:
+    """recover_state.json in the checkpoint directory `path`: the recovery state, for people."""
+    summary = {k: v for k, v in asdict(state).items() if k != "layout"}
+    role_of = getattr(state.layout, "role_of", lambda replica: "major")  # adaptive: all majors
+    summary["roles"] = {str(r): role_of(r) for r in state.live_replicas}
+    (path / "recover_state.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...]) -> RecoveryState:

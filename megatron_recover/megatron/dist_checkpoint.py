@@ -1,7 +1,8 @@
-"""Checkpoint-restart as Megatron users run it today: megatron-core distributed checkpoints.
+"""Megatron-LM's `--ckpt-format torch_dist`: megatron-core distributed checkpoints, for stock
+runs and under --recover.
 
-Stock runs (no --recover) with `--save DIR --save-interval N` and `--load DIR` save and resume
-the way Megatron-LM's `--ckpt-format torch_dist` does, through `megatron.core.dist_checkpointing`:
+`--save DIR --save-interval N` and `--load DIR` save and resume the way Megatron-LM does, through
+`megatron.core.dist_checkpointing`:
 
   DIR/iter_NNNNNNN/                    one torch_dist checkpoint, written by every rank
   DIR/latest_checkpointed_iteration.txt  the newest complete one (rank 0, after every rank wrote)
@@ -10,8 +11,19 @@ A checkpoint holds what Megatron-LM's `generate_state_dict` puts in one: the mod
 `sharded_state_dict()`, the optimizer's sharded state over it, the scheduler state, the iteration
 and the RNG states (one object per tensor x pipeline position; data-parallel ranks draw alike,
 so data-parallel rank 0 writes it). Replicated tensors are spread over the data-parallel ranks
-for writing (Megatron-LM's default fully parallel save). The data needs no state: a stock
-iteration's microbatch ids depend only on the iteration number.
+for writing (Megatron-LM's default fully parallel save). The data needs no state: an
+iteration's microbatch ids depend only on the iteration number, in both modes.
+
+Under --recover the lowest live replica writes alone (`ReplicaWriters`), after any number of
+failures: its ranks hold a complete copy of the training state, and its training group is
+whole while the torch world may hold dead ranks. dist_checkpointing runs every collective of a
+save over torch's default group (rank 0 writes the common state, validation and the planner
+gather over it), so for the save that group stands in for the world, and the replica's copies
+are made the main replicas of every tensor. The checkpoint also holds the recovery state
+(`recover_state`: B, W_init, the policy layout, ...); a stock run's load ignores it, and a
+--recover load of a stock checkpoint starts the policy afresh at its iteration. Distributed-
+optimizer state is Megatron-LM's `dp_reshardable` format, so a checkpoint loads on another
+data-parallel size (another replica count, or another number of shards).
 
 As in Megatron-LM, `--load` of a directory without a tracker file starts from scratch (a job
 script passes the same `--save`/`--load` on every launch); Megatron-LM's load flags
@@ -19,9 +31,13 @@ script passes the same `--save`/`--load` on every launch); Megatron-LM's load fl
 load with its wall-clock span, which scripts/run_restart_baseline.py reads.
 """
 
+import queue
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_recover.megatron import loading
@@ -29,22 +45,23 @@ from megatron_recover.megatron import state as training_state
 
 TRACKER = loading.TRACKER
 FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a complete checkpoint
-# As Megatron-LM passes them: the optimizer's keys follow the model's (no chained prefix).
-_METADATA = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+RECOVERY_KEY = "recover_state"  # the --recover state in a checkpoint's common state
+# As Megatron-LM passes them: the optimizer's keys follow the model's (no chained prefix), and
+# the distributed optimizer's state is saved per bucket, reshardable over the data-parallel size.
+_METADATA = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False,
+             "distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def check_start(cfg) -> None:
     """Start-up checks of a stock run's --save/--load (ValueError says what to change)."""
-    if not (cfg.checkpoint.save or cfg.checkpoint.load):
-        return
-    if cfg.parallel.use_distributed_optimizer:
-        # Without Apex or Transformer Engine, megatron-core 0.16.1's DistributedOptimizer cannot
-        # build the sharded state a load needs before its first step (its state_dict asserts).
-        raise ValueError("--save/--load of stock runs do not support --use-distributed-optimizer "
-                         "yet: drop one of them")
     for directory in (cfg.checkpoint.load, cfg.checkpoint.pretrained_checkpoint):
         if directory:
             check_loadable(directory)
+
+
+def is_torch_dist(path) -> bool:
+    """Whether the checkpoint directory `path` (an iter_NNNNNNN) is a complete torch_dist one."""
+    return (Path(path) / FORMAT_FILE).is_file()
 
 
 def check_loadable(directory) -> None:
@@ -53,10 +70,11 @@ def check_loadable(directory) -> None:
     if iteration is None:
         return
     path = loading.iteration_dir(directory, iteration)
-    if not (path / FORMAT_FILE).is_file():
+    if not is_torch_dist(path):
         raise ValueError(f"--load {directory}: {path} is not a megatron-core distributed "
-                         f"(torch_dist) checkpoint (no {FORMAT_FILE}); stock runs resume from "
-                         "checkpoints written by stock runs, --recover runs from --recover ones")
+                         f"(torch_dist) checkpoint (no {FORMAT_FILE}); runs without --recover "
+                         "load torch_dist checkpoints (of stock or --recover runs), not the "
+                         "--ckpt-format torch files of --recover runs")
 
 
 # Megatron-LM's names for the generators of `state.capture_rng` in its checkpoints' rng_state.
@@ -89,6 +107,8 @@ def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: boo
     model = ddp_model.module.sharded_state_dict()
     state = {"model": model, "iteration": iteration}
     if optim:
+        if is_loading:
+            training_state.initialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading,
                                                           metadata=_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -97,14 +117,88 @@ def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: boo
     return state
 
 
+@dataclass(frozen=True)
+class ReplicaWriters:
+    """Who writes a --recover torch_dist checkpoint: the ranks of the lowest live replica.
+
+    group: the replica's training group (its model-parallel group, or its distributed-optimizer
+        instance), whole after any failure of other replicas.
+    offset: megatron's data-parallel rank of the replica's first rank; its copies' replica ids
+        are counted from it, and it is subtracted so that they become the main replicas.
+    """
+
+    group: object
+    offset: int
+
+
+def _as_main_replica(state: dict, offset: int) -> None:
+    """Make this replica's copies the main ones (replica id 0 along the data-parallel axis):
+    megatron writes each tensor once, from the rank whose copy has replica id 0, and counts
+    copies by megatron's data-parallel rank, in which the writing replica is not necessarily
+    the first. The distributed optimizer's state counts its copies by instance (the first
+    coordinate), the rest by data-parallel rank (the last; an int for the RNG objects).
+    megatron's own validation of the save checks that each tensor then has exactly one main
+    copy."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+
+    for value in nested_values(state):
+        if not isinstance(value, (ShardedBase, ShardedTensorFactory)):
+            continue
+        replica_id = value.replica_id
+        if isinstance(replica_id, int):
+            value.replica_id = replica_id - offset
+        elif value.key.startswith("optimizer.distributed."):
+            value.replica_id = (0, *replica_id[1:])
+        else:
+            value.replica_id = (*replica_id[:-1], replica_id[-1] - offset)
+
+
+def _results_in_process() -> None:
+    """Have megatron's checkpoint writer pass a save's write results within this process.
+
+    By default it keeps a multiprocessing Manager (a spawned server process) for them, which
+    its asynchronous saves need; saves here are synchronous (--async-save is refused), and the
+    results are put and taken by the saving process itself. A Manager outlives a rank killed
+    by a signal and keeps the rank's stdout open, so mpirun would wait for it forever after a
+    failure that followed a save (measured: a --recover run whose writer died inside a save
+    never ended)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+@contextmanager
+def _as_world(group):
+    """Inside, `group` is torch.distributed's world: the default group, with its own ranks as
+    the global ones (dist_checkpointing saves over the default group only, and maps its ranks
+    to global ones; see the module docstring). Nothing inside may use another group."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    default, ranks = world.default_pg, world.pg_group_ranks[group]
+    world.default_pg = group
+    world.pg_group_ranks[group] = {rank: rank for rank in range(group.size())}
+    try:
+        yield
+    finally:
+        world.pg_group_ranks[group] = ranks
+        world.default_pg = default
+
+
 def _report(message: str, start: float, end: float) -> None:
     if dist.get_rank() == 0:
         print(f"  {message} [ {end - start:.3f} s, wall {start:.3f} -> {end:.3f} ]", flush=True)
 
 
-def save(directory, iteration: int, ddp_model, optimizer, scheduler) -> None:
-    """Write iteration `iteration`'s checkpoint; every rank calls, all return once it is complete
-    and the tracker names it."""
+def save(directory, iteration: int, ddp_model, optimizer, scheduler, recovery: dict | None = None,
+         writers: ReplicaWriters | None = None, written=lambda: None) -> None:
+    """Write iteration `iteration`'s checkpoint. Stock runs: every rank calls. --recover:
+    the ranks of `writers` call, with the `recovery` state. All return once it is complete and
+    the tracker names it; until then the tracker names the previous one. `written()` is
+    called on each writer once its part is on disk, before the tracker moves (the failure
+    schedule's checkpoint-save point)."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import (
         get_default_save_sharded_strategy,
@@ -114,13 +208,28 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler) -> None:
     )
 
     start = time.time()
+    _results_in_process()
     path = loading.iteration_dir(directory, iteration)
     path.mkdir(parents=True, exist_ok=True)
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
-                                                parallel_state.get_data_parallel_group())
-    dist_checkpointing.save(_state_dict(ddp_model, optimizer, scheduler, iteration, False),
-                            str(path), sharded_strategy=strategy)
-    dist.barrier()  # every rank's shards are on disk
+    state = _state_dict(ddp_model, optimizer, scheduler, iteration, False)
+    if writers is None:
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"),
+            parallel_state.get_data_parallel_group())
+        dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
+        _commit(directory, iteration, start)
+        return
+    state[RECOVERY_KEY] = recovery
+    _as_main_replica(state, writers.offset)
+    with _as_world(writers.group):
+        dist_checkpointing.save(state, str(path))
+        written()
+        _commit(directory, iteration, start)
+
+
+def _commit(directory, iteration: int, start: float) -> None:
+    """Name the checkpoint in the tracker once every writer's shards are on disk."""
+    dist.barrier()
     if dist.get_rank() == 0:
         tracker = Path(directory) / TRACKER
         tracker.with_suffix(".tmp").write_text(f"{iteration}\n")
@@ -135,33 +244,63 @@ def nothing_to_load(directory, start: float) -> None:
             time.time())
 
 
-def load(plan, ddp_model, optimizer, scheduler) -> int:
+def _model_parallel_mismatch(path: Path) -> str | None:
+    """What differs when the checkpoint in `path` was written with other (TP, PP) sizes than
+    this run's (its RNG object is laid out by them), in Megatron-LM's words; None if nothing."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    # The RNG object's shards are keyed rng_state/shard_<offset>_<global shape>.
+    saved = next((tuple(value.global_shape) for key, value in
+                  load_sharded_metadata(str(path)).items() if key.startswith("rng_state/")), None)
+    run = (parallel_state.get_pipeline_model_parallel_world_size(),
+           parallel_state.get_tensor_model_parallel_world_size())
+    if saved is None or saved == run:
+        return None
+    return f"(TP, PP) mismatch after resume ({run[::-1]} vs {saved[::-1]} from checkpoint)"
+
+
+def load(plan, ddp_model, optimizer, scheduler) -> tuple[int, dict | None]:
     """Load what `plan` (loading.LoadPlan) names into the model and, as it says, the
-    optimizer, scheduler and RNGs. Returns the iteration the run continues after: the
-    checkpoint's, or 0 for a fine-tune."""
+    optimizer, scheduler and RNGs; every rank calls. Returns the iteration the run continues
+    after (the checkpoint's, or 0 for a fine-tune) and the checkpoint's --recover state (None
+    when a stock run wrote it)."""
     from megatron.core import dist_checkpointing
 
     start = time.time()
     path = plan.path
-    if not (path / FORMAT_FILE).is_file():
+    if not is_torch_dist(path):
         raise ValueError(f"--load: {path} is not a complete megatron-core distributed "
                          f"(torch_dist) checkpoint (no {FORMAT_FILE})")
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint import CheckpointException  # torch's, gathered from ranks
 
+    # As Megatron-LM: the model and a plain optimizer's state are resharded to other TP and PP
+    # sizes; the generators (one per position) are not loaded then, and the distributed
+    # optimizer's per-bucket state loads only at the sizes it was written with.
+    mismatch = _model_parallel_mismatch(path)
+    if mismatch and plan.optimizer and training_state.distributed_optimizers(optimizer):
+        raise ValueError(f"--load: {path}: {mismatch}: the distributed optimizer's state "
+                         "(dp_reshardable) loads only with the tensor- and pipeline-parallel "
+                         "sizes it was written with: load with those, or with --no-load-optim")
+    if mismatch and plan.rng and dist.get_rank() == 0:
+        print(f"megatron-recover: {mismatch}: RNG state will be ignored", flush=True)
+    rng = plan.rng and not mismatch
     template = _state_dict(ddp_model, optimizer, scheduler, plan.iteration, True,
-                           optim=plan.optimizer, rng=plan.rng)
+                           optim=plan.optimizer, rng=rng)
     try:
         state = dist_checkpointing.load(template, str(path))
         ddp_model.module.load_state_dict(state["model"])
     except (CheckpointingException, CheckpointException, RuntimeError) as error:  # shapes, keys
         raise ValueError(loading.model_mismatch(path, error)) from error
     if plan.optimizer:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # fp32 distributed-optimizer main parameters are model views
+            optimizer.load_state_dict(state["optimizer"])
+        training_state.restore_steps(optimizer)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()  # fp16/bf16 main parameters from the loaded model
-    if plan.rng:
+    if rng:
         _set_rng_state(state["rng_state"])
     if state["iteration"] != plan.iteration:
         raise ValueError(f"--load: {path} holds iteration {state['iteration']}, not "
@@ -170,4 +309,5 @@ def load(plan, ddp_model, optimizer, scheduler) -> int:
     _report(f"successfully loaded checkpoint from {plan.directory} at iteration "
             f"{plan.iteration:7d}" + ("" if plan.resumes else " (fine-tuning from iteration 1)"),
             start, time.time())
-    return plan.iteration if plan.resumes else 0
+    return (plan.iteration if plan.resumes else 0), state.get(RECOVERY_KEY)
+

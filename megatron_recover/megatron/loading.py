@@ -102,7 +102,9 @@ def plan(checkpoint, say=print) -> LoadPlan | None:
 def model_mismatch(path, error: Exception) -> str:
     """What to say when a checkpoint's model does not fit this run's: the loader's first line
     about it (a size mismatch names the tensor and both shapes)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    # Errors gathered from other ranks carry their tracebacks: the source lines are not it.
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line.strip().startswith(("raise ", "File "))]
     detail = next((line for line in lines if "mismatch" in line or "Missing" in line
                    or "Unexpected" in line), lines[0] if lines else type(error).__name__)
     return (f"--load: the model in {path} does not match this run's ({detail}); load it with "

@@ -94,7 +94,7 @@ class StockStepper:
         start = time.time()
         plan = loading.plan(cfg.checkpoint, say=loading.printer(rank))
         if plan is not None:
-            self.first_iteration = dist_checkpoint.load(plan, *self._state()) + 1
+            self.first_iteration = dist_checkpoint.load(plan, *self._state())[0] + 1
         elif cfg.checkpoint.load:
             dist_checkpoint.nothing_to_load(cfg.checkpoint.load, start)
         self.consumed = cfg.global_batches.first_sample(self.first_iteration)
@@ -219,9 +219,22 @@ class ResilientStepper:
         trainer.gather_parameters()
         if trainer.p.replica != min(trainer.p.policy.layout.replicas):
             return
-        checkpoint.save(self.cfg.checkpoint.save, recovery_state(trainer.p.policy, iteration),
-                        setup.ddp_model, setup.optimizer, setup.scheduler,
-                        setup.checkpoint_position, setup.control_group, setup.local_rank)
+        state = recovery_state(trainer.p.policy, iteration)
+
+        def written():  # the failure schedule's point inside a save
+            trainer.p.faults.at("checkpoint-save", iteration)
+
+        if self.cfg.checkpoint.ckpt_format == "torch":
+            checkpoint.save(self.cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer,
+                            setup.scheduler, setup.checkpoint_position, setup.control_group,
+                            setup.local_rank, written)
+            return
+        dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.ddp_model,
+                             setup.optimizer, setup.scheduler, state.to_dict(),
+                             setup.checkpoint_writers(), written)
+        if setup.local_rank == 0:
+            checkpoint.write_summary(loading.iteration_dir(self.cfg.checkpoint.save, iteration),
+                                     state)
 
     def committed(self, iteration: int) -> None:
         """A node snapshot when one is due."""

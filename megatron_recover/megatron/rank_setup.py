@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_recover import collective
+from megatron_recover.megatron.dist_checkpoint import ReplicaWriters
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,13 @@ class RankSetup:
         if self.shard_group is None or dist.get_world_size(self.shard_group) == 1:
             return self.position
         return (*self.position, dist.get_rank(self.shard_group))
+
+    def checkpoint_writers(self):
+        """This rank's replica as the writers of a torch_dist checkpoint: its training group,
+        and the data-parallel rank of its first rank (a replica's shards are consecutive
+        data-parallel ranks)."""
+        shard = 0 if self.shard_group is None else dist.get_rank(self.shard_group)
+        return ReplicaWriters(self.replica_group, self.dp_rank - shard)
 
     def unwrapped_model(self):
         """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""

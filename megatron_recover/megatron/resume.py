@@ -7,7 +7,13 @@ a later run can continue.
 import time
 from dataclasses import dataclass, replace
 
-from megatron_recover.megatron import checkpoint, loading, mcore_config, snapshot
+from megatron_recover.megatron import (
+    checkpoint,
+    dist_checkpoint,
+    loading,
+    mcore_config,
+    snapshot,
+)
 from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.policy import ADAPTIVE, WorkloadPolicy, advance_layout
 
@@ -52,8 +58,7 @@ def load_newest(cfg, rank: int,
             return state, (f"in-memory snapshots in {cfg.recover.snapshot_dir} "
                            f"({time.perf_counter() - start:.3f} s)")
     if plan is not None:
-        state = checkpoint.load(plan, setup.ddp_model, setup.optimizer, setup.scheduler,
-                                setup.checkpoint_position)
+        state = _load(cfg, plan, setup)
         took = f"{time.perf_counter() - start:.3f} s"
         if not plan.resumes:
             say(f"megatron-recover: fine-tuning from {plan.path} ({took}): its model, a fresh "
@@ -65,6 +70,20 @@ def load_newest(cfg, rank: int,
         say(f"megatron-recover: --load {cfg.checkpoint.load} holds no checkpoint (no "
             f"{checkpoint.TRACKER}): training from scratch")
     return None, ""
+
+
+def _load(cfg, plan, setup: RankSetup) -> checkpoint.RecoveryState:
+    """Load the checkpoint `plan` names, in the format it was written in; a stock run's
+    torch_dist checkpoint holds no recovery state: the policy starts afresh at its iteration,
+    on every replica of this run."""
+    if not dist_checkpoint.is_torch_dist(plan.path):
+        return checkpoint.load(plan, setup.ddp_model, setup.optimizer, setup.scheduler,
+                               setup.checkpoint_position)
+    iteration, saved = dist_checkpoint.load(plan, setup.ddp_model, setup.optimizer,
+                                            setup.scheduler)
+    if saved is not None:
+        return checkpoint.RecoveryState.from_dict(saved)
+    return recovery_state(WorkloadPolicy(mcore_config.to_policy_config(cfg)), iteration)
 
 
 def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):

@@ -43,7 +43,7 @@ def restore_rng(states: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
-def _distributed_optimizers(optimizer) -> list:
+def distributed_optimizers(optimizer) -> list:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -55,23 +55,45 @@ def parameter_state(optimizer) -> list[dict]:
     return [{opt._param_name(param): {k: v.detach().clone() for k, v in
                                       opt._get_main_param_and_optimizer_states(param).items()}
              for param in opt.model_param_group_index_map}
-            for opt in _distributed_optimizers(optimizer)]
+            for opt in distributed_optimizers(optimizer)]
+
+
+def initialize_optimizer_state(optimizer) -> None:
+    """Give each distributed optimizer's Adam the state its first step would create (zero
+    moments, step 0) if it has none yet. megatron-core 0.16.1's DistributedOptimizer builds the
+    template of a load from its own state_dict, which with torch's Adam (no Apex or Transformer
+    Engine) asserts that every parameter holds a step; before the first step none does."""
+    for opt in distributed_optimizers(optimizer):
+        if opt.optimizer.state:
+            continue
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                opt.optimizer.state[param]["step"] = torch.tensor(0.0)
+
+
+def restore_steps(optimizer) -> None:
+    """Give each parameter of a distributed optimizer the step count its group loaded, one
+    tensor each; call after DistributedOptimizer.load_state_dict. Without Apex/TE that call
+    gives every parameter one shared `step` tensor, which torch's Adam then increments once per
+    parameter per step (the bias correction would run ahead), and a torch_dist load then
+    copies the load template's step over it (the template's, 0 before the first step)."""
+    for opt in distributed_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
 def _load_parameter_state(optimizer, saved: list[dict]) -> None:
-    optimizers = _distributed_optimizers(optimizer)
+    optimizers = distributed_optimizers(optimizer)
     if len(saved) != len(optimizers):
         raise ValueError("--load: the checkpoint holds no distributed-optimizer state for this "
                          "run (written without --use-distributed-optimizer, or before such "
                          "checkpoints held it): resume with the optimizer set-up it was "
                          "written with")
+    restore_steps(optimizer)
     with torch.no_grad():  # the main parameters are leaves that require grad
         for opt, state in zip(optimizers, saved):
-            # DistributedOptimizer.load_state_dict (without Apex/TE) gives every parameter's
-            # state one shared `step` tensor, which torch's Adam then increments once per
-            # parameter per step: the bias correction runs ahead. One tensor each.
-            for param_state in opt.optimizer.state.values():
-                param_state["step"] = param_state["step"].clone()
             for param in opt.model_param_group_index_map:
                 opt._set_main_param_and_optimizer_states(param, state[opt._param_name(param)])
 
