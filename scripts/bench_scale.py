@@ -10,8 +10,8 @@ schedule is planned against the static policy itself (`plan_failures`): episodes
 deaths every other iteration, cycling through the policy's cases (a failure that makes a policy
 boundary, a spare that dies, a promotion, a second death inside the extension pass or the
 blocking restore, a death after the commit, two at once) and through every location of
-`faults.schedule.LOCATIONS` but those inside the optimizer step's collectives (the fault
-campaign covers those). B = replicas x G_init, so once a replica is gone B is no multiple
+`faults.schedule.ITERATION_LOCATIONS`, those every iteration reaches (not the optimizer step's
+collectives, which the fault campaign covers, nor evaluation, a join or a save). B = replicas x G_init, so once a replica is gone B is no multiple
 of the live replicas and the layout has spares.
 
 Runs the job twice, a failure-free reference and the failure run, and reports from their
@@ -44,10 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_recover.faults import read_markers  # noqa: E402
 from megatron_recover.faults.schedule import (  # noqa: E402
-    EVALUATION_LOCATIONS,
-    JOIN_LOCATIONS,
-    LOCATIONS,
-    OPTIMIZER_LOCATIONS,
+    ITERATION_LOCATIONS,
     ScheduleEntry,
     injection_report,
     write_schedule,
@@ -76,8 +73,7 @@ FIRST_RECORD = ("pre-forward", "backward", "before-reduce", "after-post", "durin
                 "during-consensus")
 IN_RECOVERY = ("during-extension", "during-restore")
 AFTER_COMMIT = ("optimizer-step",)
-assert set(FIRST_RECORD + IN_RECOVERY + AFTER_COMMIT) == (set(LOCATIONS)
-        - set(OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS))
+assert set(FIRST_RECORD + IN_RECOVERY + AFTER_COMMIT) == set(ITERATION_LOCATIONS)
 
 # One episode per failure iteration, cycled until the plan has its failures: (kind, location).
 # A death in recovery follows a death of the same iteration. Every failure iteration is followed

@@ -10,10 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_recover.faults.schedule import (
-    EVALUATION_LOCATIONS,
-    JOIN_LOCATIONS,
-    LOCATIONS,
-    OPTIMIZER_LOCATIONS,
+    ITERATION_LOCATIONS,
     load_schedule,
     write_schedule,
 )
@@ -30,8 +27,7 @@ def test_the_plan_kills_half_through_every_case(tmp_path, seed):
     plan, iterations = bench_scale.plan_failures(config, 16, seed)
     victims = [p.entry.replica for p in plan]
     assert len(victims) == len(set(victims)) == 16
-    assert {p.entry.location for p in plan} == (set(LOCATIONS)
-        - set(OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS))
+    assert {p.entry.location for p in plan} == set(ITERATION_LOCATIONS)
     assert any(p.effect == bench_scale.BOUNDARY for p in plan)
     assert any(p.effect == bench_scale.PROMOTION for p in plan)
     assert any(p.role in bench_scale.SPARE_ROLES for p in plan)

@@ -101,6 +101,9 @@ JOIN_LOCATIONS = ("join-transfer",)
 # Reached only by the ranks that write a checkpoint (the lowest live replica), after their part
 # is on disk and before the tracker names it.
 CHECKPOINT_LOCATIONS = ("checkpoint-save",)
+# The locations every training iteration reaches.
+ITERATION_LOCATIONS = tuple(loc for loc in LOCATIONS if loc not in OPTIMIZER_LOCATIONS
+                            + EVALUATION_LOCATIONS + JOIN_LOCATIONS + CHECKPOINT_LOCATIONS)
 STANDBY_LOCATIONS = ("idle", "join-transfer")
 
 
@@ -311,9 +314,7 @@ def generate_schedule(num_replicas: int, ranks_per_replica: int, count: int, see
     need --clip-grad or a distributed optimizer, nor evaluation, a standby's join or a
     checkpoint save)."""
     if locations is None:
-        locations = tuple(loc for loc in LOCATIONS if loc not in
-                          OPTIMIZER_LOCATIONS + EVALUATION_LOCATIONS + JOIN_LOCATIONS
-                          + CHECKPOINT_LOCATIONS)
+        locations = ITERATION_LOCATIONS
     if count >= num_replicas:
         raise ValueError(f"--count {count} would kill every one of {num_replicas} replicas")
     unknown = set(locations) - set(LOCATIONS)

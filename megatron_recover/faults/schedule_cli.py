@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=_iteration_range, required=True, metavar="A:B",
                         help="iterations the failures fall in (inclusive)")
     parser.add_argument("--locations", nargs="+", default=None, choices=LOCATIONS,
-                        help="where failures may land (default: all)")
+                        help="where failures may land (default: the locations every iteration "
+                        "reaches)")
     parser.add_argument("-o", "--output", type=Path, required=True, help="YAML file to write")
 
 
