@@ -154,6 +154,15 @@ def test_stock_and_recover_checkpoints_load_each_other_resharded(tmp_path):
     output, resumed, _ = stock_run(tmp_path, "stock-again", [
         *no_dropout, "--load", str(recover_ckpt)], ranks=2)
     assert "at iteration       4" in output and sorted(resumed) == [5, 6]
+    # Both hold Megatron-LM's common keys, with the data position its loader takes.
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    for path, iteration in ((stock_ckpt / "iter_0000002", 2), (recover_ckpt / "iter_0000004", 4)):
+        common = load_common_state_dict(str(path))
+        assert {"args", "checkpoint_version", "iteration", "opt_param_scheduler",
+                "num_floating_point_operations_so_far"} <= set(common)
+        assert common["iteration"] == iteration and common["checkpoint_version"] == 3.0
+        assert common["args"].consumed_train_samples == 8 * iteration
     continued = {**recovered, **resumed}
     rdiff = max(abs(continued[t] - reference[t]) / abs(reference[t]) for t in range(3, 7))
     print(f"uninterrupted TP=2 x PP=2 {[reference[t] for t in range(3, 7)]}, continued "

@@ -10,7 +10,8 @@ runs and under --recover.
 A checkpoint holds what Megatron-LM's `generate_state_dict` puts in one: the model's
 `sharded_state_dict()`, the optimizer's sharded state over it, the scheduler state, the iteration
 and the RNG states (one object per tensor x pipeline position; data-parallel ranks draw alike,
-so data-parallel rank 0 writes it). Replicated tensors are spread over the data-parallel ranks
+so data-parallel rank 0 writes it), with the common keys of `megatron_common` (its arguments
+namespace, checkpoint version and FLOPs counter). Replicated tensors are spread over the data-parallel ranks
 for writing (Megatron-LM's default fully parallel save). The data needs no state: an
 iteration's microbatch ids depend only on the iteration number, in both modes.
 
@@ -31,6 +32,7 @@ script passes the same `--save`/`--load` on every launch); Megatron-LM's load fl
 load with its wall-clock span, which scripts/run_restart_baseline.py reads.
 """
 
+import argparse
 import queue
 import time
 from contextlib import contextmanager
@@ -42,10 +44,12 @@ import torch.distributed as dist
 
 from megatron_recover.megatron import loading
 from megatron_recover.megatron import state as training_state
+from megatron_recover.megatron.report import model_flops
 
 TRACKER = loading.TRACKER
 FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a complete checkpoint
 RECOVERY_KEY = "recover_state"  # the --recover state in a checkpoint's common state
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 # As Megatron-LM passes them: the optimizer's keys follow the model's (no chained prefix), and
 # the distributed optimizer's state is saved per bucket, reshardable over the data-parallel size.
 _METADATA = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False,
@@ -57,6 +61,49 @@ def check_start(cfg) -> None:
     for directory in (cfg.checkpoint.load, cfg.checkpoint.pretrained_checkpoint):
         if directory:
             check_loadable(directory)
+
+
+def megatron_common(cfg, iteration: int, padded_vocab_size: int) -> dict:
+    """The common keys Megatron-LM's save_checkpoint writes beside the model, optimizer,
+    scheduler and RNG state: `checkpoint_version`, `num_floating_point_operations_so_far` and
+    `args`. Megatron-LM saves its whole argument namespace; this one holds the arguments its
+    load_checkpoint and check_checkpoint_args read (the data position, the model shape and
+    vocabulary, the parallel sizes, what was saved)."""
+    samples = cfg.global_batches.first_sample(iteration + 1)
+    evaluations = sum(cfg.evaluation.due(t) for t in range(1, iteration + 1))
+    model, parallel = cfg.model, cfg.parallel
+    args = argparse.Namespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        add_position_embedding=model.position_embedding_type == "learned_absolute",
+        max_position_embeddings=model.max_position_embeddings,
+        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+        padded_vocab_size=padded_vocab_size, tokenizer_type=cfg.data.tokenizer_type,
+        vocab_file=cfg.data.vocab_file,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        data_parallel_size=cfg.data_parallel_size, world_size=parallel.world_size,
+        micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
+        consumed_train_samples=samples, skipped_train_samples=0,
+        consumed_valid_samples=evaluations * cfg.evaluation.iters * cfg.global_batch_size,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+        ckpt_format="torch_dist", ckpt_fully_parallel_save=True, no_save_optim=False,
+        no_save_rng=False, data_parallel_random_init=False)
+    return {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+            "num_floating_point_operations_so_far": model_flops(model, padded_vocab_size,
+                                                                samples)}
+
+
+def check_data_position(saved_args, iteration: int, cfg) -> None:
+    """A resumed run's data continues at the iteration's first sample, which this run's batch
+    sizes give: the checkpoint's consumed samples (Megatron-LM's `args`) must agree."""
+    consumed = getattr(saved_args, "consumed_train_samples", None)
+    expected = cfg.global_batches.first_sample(iteration + 1)
+    if consumed is not None and consumed != expected:
+        raise ValueError(f"--load: the checkpoint consumed {consumed} training samples by "
+                         f"iteration {iteration}, while this run's batch sizes give {expected}: "
+                         "resume with the --global-batch-size and --rampup-batch-size it was "
+                         "written with")
 
 
 def is_torch_dist(path) -> bool:
@@ -192,10 +239,12 @@ def _report(message: str, start: float, end: float) -> None:
         print(f"  {message} [ {end - start:.3f} s, wall {start:.3f} -> {end:.3f} ]", flush=True)
 
 
-def save(directory, iteration: int, ddp_model, optimizer, scheduler, recovery: dict | None = None,
-         writers: ReplicaWriters | None = None, written=lambda: None) -> None:
-    """Write iteration `iteration`'s checkpoint. Stock runs: every rank calls. --recover:
-    the ranks of `writers` call, with the `recovery` state. All return once it is complete and
+def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dict,
+         recovery: dict | None = None, writers: ReplicaWriters | None = None,
+         written=lambda: None) -> None:
+    """Write iteration `iteration`'s checkpoint, with the `common` keys (`megatron_common`).
+    Stock runs: every rank calls. --recover: the ranks of `writers` call, with the `recovery`
+    state. All return once it is complete and
     the tracker names it; until then the tracker names the previous one. `written()` is
     called on each writer once its part is on disk, before the tracker moves (the failure
     schedule's checkpoint-save point)."""
@@ -211,7 +260,7 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler, recovery: d
     _results_in_process()
     path = loading.iteration_dir(directory, iteration)
     path.mkdir(parents=True, exist_ok=True)
-    state = _state_dict(ddp_model, optimizer, scheduler, iteration, False)
+    state = {**common, **_state_dict(ddp_model, optimizer, scheduler, iteration, False)}
     if writers is None:
         strategy = FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy("torch_dist"),
@@ -260,7 +309,7 @@ def _model_parallel_mismatch(path: Path) -> str | None:
     return f"(TP, PP) mismatch after resume ({run[::-1]} vs {saved[::-1]} from checkpoint)"
 
 
-def load(plan, ddp_model, optimizer, scheduler) -> tuple[int, dict | None]:
+def load(plan, ddp_model, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
     """Load what `plan` (loading.LoadPlan) names into the model and, as it says, the
     optimizer, scheduler and RNGs; every rank calls. Returns the iteration the run continues
     after (the checkpoint's, or 0 for a fine-tune) and the checkpoint's --recover state (None
@@ -305,6 +354,8 @@ def load(plan, ddp_model, optimizer, scheduler) -> tuple[int, dict | None]:
     if state["iteration"] != plan.iteration:
         raise ValueError(f"--load: {path} holds iteration {state['iteration']}, not "
                          f"{plan.iteration}")
+    if plan.resumes and "args" in state:
+        check_data_position(state["args"], plan.iteration, cfg)
     dist.barrier()  # every rank resumed
     _report(f"successfully loaded checkpoint from {plan.directory} at iteration "
             f"{plan.iteration:7d}" + ("" if plan.resumes else " (fine-tuning from iteration 1)"),

@@ -53,6 +53,10 @@ def tracked_iteration(directory) -> int | None:
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
+    if text == "release":
+        raise ValueError(f"--load: {tracker} names a release checkpoint (Megatron-LM's converted "
+                         "checkpoints, in DIR/release), which is not supported here: load a "
+                         "checkpoint of an iteration")
     if not text.isdigit():
         raise ValueError(f"--load: {tracker} holds {text!r}, not an iteration number")
     return int(text)

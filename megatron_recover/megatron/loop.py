@@ -94,7 +94,7 @@ class StockStepper:
         start = time.time()
         plan = loading.plan(cfg.checkpoint, say=loading.printer(rank))
         if plan is not None:
-            self.first_iteration = dist_checkpoint.load(plan, *self._state())[0] + 1
+            self.first_iteration = dist_checkpoint.load(plan, *self._state(), cfg)[0] + 1
         elif cfg.checkpoint.load:
             dist_checkpoint.nothing_to_load(cfg.checkpoint.load, start)
         self.consumed = cfg.global_batches.first_sample(self.first_iteration)
@@ -135,7 +135,9 @@ class StockStepper:
 
     def save(self, iteration: int) -> None:
         gather_parameters(self.setup.ddp_model)
-        dist_checkpoint.save(self.cfg.checkpoint.save, iteration, *self._state())
+        dist_checkpoint.save(self.cfg.checkpoint.save, iteration, *self._state(),
+                             dist_checkpoint.megatron_common(self.cfg, iteration,
+                                                             self.setup.padded_vocab_size))
 
     def committed(self, iteration: int) -> None:
         pass
@@ -230,8 +232,10 @@ class ResilientStepper:
                             setup.local_rank, written)
             return
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.ddp_model,
-                             setup.optimizer, setup.scheduler, state.to_dict(),
-                             setup.checkpoint_writers(), written)
+                             setup.optimizer, setup.scheduler,
+                             dist_checkpoint.megatron_common(self.cfg, iteration,
+                                                             setup.padded_vocab_size),
+                             state.to_dict(), setup.checkpoint_writers(), written)
         if setup.local_rank == 0:
             checkpoint.write_summary(loading.iteration_dir(self.cfg.checkpoint.save, iteration),
                                      state)

@@ -42,6 +42,12 @@ class RankSetup:
         shard = 0 if self.shard_group is None else dist.get_rank(self.shard_group)
         return ReplicaWriters(self.replica_group, self.dp_rank - shard)
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """The model's vocabulary, padded as megatron pads it (its embedding's rows over all
+        tensor-parallel ranks)."""
+        return self.unwrapped_model().vocab_size
+
     def unwrapped_model(self):
         """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""
         from megatron.core.transformer.module import Float16Module

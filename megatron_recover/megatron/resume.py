@@ -80,7 +80,7 @@ def _load(cfg, plan, setup: RankSetup) -> checkpoint.RecoveryState:
         return checkpoint.load(plan, setup.ddp_model, setup.optimizer, setup.scheduler,
                                setup.checkpoint_position)
     iteration, saved = dist_checkpoint.load(plan, setup.ddp_model, setup.optimizer,
-                                            setup.scheduler)
+                                            setup.scheduler, cfg)
     if saved is not None:
         return checkpoint.RecoveryState.from_dict(saved)
     return recovery_state(WorkloadPolicy(mcore_config.to_policy_config(cfg)), iteration)
