@@ -122,12 +122,14 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     # Every --save-interval iterations and once more at the --exit-interval stop, as
     # Megatron-LM does.
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
-    files = sorted(p.name for p in (ckpt / "iter_0000004").glob("*.pt"))
+    files = sorted(str(p.relative_to(ckpt / "iter_0000004"))
+                   for p in (ckpt / "iter_0000004").rglob("*.pt"))
     if not layout.endswith("-torch"):
         assert (ckpt / "iter_0000004" / "metadata.json").is_file()  # torch_dist, the default
     else:
-        assert files == ["mp_rank_00_000_shard_00.pt", "mp_rank_00_000_shard_01.pt"]
-        saved = torch.load(ckpt / "iter_0000004" / files[1], weights_only=False)
+        assert files == ["mp_rank_00/distrib_optim_shard_00.pt",
+                         "mp_rank_00/distrib_optim_shard_01.pt", "mp_rank_00/model_optim_rng.pt"]
+        saved = torch.load(ckpt / "iter_0000004" / files[1])
         (moments,) = saved["parameter_state"]
         assert moments and all(float(s["exp_avg_sq"].abs().sum()) > 0 for s in moments.values())
 
@@ -142,15 +144,55 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     assert loss <= EXACT_LOSS_RTOL and params <= EXACT_PARAM_RTOL
 
 
-@pytest.mark.timeout(4 * TIMEOUT_S)
+# What Megatron-LM's load_checkpoint reads from model_optim_rng.pt (megatron/training/
+# checkpointing.py at core_v0.16.1, docs/checkpoints.md), and our recovery state.
+MEGATRON_LM_FILE_KEYS = {"args", "checkpoint_version", "iteration", "model", "optimizer",
+                         "opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far"}
+MEGATRON_LM_RNG_NAMES = {"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state",
+                         "rng_tracker_states"}
+
+
+@pytest.mark.timeout(5 * TIMEOUT_S)
 def test_megatron_load_flags_under_recover(tmp_path):
-    """--ckpt-step with --no-load-optim, and --finetune, on a --recover checkpoint (2 replicas).
-    Iteration 3's loss comes before its optimizer step: it equals the uninterrupted run's when
-    the parameters were loaded, whatever the optimizer; the step then differs (fresh Adam
-    moments and schedule). A fine-tune starts at iteration 1 with the trained model."""
+    """--ckpt-format torch in Megatron-LM's layout (2 replicas). The files hold Megatron-LM's keys
+    and the model's own state-dict keys and shapes; a copy stripped of our recovery state and
+    given a whole argument namespace (as Megatron-LM itself writes) resumes
+    exactly. --ckpt-step with --no-load-optim: iteration 3's loss comes before its optimizer
+    step, so it equals the uninterrupted run's when the parameters were loaded, whatever the
+    optimizer; the step then differs (fresh Adam moments and schedule). A fine-tune starts at
+    iteration 1 with the trained model."""
+    import argparse
+
+    import megatron.core  # noqa: F401  (registers argparse.Namespace with torch.load's safe types)
+
+    from megatron_recover.megatron.arguments import build_parser
+
     ckpt = tmp_path / "ckpt"
-    four = ["--train-iters", "4", "--save-interval", "2"]
+    four = ["--train-iters", "4", "--save-interval", "2", "--ckpt-format", "torch"]
     _, full = train(tmp_path / "full", 2, [*four, "--save", str(ckpt)])
+    (position,) = [p for p in (ckpt / "iter_0000002").iterdir() if p.is_dir()]
+    assert position.name == "mp_rank_00"
+    saved = torch.load(position / "model_optim_rng.pt")
+    assert set(saved) == MEGATRON_LM_FILE_KEYS | {"recover_state"}
+    assert saved["iteration"] == 2 and saved["checkpoint_version"] == 3.0
+    assert len(saved["rng_state"]) == 1 and set(saved["rng_state"][0]) == MEGATRON_LM_RNG_NAMES
+    params = torch.load(tmp_path / "full" / "status" / "rank-0.params.pt")
+    assert {k for k in saved["model"] if not k.endswith("_extra_state")} == set(params)
+
+    # A file as Megatron-LM writes it: no recovery state, and its whole argument namespace (here
+    # every argument our parser has, its defaults under the run's values).
+    megatron = tmp_path / "megatron-lm"
+    (megatron / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    args = vars(build_parser().parse_args([]))
+    args.update(vars(saved["args"]))
+    torch.save({**{k: v for k, v in saved.items() if k != "recover_state"},
+                "args": argparse.Namespace(**args)},
+               megatron / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")
+    (megatron / "latest_checkpointed_iteration.txt").write_text("2\n")
+    result, resumed = train(tmp_path / "from-megatron-lm", 2, [*four, "--load", str(megatron)])
+    assert "resumed iteration 2" in result.output and sorted(resumed) == [3, 4]
+    assert [resumed[t]["loss"] for t in (3, 4)] == [full[t]["loss"] for t in (3, 4)]
+    assert params_rdiff(tmp_path / "from-megatron-lm", tmp_path / "full", [0, 1]) == 0
     result, no_optim = train(tmp_path / "no-optim", 2, [*four, "--load", str(ckpt),
                                                        "--ckpt-step", "2", "--no-load-optim"])
     assert "resumed iteration 2" in result.output and sorted(no_optim) == [3, 4]
@@ -174,7 +216,7 @@ def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
                                   "--save", str(ckpt)])
     torn = tmp_path / "torn"
     shutil.copytree(ckpt, torn)
-    (victim,) = (torn / "iter_0000002").glob("*.pt")
+    (victim,) = (torn / "iter_0000002").glob("*/model_optim_rng.pt")
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     before = {p: p.read_bytes() for d in (ckpt, torn) for p in d.rglob("*") if p.is_file()}
 
@@ -203,7 +245,7 @@ def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
     train(tmp_path / "tp-saved", 2, [*torch_format, "--tensor-model-parallel-size", "2",
                                      "--train-iters", "2", "--save-interval", "2",
                                      "--save", str(tp)])
-    victim = tp / "iter_0000002" / "mp_rank_01_000.pt"
+    victim = tp / "iter_0000002" / "mp_rank_01" / "model_optim_rng.pt"
     victim.write_bytes(victim.read_bytes()[:100])
     output = stopped("tp-run", tp, ["--tensor-model-parallel-size", "2"])
     assert f"--load: {victim} cannot be read" in output

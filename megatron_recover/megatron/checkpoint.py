@@ -1,22 +1,23 @@
-"""--recover checkpoints: written after failures, resumed on fewer replicas.
+"""--recover's `--ckpt-format torch`: Megatron-LM's per-rank torch files, written after failures
+and resumed on fewer replicas; and the recovery state every --recover checkpoint carries.
 
 Two formats, as Megatron-LM's --ckpt-format: torch_dist (the default; `dist_checkpoint.py`
-writes and reads it, and it is the format stock runs use) and torch, this module's files:
+writes and reads it, and it is the format stock runs use) and torch, this module's files, in
+Megatron-LM's layout (megatron/training/checkpointing.py at core_v0.16.1):
 
-Layout (--ckpt-format torch): SAVE/iter_NNNNNNN/mp_rank_TT_PPP.pt holds one intra-replica
-position's complete training state (`state.capture`: model, optimizer, scheduler, random
-number generators) plus the recovery state (B, W_init, G_init,
-policy, mode, the policy layout, data position, reserve pointer); with distributed-optimizer
-shards, each shard of the position writes mp_rank_TT_PPP_shard_SS.pt with its own part of the
-optimizer state. SAVE/iter_NNNNNNN/recover_state.json repeats the recovery state for people;
-SAVE/latest_checkpointed_iteration.txt names the newest complete one.
-
-megatron-core's DistributedOptimizer.state_dict() leaves out the parameter state (fp32 main
-parameters and Adam moments: Megatron-LM saves them in a separate file); the files here hold
-it too, per shard, so a resumed run continues the uninterrupted one.
+  SAVE/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt   one (tensor, pipeline) position:
+      Megatron-LM's keys (`checkpoint_common.megatron_common`: args, checkpoint_version, the
+      FLOPs counter; iteration, model, optimizer, opt_param_scheduler, rng_state) and the
+      recovery state (`recover_state`: B, W_init, G_init, policy, mode, the policy layout,
+      reserve pointer)
+  SAVE/iter_NNNNNNN/mp_rank_TT[_PPP]/distrib_optim_shard_SS.pt   with the distributed
+      optimizer, each shard's main parameters and Adam moments (its state_dict leaves them out;
+      Megatron-LM gathers them into one distrib_optim.pt instead, which is not read here)
+  SAVE/iter_NNNNNNN/recover_state.json   the recovery state, for people
+  SAVE/latest_checkpointed_iteration.txt   the newest complete one
 
 Writing uses only groups without dead ranks: the lowest live replica (by the policy, which every
-rank agrees on) writes one file per position, its ranks meet in a barrier on their own
+rank agrees on) writes its positions' files, its ranks meet in a barrier on their own
 intra-replica group, and its local rank 0 then moves the tracker. No world-wide gather or
 barrier, so a dead replica 0 leaves nothing unwritten. Replicas hold identical states, so any
 live replica's files are the checkpoint.
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import loading
+from megatron_recover.megatron import checkpoint_common, loading
 from megatron_recover.megatron import state as training_state
 from megatron_recover.policy import ADAPTIVE, Layout
 from megatron_recover.policy.adaptive import AdaptiveLayout
@@ -64,36 +65,70 @@ class RecoveryState:
         return cls(**{**saved, "layout": layout_type(**saved["layout"])})
 
 
-def position_name(position: tuple[int, ...]) -> str:
-    """position: (tensor rank, pipeline rank) or, with distributed-optimizer shards, (tensor
-    rank, pipeline rank, shard)."""
-    name = f"mp_rank_{position[0]:02d}_{position[1]:03d}"
-    if len(position) == 3:
-        name += f"_shard_{position[2]:02d}"
-    return name
+MODEL_FILE = "model_optim_rng.pt"
 
 
-def _position_file(directory: Path, iteration: int, position: tuple[int, ...]) -> Path:
-    return loading.iteration_dir(directory, iteration) / f"{position_name(position)}.pt"
+def position_dir(position: tuple[int, ...], pipeline_size: int) -> str:
+    """Megatron-LM's directory of a (tensor, pipeline) position: mp_rank_TT, or mp_rank_TT_PPP
+    with pipeline parallelism."""
+    name = f"mp_rank_{position[0]:02d}"
+    return name + f"_{position[1]:03d}" if pipeline_size > 1 else name
+
+
+def _files(directory, iteration: int, position: tuple[int, ...],
+           pipeline_size: int) -> tuple[Path, Path | None]:
+    """The position's model_optim_rng.pt and, with distributed-optimizer shards (`position` =
+    (tensor, pipeline, shard)), its shard's optimizer file."""
+    base = loading.iteration_dir(directory, iteration) / position_dir(position, pipeline_size)
+    shard = None if len(position) == 2 else base / f"distrib_optim_shard_{position[2]:02d}.pt"
+    return base / MODEL_FILE, shard
 
 
 def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
-         position: tuple[int, ...], replica_group, local_rank: int, written=lambda: None) -> None:
-    """Write this rank's position; call on every rank of the writing replica only. `written()`
-    is called once the position's file is on disk, before the tracker names the checkpoint."""
-    path = _position_file(directory, state.iteration, position)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({**training_state.capture(ddp_model, optimizer, scheduler), "recovery": state}, tmp)
-    os.replace(tmp, path)
+         position: tuple[int, ...], pipeline_size: int, common: dict, replica_group,
+         local_rank: int, written=lambda: None) -> None:
+    """Write this rank's position; call on every rank of the writing replica only. `common`:
+    `checkpoint_common.megatron_common`. `written()` is called once the rank's files are on
+    disk, before the tracker names the checkpoint (the caller writes recover_state.json
+    there)."""
+    model_file, shard_file = _files(directory, state.iteration, position, pipeline_size)
+    model_file.parent.mkdir(parents=True, exist_ok=True)
+    if shard_file is None or position[2] == 0:  # a position's shards hold the same model
+        _write(model_file, {
+            **common, "iteration": state.iteration,
+            "model": ddp_model.module.state_dict_for_save_checkpoint(),
+            "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict(),
+            "rng_state": [checkpoint_common.rng_state()],
+            checkpoint_common.RECOVERY_KEY: state.to_dict()})
+    if training_state.distributed_optimizers(optimizer):
+        _write(shard_file or model_file.with_name("distrib_optim_shard_00.pt"),
+               {"parameter_state": training_state.parameter_state(optimizer)})
     written()
     if replica_group is not None:
         dist.barrier(group=replica_group)  # every position of this replica is on disk
     if local_rank == 0:
-        write_summary(path.parent, state)
         tracker = Path(directory) / TRACKER
         tracker.with_suffix(".tmp").write_text(f"{state.iteration}\n")
         os.replace(tracker.with_suffix(".tmp"), tracker)
+
+
+def _write(path: Path, value) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(value, tmp)
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"--load: {path} is missing; was the checkpoint written with the same "
+                         "tensor and pipeline parallel sizes and distributed-optimizer shards?")
+    try:
+        # Plain values and tensors, and Megatron-LM's argument namespace (megatron-core
+        # registers it with torch.load's safe types).
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, or not a torch file: the unpickler's own errors
+        raise ValueError(f"--load: {path} cannot be read ({type(error).__name__}: {error}); "
+                         "a torn or partial checkpoint? Load an earlier one (--ckpt-step)") from error
 
 
 def write_summary(path: Path, state: RecoveryState) -> None:
@@ -104,24 +139,35 @@ def write_summary(path: Path, state: RecoveryState) -> None:
     (path / "recover_state.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...]) -> RecoveryState:
+def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...], pipeline_size: int,
+         cfg) -> tuple[int, dict | None]:
     """Load this position of the checkpoint `plan` (loading.LoadPlan) names into the model and,
-    as the plan says, the optimizer with the scheduler and the generators."""
-    path = _position_file(plan.directory, plan.iteration, position)
-    if not path.is_file():
-        raise ValueError(f"--load: {path} is missing; was the checkpoint written with the same "
-                         "tensor and pipeline parallel sizes and distributed-optimizer shards?")
+    as the plan says, the optimizer with the scheduler and the generators. Returns the
+    checkpoint's iteration and its recovery state (None in a file Megatron-LM wrote)."""
+    model_file, shard_file = _files(plan.directory, plan.iteration, position, pipeline_size)
+    saved = _read(model_file)
     try:
-        # Our own files: they hold the policy layout, a plain dataclass, besides tensors.
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # truncated, or not a torch file: the unpickler's own errors
-        raise ValueError(f"--load: {path} cannot be read ({type(error).__name__}: {error}); "
-                         "a torn or partial checkpoint? Load an earlier one (--ckpt-step)") from error
-    if "recovery" not in saved:
-        raise ValueError(f"--load: {path} is not a --recover checkpoint (no recovery state)")
-    try:
-        training_state.restore(saved, ddp_model, optimizer, scheduler, optim=plan.optimizer,
-                               rng=plan.rng)
+        ddp_model.module.load_state_dict(saved["model"])
     except RuntimeError as error:  # load_state_dict's missing keys and size mismatches
-        raise ValueError(loading.model_mismatch(path, error)) from error
-    return saved["recovery"]
+        raise ValueError(loading.model_mismatch(model_file, error)) from error
+    if plan.optimizer:
+        optimizer.load_state_dict(saved["optimizer"])
+        if training_state.distributed_optimizers(optimizer):
+            shard_file = shard_file or model_file.with_name("distrib_optim_shard_00.pt")
+            if not shard_file.is_file():
+                raise ValueError(f"--load: {shard_file} is missing: this run's distributed "
+                                 "optimizer needs its shard's state (Megatron-LM's own "
+                                 "distrib_optim.pt is not read here); load with "
+                                 "--no-load-optim, or resume from a torch_dist checkpoint")
+            training_state.load_parameter_state(optimizer,
+                                                _read(shard_file)["parameter_state"])
+        scheduler.load_state_dict(saved.get("lr_scheduler") or saved["opt_param_scheduler"])
+    else:
+        # fp16/bf16: the optimizer's fp32 main parameters still hold the initial values, and
+        # its first step would copy them over the loaded model (Megatron-LM reloads them too).
+        optimizer.reload_model_params()
+    if plan.rng:
+        checkpoint_common.restore_rng_state(saved["rng_state"][0])
+    if plan.resumes and "args" in saved:
+        checkpoint_common.check_data_position(saved["args"], saved["iteration"], cfg)
+    return saved["iteration"], saved.get(checkpoint_common.RECOVERY_KEY)

@@ -344,8 +344,8 @@ class CheckpointConfig:
     save_interval: int | None
     """Iterations between saves (--save-interval); required with --save, as in Megatron-LM."""
     ckpt_format: str = "torch_dist"
-    """--ckpt-format: "torch_dist" (stock runs: megatron-core distributed checkpoints) or "torch"
-    (--recover: per-rank torch files, written without a collective over dead ranks)."""
+    """--ckpt-format: "torch_dist" (megatron-core distributed checkpoints, both modes) or "torch"
+    (--recover only: Megatron-LM's per-rank torch files)."""
     load_optim: bool = True
     """False with --no-load-optim: the optimizer and scheduler start fresh (loading.py has the
     meanings of these load flags)."""
@@ -359,6 +359,12 @@ class CheckpointConfig:
     """--ckpt-step: load this iteration instead of the tracker's."""
     exit_on_missing_checkpoint: bool = False
     """--exit-on-missing-checkpoint: stop when --load holds no checkpoint."""
+
+    def due(self, iteration: int, train_iters: int) -> bool:
+        """As Megatron-LM: a save after every --save-interval iterations and at the end (an
+        --exit-* stop saves too, if this did not)."""
+        return bool(self.save) and (iteration % self.save_interval == 0
+                                    or iteration == train_iters)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ runs and under --recover.
 A checkpoint holds what Megatron-LM's `generate_state_dict` puts in one: the model's
 `sharded_state_dict()`, the optimizer's sharded state over it, the scheduler state, the iteration
 and the RNG states (one object per tensor x pipeline position; data-parallel ranks draw alike,
-so data-parallel rank 0 writes it), with the common keys of `megatron_common` (its arguments
-namespace, checkpoint version and FLOPs counter). Replicated tensors are spread over the data-parallel ranks
+so data-parallel rank 0 writes it), with the common keys of
+`checkpoint_common.megatron_common` (its arguments namespace, checkpoint version and FLOPs
+counter). Replicated tensors are spread over the data-parallel ranks
 for writing (Megatron-LM's default fully parallel save). The data needs no state: an
 iteration's microbatch ids depend only on the iteration number, in both modes.
 
@@ -32,7 +33,6 @@ script passes the same `--save`/`--load` on every launch); Megatron-LM's load fl
 load with its wall-clock span, which scripts/run_restart_baseline.py reads.
 """
 
-import argparse
 import queue
 import time
 from contextlib import contextmanager
@@ -42,14 +42,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import loading
+from megatron_recover.megatron import checkpoint_common, loading
 from megatron_recover.megatron import state as training_state
-from megatron_recover.megatron.report import model_flops
 
 TRACKER = loading.TRACKER
 FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a complete checkpoint
-RECOVERY_KEY = "recover_state"  # the --recover state in a checkpoint's common state
-CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+RECOVERY_KEY = checkpoint_common.RECOVERY_KEY
 # As Megatron-LM passes them: the optimizer's keys follow the model's (no chained prefix), and
 # the distributed optimizer's state is saved per bucket, reshardable over the data-parallel size.
 _METADATA = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False,
@@ -61,49 +59,6 @@ def check_start(cfg) -> None:
     for directory in (cfg.checkpoint.load, cfg.checkpoint.pretrained_checkpoint):
         if directory:
             check_loadable(directory)
-
-
-def megatron_common(cfg, iteration: int, padded_vocab_size: int) -> dict:
-    """The common keys Megatron-LM's save_checkpoint writes beside the model, optimizer,
-    scheduler and RNG state: `checkpoint_version`, `num_floating_point_operations_so_far` and
-    `args`. Megatron-LM saves its whole argument namespace; this one holds the arguments its
-    load_checkpoint and check_checkpoint_args read (the data position, the model shape and
-    vocabulary, the parallel sizes, what was saved)."""
-    samples = cfg.global_batches.first_sample(iteration + 1)
-    evaluations = sum(cfg.evaluation.due(t) for t in range(1, iteration + 1))
-    model, parallel = cfg.model, cfg.parallel
-    args = argparse.Namespace(
-        num_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        add_position_embedding=model.position_embedding_type == "learned_absolute",
-        max_position_embeddings=model.max_position_embeddings,
-        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-        padded_vocab_size=padded_vocab_size, tokenizer_type=cfg.data.tokenizer_type,
-        vocab_file=cfg.data.vocab_file,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        data_parallel_size=cfg.data_parallel_size, world_size=parallel.world_size,
-        micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
-        consumed_train_samples=samples, skipped_train_samples=0,
-        consumed_valid_samples=evaluations * cfg.evaluation.iters * cfg.global_batch_size,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
-        ckpt_format="torch_dist", ckpt_fully_parallel_save=True, no_save_optim=False,
-        no_save_rng=False, data_parallel_random_init=False)
-    return {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-            "num_floating_point_operations_so_far": model_flops(model, padded_vocab_size,
-                                                                samples)}
-
-
-def check_data_position(saved_args, iteration: int, cfg) -> None:
-    """A resumed run's data continues at the iteration's first sample, which this run's batch
-    sizes give: the checkpoint's consumed samples (Megatron-LM's `args`) must agree."""
-    consumed = getattr(saved_args, "consumed_train_samples", None)
-    expected = cfg.global_batches.first_sample(iteration + 1)
-    if consumed is not None and consumed != expected:
-        raise ValueError(f"--load: the checkpoint consumed {consumed} training samples by "
-                         f"iteration {iteration}, while this run's batch sizes give {expected}: "
-                         "resume with the --global-batch-size and --rampup-batch-size it was "
-                         "written with")
 
 
 def is_torch_dist(path) -> bool:
@@ -124,27 +79,17 @@ def check_loadable(directory) -> None:
                          "--ckpt-format torch files of --recover runs")
 
 
-# Megatron-LM's names for the generators of `state.capture_rng` in its checkpoints' rng_state.
-_MEGATRON_RNG_NAMES = {"random": "random_rng_state", "numpy": "np_rng_state",
-                       "torch": "torch_rng_state", "cuda": "cuda_rng_state",
-                       "tracker": "rng_tracker_states"}
-
-
 def _rng_state():
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    state = {_MEGATRON_RNG_NAMES[k]: v for k, v in training_state.capture_rng().items()}
+    state = checkpoint_common.rng_state()
     shape = (parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_tensor_model_parallel_world_size())
     offset = (parallel_state.get_pipeline_model_parallel_rank(),
               parallel_state.get_tensor_model_parallel_rank())
     return ShardedObject("rng_state", [state], shape, offset,
                          replica_id=parallel_state.get_data_parallel_rank())
-
-
-def _set_rng_state(saved) -> None:
-    training_state.restore_rng({k: saved[0][name] for k, name in _MEGATRON_RNG_NAMES.items()})
 
 
 def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: bool,
@@ -154,8 +99,7 @@ def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: boo
     model = ddp_model.module.sharded_state_dict()
     state = {"model": model, "iteration": iteration}
     if optim:
-        if is_loading:
-            training_state.initialize_optimizer_state(optimizer)
+        training_state.initialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading,
                                                           metadata=_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -195,7 +139,7 @@ def _as_main_replica(state: dict, offset: int) -> None:
         replica_id = value.replica_id
         if isinstance(replica_id, int):
             value.replica_id = replica_id - offset
-        elif value.key.startswith("optimizer.distributed."):
+        elif "optimizer.distributed." in value.key:  # with a chained_N. prefix too
             value.replica_id = (0, *replica_id[1:])
         else:
             value.replica_id = (*replica_id[:-1], replica_id[-1] - offset)
@@ -242,7 +186,8 @@ def _report(message: str, start: float, end: float) -> None:
 def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dict,
          recovery: dict | None = None, writers: ReplicaWriters | None = None,
          written=lambda: None) -> None:
-    """Write iteration `iteration`'s checkpoint, with the `common` keys (`megatron_common`).
+    """Write iteration `iteration`'s checkpoint, with the `common` keys
+    (`checkpoint_common.megatron_common`).
     Stock runs: every rank calls. --recover: the ranks of `writers` call, with the `recovery`
     state. All return once it is complete and
     the tracker names it; until then the tracker names the previous one. `written()` is
@@ -350,12 +295,12 @@ def load(plan, ddp_model, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
     else:
         optimizer.reload_model_params()  # fp16/bf16 main parameters from the loaded model
     if rng:
-        _set_rng_state(state["rng_state"])
+        checkpoint_common.restore_rng_state(state["rng_state"][0])
     if state["iteration"] != plan.iteration:
         raise ValueError(f"--load: {path} holds iteration {state['iteration']}, not "
                          f"{plan.iteration}")
     if plan.resumes and "args" in state:
-        check_data_position(state["args"], plan.iteration, cfg)
+        checkpoint_common.check_data_position(state["args"], plan.iteration, cfg)
     dist.barrier()  # every rank resumed
     _report(f"successfully loaded checkpoint from {plan.directory} at iteration "
             f"{plan.iteration:7d}" + ("" if plan.resumes else " (fine-tuning from iteration 1)"),

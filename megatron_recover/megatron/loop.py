@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, dist_checkpoint, groups, loading
+from megatron_recover.megatron import (
+    checkpoint,
+    checkpoint_common,
+    dist_checkpoint,
+    groups,
+    loading,
+)
 from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.progress import ExitRequests, Progress
 from megatron_recover.megatron.rank_setup import RankSetup
@@ -136,7 +142,7 @@ class StockStepper:
     def save(self, iteration: int) -> None:
         gather_parameters(self.setup.ddp_model)
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, *self._state(),
-                             dist_checkpoint.megatron_common(self.cfg, iteration,
+                             checkpoint_common.megatron_common(self.cfg, iteration,
                                                              self.setup.padded_vocab_size))
 
     def committed(self, iteration: int) -> None:
@@ -223,22 +229,22 @@ class ResilientStepper:
             return
         state = recovery_state(trainer.p.policy, iteration)
 
-        def written():  # the failure schedule's point inside a save
-            trainer.p.faults.at("checkpoint-save", iteration)
+        def written():  # this rank's part is on disk; the tracker has not moved
+            if setup.local_rank == 0:
+                checkpoint.write_summary(
+                    loading.iteration_dir(self.cfg.checkpoint.save, iteration), state)
+            trainer.p.faults.at("checkpoint-save", iteration)  # the failure schedule's point
 
+        common = checkpoint_common.megatron_common(self.cfg, iteration, setup.padded_vocab_size)
         if self.cfg.checkpoint.ckpt_format == "torch":
             checkpoint.save(self.cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer,
-                            setup.scheduler, setup.checkpoint_position, setup.control_group,
-                            setup.local_rank, written)
+                            setup.scheduler, setup.checkpoint_position,
+                            self.cfg.parallel.pipeline_model_parallel_size, common,
+                            setup.control_group, setup.local_rank, written)
             return
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.ddp_model,
-                             setup.optimizer, setup.scheduler,
-                             dist_checkpoint.megatron_common(self.cfg, iteration,
-                                                             setup.padded_vocab_size),
-                             state.to_dict(), setup.checkpoint_writers(), written)
-        if setup.local_rank == 0:
-            checkpoint.write_summary(loading.iteration_dir(self.cfg.checkpoint.save, iteration),
-                                     state)
+                             setup.optimizer, setup.scheduler, common, state.to_dict(),
+                             setup.checkpoint_writers(), written)
 
     def committed(self, iteration: int) -> None:
         """A node snapshot when one is due."""

@@ -202,9 +202,7 @@ class Progress:
 
     def save_due(self, iteration: int) -> bool:
         """As Megatron-LM: every --save-interval iterations, and once more at the end."""
-        cfg = self.cfg
-        return bool(cfg.checkpoint.save) and (iteration % cfg.checkpoint.save_interval == 0
-                                              or iteration == cfg.train_iters)
+        return self.cfg.checkpoint.due(iteration, self.cfg.train_iters)
 
     def stopping(self, iteration: int, agreed_request: bool, saved: bool, save) -> bool:
         """Whether every rank stops after `iteration` (an --exit-* flag); it saves first (once)

@@ -73,14 +73,16 @@ def load_newest(cfg, rank: int,
 
 
 def _load(cfg, plan, setup: RankSetup) -> checkpoint.RecoveryState:
-    """Load the checkpoint `plan` names, in the format it was written in; a stock run's
-    torch_dist checkpoint holds no recovery state: the policy starts afresh at its iteration,
-    on every replica of this run."""
-    if not dist_checkpoint.is_torch_dist(plan.path):
-        return checkpoint.load(plan, setup.ddp_model, setup.optimizer, setup.scheduler,
-                               setup.checkpoint_position)
-    iteration, saved = dist_checkpoint.load(plan, setup.ddp_model, setup.optimizer,
-                                            setup.scheduler, cfg)
+    """Load the checkpoint `plan` names, in the format it was written in. A checkpoint Megatron-LM
+    or a stock run wrote holds no recovery state: the policy starts afresh at its iteration, on
+    every replica of this run."""
+    if dist_checkpoint.is_torch_dist(plan.path):
+        iteration, saved = dist_checkpoint.load(plan, setup.ddp_model, setup.optimizer,
+                                                setup.scheduler, cfg)
+    else:
+        iteration, saved = checkpoint.load(plan, setup.ddp_model, setup.optimizer,
+                                           setup.scheduler, setup.checkpoint_position,
+                                           cfg.parallel.pipeline_model_parallel_size, cfg)
     if saved is not None:
         return checkpoint.RecoveryState.from_dict(saved)
     return recovery_state(WorkloadPolicy(mcore_config.to_policy_config(cfg)), iteration)

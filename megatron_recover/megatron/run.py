@@ -118,13 +118,14 @@ def _check_optimizer_locations(cfg, entries) -> None:
                              f"{cfg.evaluation.interval or 0}, --eval-iters "
                              f"{cfg.evaluation.iters}, "
                              f"--train-iters {cfg.train_iters})")
-        saves = cfg.checkpoint.save and (entry.iteration == cfg.train_iters or (
-            cfg.checkpoint.save_interval and entry.iteration % cfg.checkpoint.save_interval == 0))
+        saves = cfg.checkpoint.due(entry.iteration, cfg.train_iters) or bool(
+            cfg.checkpoint.save and cfg.exit.interval and entry.iteration % cfg.exit.interval == 0)
         if entry.location == "checkpoint-save" and not saves:
             raise ValueError(f"{cfg.recover.failure_schedule}: location checkpoint-save at "
                              f"iteration {entry.iteration}: no save follows it (--save "
                              f"{cfg.checkpoint.save}, --save-interval "
-                             f"{cfg.checkpoint.save_interval}, --train-iters {cfg.train_iters})")
+                             f"{cfg.checkpoint.save_interval}, --exit-interval "
+                             f"{cfg.exit.interval}, --train-iters {cfg.train_iters})")
         if entry.location == "param-gather" and not cfg.parallel.use_distributed_optimizer:
             raise ValueError(f"{cfg.recover.failure_schedule}: location param-gather is the "
                              "distributed optimizer's parameter all-gather; add "

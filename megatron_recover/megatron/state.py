@@ -60,9 +60,14 @@ def parameter_state(optimizer) -> list[dict]:
 
 def initialize_optimizer_state(optimizer) -> None:
     """Give each distributed optimizer's Adam the state its first step would create (zero
-    moments, step 0) if it has none yet. megatron-core 0.16.1's DistributedOptimizer builds the
-    template of a load from its own state_dict, which with torch's Adam (no Apex or Transformer
-    Engine) asserts that every parameter holds a step; before the first step none does."""
+    moments, step 0) if it has none yet. megatron-core 0.16.1's DistributedOptimizer builds a
+    load's template, and a save, from its own state_dict, which with torch's Adam (no Apex or
+    Transformer Engine) asserts that every parameter holds a step; before the first successful
+    step (a load at start-up, or a save after fp16 skipped every step) none does."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    if HAVE_APEX_OR_TE:  # their Adam keeps no per-parameter step, and creates its state itself
+        return
     for opt in distributed_optimizers(optimizer):
         if opt.optimizer.state:
             continue
@@ -77,14 +82,20 @@ def restore_steps(optimizer) -> None:
     tensor each; call after DistributedOptimizer.load_state_dict. Without Apex/TE that call
     gives every parameter one shared `step` tensor, which torch's Adam then increments once per
     parameter per step (the bias correction would run ahead), and a torch_dist load then
-    copies the load template's step over it (the template's, 0 before the first step)."""
+    copies the load template's step over it (the template's, 0 before the first step). With
+    Apex or Transformer Engine their Adam keeps the step in its groups: nothing to do."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    if HAVE_APEX_OR_TE:
+        return
     for opt in distributed_optimizers(optimizer):
         for group in opt.optimizer.param_groups:
             for param in group["params"]:
                 opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
-def _load_parameter_state(optimizer, saved: list[dict]) -> None:
+def load_parameter_state(optimizer, saved: list[dict]) -> None:
+    """Install what `parameter_state` returned (on a rank of the same position and shard)."""
     optimizers = distributed_optimizers(optimizer)
     if len(saved) != len(optimizers):
         raise ValueError("--load: the checkpoint holds no distributed-optimizer state for this "
@@ -114,7 +125,7 @@ def restore(saved: dict, ddp_model, optimizer, scheduler, optim: bool = True,
     ddp_model.module.load_state_dict(saved["model"])
     if optim:
         optimizer.load_state_dict(saved["optimizer"])
-        _load_parameter_state(optimizer, saved.get("parameter_state", []))
+        load_parameter_state(optimizer, saved.get("parameter_state", []))
         scheduler.load_state_dict(saved["scheduler"])
     else:
         # fp16/bf16: the optimizer's fp32 main parameters still hold the initial values, and

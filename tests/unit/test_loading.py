@@ -91,7 +91,7 @@ def test_the_common_state_holds_what_megatron_lms_loader_reads():
     import argparse
 
     from megatron_recover.megatron.arguments import parse_args
-    from megatron_recover.megatron.dist_checkpoint import check_data_position, megatron_common
+    from megatron_recover.megatron.checkpoint_common import check_data_position, megatron_common
 
     cfg = parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
                      "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 8 "
