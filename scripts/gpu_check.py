@@ -458,9 +458,11 @@ def reduction_shares(records: list[dict]) -> dict:
 def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], schedule: str,
                   fired: list, failures: list, live: list, survivors: list[int],
                   left: list[int] = (), part: dict | None = None, joins=(),
-                  same_as: dict[int, int] | None = None) -> dict:
+                  same_as: dict[int, int] | None = None, save_interval: int | None = None) -> dict:
     """A failure-free reference and the same job under `schedule`; judged as the e2e tests do.
-    Fills `part` as it goes (what an interrupted run still reports)."""
+    With `save_interval`, the job with failures also saves torch_dist checkpoints (the lowest
+    live replica writes them from device memory), judged by `checkpoint_problems`. Fills `part`
+    as it goes (what an interrupted run still reports)."""
     part = {} if part is None else part
     part["ranks"] = num_ranks
     problems = []
@@ -470,7 +472,9 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
         if timeout_s < MIN_JOB_S:
             problems.append(f"{name}: no time left in the budget")
             break
-        run = train(out / name, num_ranks, args, sched, timeout_s)
+        saves = (["--save", str(out / name / "ckpt"), "--save-interval", str(save_interval)]
+                 if save_interval and sched else [])
+        run = train(out / name, num_ranks, [*args, *saves], sched, timeout_s)
         runs[name] = run
         part[f"{name}_s"] = round(run["result"].elapsed_s, 2)
         found = run_problems(run, name)
@@ -491,17 +495,37 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
         part["extension_pass_iterations"] = [r["iteration"] for r in runs["failures"]["records"]
                                              if r.get("extension_rounds")]
         problems += found
+        if save_interval:
+            problems += checkpoint_problems(out / "failures" / "ckpt", save_interval)
     part["verdict"] = "fail" if problems else "pass"
     if problems:
         part["problems"] = problems
     return part
 
 
+def checkpoint_problems(directory: Path, save_interval: int) -> list[str]:
+    """The saves of a run of ITERATIONS iterations: every --save-interval iteration's and the
+    last one's torch_dist checkpoint is complete (metadata.json, and the recovery state beside
+    it), and the tracker names the last."""
+    problems = []
+    for iteration in sorted({*range(save_interval, ITERATIONS + 1, save_interval), ITERATIONS}):
+        path = directory / f"iter_{iteration:07d}"
+        for name in ("metadata.json", "common.pt", "recover_state.json"):
+            if not (path / name).is_file():
+                problems.append(f"checkpoint: {path / name} is missing")
+    tracker = directory / "latest_checkpointed_iteration.txt"
+    named = tracker.read_text().strip() if tracker.is_file() else None
+    if named != str(ITERATIONS):
+        problems.append(f"checkpoint: the tracker names {named!r}, not {ITERATIONS}")
+    return problems
+
+
 def part_b(out: Path, deadline: float, part: dict) -> dict:
     part["layout"] = (f"{B_REPLICAS} replicas x 1 rank and a standby, {B_RANKS} ranks per "
                       "device, bf16, distributed optimizer, overlapped grad reduce")
     return training_part(out, deadline, B_RANKS, B_ARGS, B_SCHEDULE, B_FIRED, B_FAILURES,
-                         B_LIVE, B_SURVIVORS, part=part, joins=B_JOINS, same_as=B_SAME_AS)
+                         B_LIVE, B_SURVIVORS, part=part, joins=B_JOINS, same_as=B_SAME_AS,
+                         save_interval=4)
 
 
 def part_c(out: Path, deadline: float, part: dict) -> dict:

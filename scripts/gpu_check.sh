@@ -52,7 +52,9 @@
 #      under backward (host clocks) and the snapshot memory over the gradient buffer's.
 #      Both failures are policy boundaries (no spare): their extension passes run the
 #      non-blocking restore (the rewind on a side stream under the pass's first forward), and
-#      "extension_pass_iterations" lists them.
+#      "extension_pass_iterations" lists them. The run with failures also saves torch_dist
+#      checkpoints after iterations 4 and 8 (replica 0, the lowest live one, writes them from
+#      device memory): each must be complete and the tracker name the last.
 #  (c) With 4 or more GPUs: 2 replicas x TP 2, one rank per GPU, NCCL inside the replicas, the
 #      same model, bf16, --overlap-grad-reduce; replica 1's second rank killed inside a bucket
 #      all-reduce of iteration 3 (its TP peer must leave with it). Judged as (b). With 1-3 GPUs it

@@ -138,3 +138,21 @@ def test_cli_writes_the_schedule(tmp_path, capsys):
     assert cli(["schedule", "--replicas", "2", "--seed", "1", "--count", "2", "--iterations",
                 "1:2", "-o", str(out)]) == 2
     assert "every one of 2 replicas" in capsys.readouterr().err
+
+
+def test_a_checkpoint_save_entry_needs_a_save_after_its_iteration():
+    """A save follows every --save-interval iteration, the last, and the --exit-interval stop
+    (at its first multiple, as Megatron-LM stops); an entry elsewhere would never fire and is
+    refused at start-up."""
+    from megatron_recover.megatron.arguments import parse_args
+    from megatron_recover.megatron.run import _unreached
+
+    cfg = parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                     "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 8 "
+                     "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 --recover "
+                     "--save d --save-interval 4 --exit-interval 3".split(), world_size=4,
+                     cuda_available=False)
+    assert [t for t in range(1, 11) if _unreached(cfg, "checkpoint-save", t) is None] == [
+        3, 4, 8, 10]
+    assert "no save follows it (--save d, --save-interval 4, --exit-interval 3" in _unreached(
+        cfg, "checkpoint-save", 5)

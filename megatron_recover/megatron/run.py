@@ -104,32 +104,32 @@ def check_start(cfg) -> None:
 
 
 def _check_optimizer_locations(cfg, entries) -> None:
-    """A schedule entry inside a collective this job's optimizer step never runs would silently
-    not fire."""
+    """A schedule entry at a point this job never reaches (a collective its optimizer step never
+    runs, an evaluation or a save that never follows) would silently not fire."""
     for entry in entries:
-        if entry.location == "grad-norm" and cfg.optim.clip_grad <= 0:
-            raise ValueError(f"{cfg.recover.failure_schedule}: location grad-norm is the "
-                             "--clip-grad norm all-reduce; this job has --clip-grad 0")
-        evaluates = cfg.evaluation.due(entry.iteration) or (
-            cfg.evaluation.iters > 0 and entry.iteration == cfg.train_iters)
-        if entry.location == "evaluation" and not evaluates:
-            raise ValueError(f"{cfg.recover.failure_schedule}: location evaluation at iteration "
-                             f"{entry.iteration}: no evaluation follows it (--eval-interval "
-                             f"{cfg.evaluation.interval or 0}, --eval-iters "
-                             f"{cfg.evaluation.iters}, "
-                             f"--train-iters {cfg.train_iters})")
-        saves = cfg.checkpoint.due(entry.iteration, cfg.train_iters) or bool(
-            cfg.checkpoint.save and cfg.exit.interval and entry.iteration % cfg.exit.interval == 0)
-        if entry.location == "checkpoint-save" and not saves:
-            raise ValueError(f"{cfg.recover.failure_schedule}: location checkpoint-save at "
-                             f"iteration {entry.iteration}: no save follows it (--save "
-                             f"{cfg.checkpoint.save}, --save-interval "
-                             f"{cfg.checkpoint.save_interval}, --exit-interval "
-                             f"{cfg.exit.interval}, --train-iters {cfg.train_iters})")
-        if entry.location == "param-gather" and not cfg.parallel.use_distributed_optimizer:
-            raise ValueError(f"{cfg.recover.failure_schedule}: location param-gather is the "
-                             "distributed optimizer's parameter all-gather; add "
-                             "--use-distributed-optimizer or choose another location")
+        reason = _unreached(cfg, entry.location, entry.iteration)
+        if reason:
+            raise ValueError(f"{cfg.recover.failure_schedule}: {reason}")
+
+
+def _unreached(cfg, location: str, iteration: int) -> str | None:
+    """Why this job never reaches `location` of `iteration`, or None."""
+    if location == "grad-norm" and cfg.optim.clip_grad <= 0:
+        return "location grad-norm is the --clip-grad norm all-reduce; this job has --clip-grad 0"
+    if location == "evaluation" and not (cfg.evaluation.due(iteration) or (
+            cfg.evaluation.iters > 0 and iteration == cfg.train_iters)):
+        return (f"location evaluation at iteration {iteration}: no evaluation follows it "
+                f"(--eval-interval {cfg.evaluation.interval or 0}, --eval-iters "
+                f"{cfg.evaluation.iters}, --train-iters {cfg.train_iters})")
+    if location == "checkpoint-save" and not (cfg.checkpoint.due(iteration, cfg.train_iters) or (
+            cfg.checkpoint.save and iteration == cfg.exit.interval)):  # its stop saves
+        return (f"location checkpoint-save at iteration {iteration}: no save follows it (--save "
+                f"{cfg.checkpoint.save}, --save-interval {cfg.checkpoint.save_interval}, "
+                f"--exit-interval {cfg.exit.interval}, --train-iters {cfg.train_iters})")
+    if location == "param-gather" and not cfg.parallel.use_distributed_optimizer:
+        return ("location param-gather is the distributed optimizer's parameter all-gather; add "
+                "--use-distributed-optimizer or choose another location")
+    return None
 
 
 def _cross_replica_groups(replica_group_ranks: list[int],
