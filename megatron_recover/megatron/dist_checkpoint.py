@@ -12,9 +12,9 @@ A checkpoint holds what Megatron-LM's `generate_state_dict` puts in one: the mod
 and the RNG states (one object per tensor x pipeline position; data-parallel ranks draw alike,
 so data-parallel rank 0 writes it), with the common keys of
 `checkpoint_common.megatron_common` (its arguments namespace, checkpoint version and FLOPs
-counter). Replicated tensors are spread over the data-parallel ranks
-for writing (Megatron-LM's default fully parallel save). The data needs no state: an
-iteration's microbatch ids depend only on the iteration number, in both modes.
+counter). In stock runs replicated tensors are spread over the data-parallel ranks for writing
+(Megatron-LM's default fully parallel save). The data needs no state: an iteration's
+microbatch ids depend only on the iteration number, in both modes.
 
 Under --recover the lowest live replica writes alone (`ReplicaWriters`), after any number of
 failures: its ranks hold a complete copy of the training state, and its training group is
@@ -187,12 +187,10 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dic
          recovery: dict | None = None, writers: ReplicaWriters | None = None,
          written=lambda: None) -> None:
     """Write iteration `iteration`'s checkpoint, with the `common` keys
-    (`checkpoint_common.megatron_common`).
-    Stock runs: every rank calls. --recover: the ranks of `writers` call, with the `recovery`
-    state. All return once it is complete and
-    the tracker names it; until then the tracker names the previous one. `written()` is
-    called on each writer once its part is on disk, before the tracker moves (the failure
-    schedule's checkpoint-save point)."""
+    (`checkpoint_common.megatron_common`). Stock runs: every rank calls. --recover: the ranks
+    of `writers` call, with the `recovery` state. All return once it is complete and the
+    tracker names it; until then the tracker names the previous one. `written()` is called on
+    each writer once its part is on disk, before the tracker moves."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import (
         get_default_save_sharded_strategy,
