@@ -40,6 +40,16 @@ import torch.distributed as dist
 from megatron_recover.megatron import checkpoint, groups, loading
 from megatron_recover.megatron import state as training_state
 
+
+def position_name(position: tuple[int, ...]) -> str:
+    """A snapshot file's position: (tensor rank, pipeline rank) or, with distributed-optimizer
+    shards, (tensor rank, pipeline rank, shard)."""
+    name = f"mp_rank_{position[0]:02d}_{position[1]:03d}"
+    if len(position) == 3:
+        name += f"_shard_{position[2]:02d}"
+    return name
+
+
 _FILE = re.compile(r"^(mp_rank_\d+_\d+(?:_shard_\d+)?)-replica_\d+\.pt$")
 
 
@@ -121,7 +131,7 @@ class Snapshots:
         self.interval = interval
         self.replica = replica
         self.replicas_here = replicas_here or [replica]
-        self.name = f"{checkpoint.position_name(position)}-replica_{replica:04d}.pt"
+        self.name = f"{position_name(position)}-replica_{replica:04d}.pt"
         self._slow_writes = slow_writes or {}
         self._on_pause = on_pause
         self._mirror = HostMirror()
@@ -245,7 +255,7 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
     receives its state, tensor by tensor, from the lowest rank that has one. Contract: no rank
     fails during the restore (the job ends and the launcher relaunches it again).
     """
-    name = checkpoint.position_name(position)
+    name = position_name(position)
     mine = inventory(directory)
     hostname = socket.gethostname()
     everyone = [None] * dist.get_world_size()
