@@ -76,12 +76,12 @@ def position_dir(position: tuple[int, ...], pipeline_size: int) -> str:
 
 
 def _files(directory, iteration: int, position: tuple[int, ...],
-           pipeline_size: int) -> tuple[Path, Path | None]:
-    """The position's model_optim_rng.pt and, with distributed-optimizer shards (`position` =
-    (tensor, pipeline, shard)), its shard's optimizer file."""
+           pipeline_size: int) -> tuple[Path, Path]:
+    """The position's model_optim_rng.pt and its distributed-optimizer shard's file (`position`
+    = (tensor, pipeline, shard) with shards; shard 0 without)."""
     base = loading.iteration_dir(directory, iteration) / position_dir(position, pipeline_size)
-    shard = None if len(position) == 2 else base / f"distrib_optim_shard_{position[2]:02d}.pt"
-    return base / MODEL_FILE, shard
+    shard = position[2] if len(position) == 3 else 0
+    return base / MODEL_FILE, base / f"distrib_optim_shard_{shard:02d}.pt"
 
 
 def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
@@ -93,7 +93,7 @@ def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
     there)."""
     model_file, shard_file = _files(directory, state.iteration, position, pipeline_size)
     model_file.parent.mkdir(parents=True, exist_ok=True)
-    if shard_file is None or position[2] == 0:  # a position's shards hold the same model
+    if len(position) == 2 or position[2] == 0:  # a position's shards hold the same model
         _write(model_file, {
             **common, "iteration": state.iteration,
             "model": ddp_model.module.state_dict_for_save_checkpoint(),
@@ -101,8 +101,7 @@ def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
             "rng_state": [checkpoint_common.rng_state()],
             checkpoint_common.RECOVERY_KEY: state.to_dict()})
     if training_state.distributed_optimizers(optimizer):
-        _write(shard_file or model_file.with_name("distrib_optim_shard_00.pt"),
-               {"parameter_state": training_state.parameter_state(optimizer)})
+        _write(shard_file, {"parameter_state": training_state.parameter_state(optimizer)})
     written()
     if replica_group is not None:
         dist.barrier(group=replica_group)  # every position of this replica is on disk
@@ -153,7 +152,6 @@ def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...], pipel
     if plan.optimizer:
         optimizer.load_state_dict(saved["optimizer"])
         if training_state.distributed_optimizers(optimizer):
-            shard_file = shard_file or model_file.with_name("distrib_optim_shard_00.pt")
             if not shard_file.is_file():
                 raise ValueError(f"--load: {shard_file} is missing: this run's distributed "
                                  "optimizer needs its shard's state (Megatron-LM's own "

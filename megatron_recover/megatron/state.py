@@ -1,5 +1,6 @@
-"""The complete training state of one rank, defined once: what a checkpoint (`checkpoint.py`),
-a node snapshot (`snapshot.py`) and a standby's join (`standby.py`, `run.py`) carry.
+"""The complete training state of one rank, defined once: what a node snapshot (`snapshot.py`)
+and a standby's join (`standby.py`, `run.py`) carry, and the parts a checkpoint stores under
+Megatron-LM's keys (`checkpoint.py`, `dist_checkpoint.py`).
 
 `capture()` is this rank's model, optimizer (the loss scaler and, with the distributed optimizer,
 this shard's main parameters and Adam moments, which its state_dict leaves out), learning-rate
@@ -117,22 +118,13 @@ def capture(ddp_model, optimizer, scheduler) -> dict:
             "rng": capture_rng()}
 
 
-def restore(saved: dict, ddp_model, optimizer, scheduler, optim: bool = True,
-            rng: bool = True) -> None:
-    """Install what `capture` returned (on a rank of the same position): the model, and the
-    optimizer with the scheduler (`optim`) and the generators (`rng`), as Megatron-LM's
-    --no-load-optim and --no-load-rng leave them out."""
+def restore(saved: dict, ddp_model, optimizer, scheduler) -> None:
+    """Install what `capture` returned (on a rank of the same position)."""
     ddp_model.module.load_state_dict(saved["model"])
-    if optim:
-        optimizer.load_state_dict(saved["optimizer"])
-        load_parameter_state(optimizer, saved.get("parameter_state", []))
-        scheduler.load_state_dict(saved["scheduler"])
-    else:
-        # fp16/bf16: the optimizer's fp32 main parameters still hold the initial values, and
-        # its first step would copy them over the loaded model (Megatron-LM reloads them too).
-        optimizer.reload_model_params()
-    if rng and "rng" in saved:  # --recover checkpoints written before they held them do not
-        restore_rng(saved["rng"])
+    optimizer.load_state_dict(saved["optimizer"])
+    load_parameter_state(optimizer, saved.get("parameter_state", []))
+    scheduler.load_state_dict(saved["scheduler"])
+    restore_rng(saved["rng"])
 
 
 def to_bytes(state) -> torch.Tensor:
