@@ -127,11 +127,21 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     if not layout.endswith("-torch"):
         assert (ckpt / "iter_0000004" / "metadata.json").is_file()  # torch_dist, the default
     else:
-        assert files == ["mp_rank_00/distrib_optim_shard_00.pt",
-                         "mp_rank_00/distrib_optim_shard_01.pt", "mp_rank_00/model_optim_rng.pt"]
-        saved = torch.load(ckpt / "iter_0000004" / files[1])
-        (moments,) = saved["parameter_state"]
-        assert moments and all(float(s["exp_avg_sq"].abs().sum()) > 0 for s in moments.values())
+        # Megatron-LM's files: the shards' state gathered into one distrib_optim.pt per position,
+        # megatron-core's get_parameter_state_dp_zero dict (one gradient buffer, fp32 here). Its
+        # main parameters are the trained model's values (with the buffer's alignment padding).
+        assert files == ["mp_rank_00/distrib_optim.pt", "mp_rank_00/model_optim_rng.pt"]
+        saved = torch.load(ckpt / "iter_0000004" / files[0])
+        assert saved["buckets_coalesced"] is True and set(saved) == {"buckets_coalesced", 0}
+        ((dtypes, state),) = saved[0].items()
+        assert dtypes == (torch.float32, torch.float32)
+        assert {k: v.shape for k, v in state.items() if k != "numel_unpadded"} == {
+            k: (state["numel_unpadded"],) for k in ("param", "exp_avg", "exp_avg_sq")}
+        trained = torch.cat([p.flatten() for p in torch.load(
+            tmp_path / "first/status/rank-0.params.pt").values()])
+        assert torch.equal(state["param"][state["param"] != 0].sort().values,
+                           trained[trained != 0].sort().values)
+        assert float(state["exp_avg_sq"].abs().sum()) > 0  # stepped
 
     result, resumed = train(tmp_path / "resumed", ranks, [*extra, *same_dir, "--train-iters", "8"])
     assert "resumed iteration 4" in result.output
@@ -142,6 +152,26 @@ def test_job_script_save_and_load_the_same_directory(tmp_path, layout, figures):
     figures.append(f"checkpoint {layout}: --save d --load d relaunch vs uninterrupted: loss "
                    f"{loss:.2e}, parameters {params:.2e}")
     assert loss <= EXACT_LOSS_RTOL and params <= EXACT_PARAM_RTOL
+    if layout.endswith("-torch"):
+        # distrib_optim.pt loads on another number of shards: the same 2 replicas, unsharded.
+        result, resharded = train(tmp_path / "resharded", 2, [
+            "--use-distributed-optimizer", "--ckpt-format", "torch", "--train-iters", "8",
+            "--load", str(ckpt), "--ckpt-step", "4"])
+        assert "resumed iteration 4" in result.output and sorted(resharded) == [5, 6, 7, 8]
+        loss = loss_rdiff([resharded[t] for t in sorted(resharded)],
+                          [reference[t] for t in sorted(resharded)])
+        figures.append(f"checkpoint {layout}: resumed on 1 shard per replica: loss {loss:.2e}")
+        assert loss <= EXACT_LOSS_RTOL
+        # A torn distrib_optim.pt stops every shard at start-up (the one reading it says why;
+        # none waits in megatron's scatter), and the file is left as it was.
+        victim = ckpt / "iter_0000004" / "mp_rank_00" / "distrib_optim.pt"
+        victim.write_bytes(victim.read_bytes()[:1000])
+        result = launch(LaunchConfig(ranks, [*ENTRY, *JOB, *extra, "--train-iters", "8",
+                                             "--load", str(ckpt), "--ckpt-step", "4"],
+                                     tmp_path / "torn" / "status", TIMEOUT_S))
+        assert not result.timed_out and not result.succeeded
+        assert f"--load: {victim} cannot be read" in result.output, result.output[-3000:]
+        assert victim.stat().st_size == 1000
 
 
 # What Megatron-LM's load_checkpoint reads from model_optim_rng.pt (megatron/training/

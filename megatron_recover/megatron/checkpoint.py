@@ -10,9 +10,10 @@ Megatron-LM's layout (megatron/training/checkpointing.py at core_v0.16.1):
       FLOPs counter; iteration, model, optimizer, opt_param_scheduler, rng_state) and the
       recovery state (`recover_state`: B, W_init, G_init, policy, mode, the policy layout,
       reserve pointer)
-  SAVE/iter_NNNNNNN/mp_rank_TT[_PPP]/distrib_optim_shard_SS.pt   with the distributed
-      optimizer, each shard's main parameters and Adam moments (its state_dict leaves them out;
-      Megatron-LM gathers them into one distrib_optim.pt instead, which is not read here)
+  SAVE/iter_NNNNNNN/mp_rank_TT[_PPP]/distrib_optim.pt   with the distributed optimizer, its
+      main parameters and Adam moments (its state_dict leaves them out), gathered from the
+      shards by megatron-core's own save_parameter_state, as Megatron-LM writes it: it loads
+      on any number of shards
   SAVE/iter_NNNNNNN/recover_state.json   the recovery state, for people
   SAVE/latest_checkpointed_iteration.txt   the newest complete one
 
@@ -75,13 +76,15 @@ def position_dir(position: tuple[int, ...], pipeline_size: int) -> str:
     return name + f"_{position[1]:03d}" if pipeline_size > 1 else name
 
 
+OPTIMIZER_FILE = "distrib_optim.pt"
+
+
 def _files(directory, iteration: int, position: tuple[int, ...],
            pipeline_size: int) -> tuple[Path, Path]:
-    """The position's model_optim_rng.pt and its distributed-optimizer shard's file (`position`
-    = (tensor, pipeline, shard) with shards; shard 0 without)."""
+    """The position's model_optim_rng.pt and distrib_optim.pt (`position`: (tensor, pipeline),
+    and the shard with distributed-optimizer shards, which share both files)."""
     base = loading.iteration_dir(directory, iteration) / position_dir(position, pipeline_size)
-    shard = position[2] if len(position) == 3 else 0
-    return base / MODEL_FILE, base / f"distrib_optim_shard_{shard:02d}.pt"
+    return base / MODEL_FILE, base / OPTIMIZER_FILE
 
 
 def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
@@ -91,17 +94,20 @@ def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
     `checkpoint_common.megatron_common`. `written()` is called once the rank's files are on
     disk, before the tracker names the checkpoint (the caller writes recover_state.json
     there)."""
-    model_file, shard_file = _files(directory, state.iteration, position, pipeline_size)
+    model_file, optimizer_file = _files(directory, state.iteration, position, pipeline_size)
     model_file.parent.mkdir(parents=True, exist_ok=True)
-    if len(position) == 2 or position[2] == 0:  # a position's shards hold the same model
+    first_shard = len(position) == 2 or position[2] == 0
+    if training_state.distributed_optimizers(optimizer):
+        # Collective over the position's shards: the first writes what they gathered.
+        training_state.initialize_optimizer_state(optimizer)
+        optimizer.save_parameter_state(str(optimizer_file))
+    if first_shard:  # a position's shards hold the same model
         _write(model_file, {
             **common, "iteration": state.iteration,
             "model": ddp_model.module.state_dict_for_save_checkpoint(),
             "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict(),
             "rng_state": [checkpoint_common.rng_state()],
             checkpoint_common.RECOVERY_KEY: state.to_dict()})
-    if training_state.distributed_optimizers(optimizer):
-        _write(shard_file, {"parameter_state": training_state.parameter_state(optimizer)})
     written()
     if replica_group is not None:
         dist.barrier(group=replica_group)  # every position of this replica is on disk
@@ -120,7 +126,7 @@ def _write(path: Path, value) -> None:
 def _read(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"--load: {path} is missing; was the checkpoint written with the same "
-                         "tensor and pipeline parallel sizes and distributed-optimizer shards?")
+                         "tensor and pipeline parallel sizes?")
     try:
         # Plain values and tensors, and Megatron-LM's argument namespace (megatron-core
         # registers it with torch.load's safe types).
@@ -128,6 +134,59 @@ def _read(path: Path) -> dict:
     except Exception as error:  # truncated, or not a torch file: the unpickler's own errors
         raise ValueError(f"--load: {path} cannot be read ({type(error).__name__}: {error}); "
                          "a torn or partial checkpoint? Load an earlier one (--ckpt-step)") from error
+
+
+def _load_parameter_state(optimizer, path: Path) -> None:
+    """The distributed optimizer's main parameters and Adam moments from `path` (a
+    distrib_optim.pt, any number of shards wrote it): the first shard of the position reads and
+    checks it, then megatron-core scatters it over this run's shards. Collective over them; a
+    file that does not fit stops every shard with the first one's reason (none is left waiting
+    in the scatter)."""
+    optimizers = training_state.distributed_optimizers(optimizer)
+    group = optimizers[0].data_parallel_group_gloo
+    saved, verdict = None, [None]
+    if dist.get_rank(group) == 0:
+        try:
+            saved = _parameter_state(optimizers, path)
+        except ValueError as error:
+            verdict = [str(error)]
+    dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0), group=group)
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])
+    # megatron-core 0.16.1 copies the file's tensors over every entry of a parameter's optimizer
+    # state, which with torch's Adam (no Apex or Transformer Engine) also holds `step`, a key
+    # the file does not have: the steps leave for the copy and come back from the groups.
+    for distributed in optimizers:
+        for param_state in distributed.optimizer.state.values():
+            param_state.pop("step", None)
+    with torch.no_grad():  # the main parameters are leaves that require grad
+        for distributed, state in zip(optimizers, saved or [None] * len(optimizers)):
+            distributed.load_parameter_state_from_dp_zero(state)
+    training_state.restore_steps(optimizer)
+
+
+def _parameter_state(optimizers: list, path: Path) -> list[dict]:
+    """distrib_optim.pt's state per distributed optimizer (megatron-core writes one optimizer's
+    as a dict, a chain's as a list), checked against this run's gradient buffers."""
+    if not path.is_file():
+        raise ValueError(f"--load: {path} is missing: this run's distributed optimizer needs "
+                         "its main parameters and moments; was the checkpoint written without "
+                         "--use-distributed-optimizer? Load with --no-load-optim, or with the "
+                         "optimizer it was written with")
+    saved = _read(path)
+    saved = saved if isinstance(saved, list) else [saved]
+    written = [[(dtype, state["numel_unpadded"]) for index in sorted(k for k in one
+                                                                      if isinstance(k, int))
+                for dtype, state in one[index].items()] for one in saved]
+    wanted = [[(dtype, opt.buffers[index].numel_unpadded)
+               for index, by_dtype in enumerate(opt.gbuf_ranges) for dtype in by_dtype]
+              for opt in optimizers]
+    if written != wanted:
+        raise ValueError(f"--load: {path} holds distributed-optimizer state for gradient "
+                         f"buffers {written} (dtype, elements), this run's are {wanted}: another "
+                         "model or optimizer set-up; load with --no-load-optim, or with the "
+                         "set-up it was written with")
+    return saved
 
 
 def write_summary(path: Path, state: RecoveryState) -> None:
@@ -143,7 +202,8 @@ def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...], pipel
     """Load this position of the checkpoint `plan` (loading.LoadPlan) names into the model and,
     as the plan says, the optimizer with the scheduler and the generators. Returns the
     checkpoint's iteration and its recovery state (None in a file Megatron-LM wrote)."""
-    model_file, shard_file = _files(plan.directory, plan.iteration, position, pipeline_size)
+    model_file, optimizer_file = _files(plan.directory, plan.iteration, position,
+                                        pipeline_size)
     saved = _read(model_file)
     try:
         ddp_model.module.load_state_dict(saved["model"])
@@ -152,13 +212,7 @@ def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...], pipel
     if plan.optimizer:
         optimizer.load_state_dict(saved["optimizer"])
         if training_state.distributed_optimizers(optimizer):
-            if not shard_file.is_file():
-                raise ValueError(f"--load: {shard_file} is missing: this run's distributed "
-                                 "optimizer needs its shard's state (Megatron-LM's own "
-                                 "distrib_optim.pt is not read here); load with "
-                                 "--no-load-optim, or resume from a torch_dist checkpoint")
-            training_state.load_parameter_state(optimizer,
-                                                _read(shard_file)["parameter_state"])
+            _load_parameter_state(optimizer, optimizer_file)
         scheduler.load_state_dict(saved.get("lr_scheduler") or saved["opt_param_scheduler"])
     else:
         # fp16/bf16: the optimizer's fp32 main parameters still hold the initial values, and

@@ -303,12 +303,21 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model,
                                                     pg_collection if instances else None)
     tconfig.grad_scale_func = optimizer.scale_loss
+    shard_control_group = None if shard_group is None else groups.mirror_of(shard_group)
+    if par.use_distributed_optimizer:
+        # As Megatron-LM gives it one: the gloo group its data-parallel shards gather on for a
+        # --ckpt-format torch checkpoint's distrib_optim.pt (megatron-core's
+        # save_parameter_state and load_parameter_state).
+        gloo = shard_control_group or groups.mirror_of(
+            parallel_state.get_data_parallel_group(with_context_parallel=True))
+        for distributed in training_state.distributed_optimizers(optimizer):
+            distributed.data_parallel_group_gloo = gloo
     return RankSetup(
         ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group,
         replica_of_rank=replica_of_rank, replica_group=replica_group,
         control_group=groups.mirror_of(replica_group) if par.ranks_per_replica > 1 else None,
         shard_group=shard_group,
-        shard_control_group=None if shard_group is None else groups.mirror_of(shard_group),
+        shard_control_group=shard_control_group,
         dp_rank=parallel_state.get_data_parallel_rank(),
         replica_index=sorted(dp_group_ranks).index(dist.get_rank()),
         local_rank=dist.get_rank(group=replica_group),
