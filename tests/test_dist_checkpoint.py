@@ -93,6 +93,20 @@ def test_megatron_load_flags(tmp_path):
     assert not result.timed_out and "megatron-recover: error: --load: the model in" in (
         result.output), result.output[-3000:]
     assert {s.get("state") for s in result.statuses.values()} == {"error"}
+    # A torn shard file (one rank's writes cut short) stops every rank before training with
+    # that reason, not as another model, and the directory is left as it was.
+    torn = tmp_path / "torn"
+    shutil.copytree(save, torn)
+    victim = sorted((torn / "iter_0000002").glob("*.distcp"))[-1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    before = {p: p.read_bytes() for p in torn.rglob("*") if p.is_file()}
+    result = launch(LaunchConfig(2, [*ENTRY, *JOB, "--load", str(torn), "--ckpt-step", "2",
+                                     *four], tmp_path / "torn-run", TIMEOUT_S))
+    assert not result.timed_out and {s.get("state") for s in result.statuses.values()} == {
+        "error"}, result.output[-3000:]
+    assert (f"--load: {torn / 'iter_0000002'} cannot be read (EOFError); a torn or partial "
+            "checkpoint?") in result.output and "lm loss:" not in result.output
+    assert {p: p.read_bytes() for p in torn.rglob("*") if p.is_file()} == before
     print(f"iteration 3: uninterrupted {losses[3]}, --no-load-rng {no_rng[3]}, --no-load-optim "
           f"{no_optim[3]}; fine-tune iteration 1 {tuned[1]} against {losses[1]}")
 

@@ -33,6 +33,7 @@ script passes the same `--save`/`--load` on every launch); Megatron-LM's load fl
 load with its wall-clock span, which scripts/run_restart_baseline.py reads.
 """
 
+import pickle
 import queue
 import time
 from contextlib import contextmanager
@@ -252,6 +253,20 @@ def _model_parallel_mismatch(path: Path) -> str | None:
     return f"(TP, PP) mismatch after resume ({run[::-1]} vs {saved[::-1]} from checkpoint)"
 
 
+def _unreadable(error: Exception) -> str | None:
+    """What went wrong when `error`, raised by a load, says that a file of the checkpoint could
+    not be read (missing, truncated, not a torch file), on this rank or on any rank torch's
+    CheckpointException gathered it from; None when it is about what the files hold."""
+    causes = [error, error.__cause__, error.__context__,
+              *(failure[0] if isinstance(failure, tuple) else failure
+                for failure in getattr(error, "failures", {}).values())]
+    for cause in causes:
+        if isinstance(cause, (OSError, EOFError, pickle.UnpicklingError)) or (
+                isinstance(cause, RuntimeError) and "PytorchStreamReader" in str(cause)):
+            return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    return None
+
+
 def load(plan, ddp_model, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
     """Load what `plan` (loading.LoadPlan) names into the model and, as it says, the
     optimizer, scheduler and RNGs; every rank calls. Returns the iteration the run continues
@@ -284,6 +299,10 @@ def load(plan, ddp_model, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
         state = dist_checkpointing.load(template, str(path))
         ddp_model.module.load_state_dict(state["model"])
     except (CheckpointingException, CheckpointException, RuntimeError) as error:  # shapes, keys
+        torn = _unreadable(error)
+        if torn:
+            raise ValueError(f"--load: {path} cannot be read ({torn}); a torn or partial "
+                             "checkpoint? Load an earlier one (--ckpt-step)") from error
         raise ValueError(loading.model_mismatch(path, error)) from error
     if plan.optimizer:
         with torch.no_grad():  # fp32 distributed-optimizer main parameters are model views
