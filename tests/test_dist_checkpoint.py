@@ -149,7 +149,7 @@ def test_distributed_optimizer_resumes_and_reshards(tmp_path):
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_stock_and_recover_checkpoints_load_each_other_resharded(tmp_path):
     """One format both ways, across layouts: a stock run at TP=2 x PP=2 saves iteration 2; a
-    --recover run of 2 replicas at TP=1 x PP=1 resumes it (both model-parallel sizes resharded)
+    stock run at TP=1 x PP=1 resumes it for one iteration; a --recover run of 2 replicas at TP=1 x PP=1 resumes it (both model-parallel sizes resharded)
     and saves iteration 4; a stock run of 2 data-parallel ranks resumes that. Each continues
     the first run's trajectory within the tolerance of another reduction order. Dropout is off:
     stock runs draw it in sequence, --recover per microbatch."""
@@ -159,6 +159,13 @@ def test_stock_and_recover_checkpoints_load_each_other_resharded(tmp_path):
         *no_dropout, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--save", str(stock_ckpt), "--save-interval", "2"])
     assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+    # The stock run's own checkpoint at TP=1 x PP=1 in a stock run (one iteration: it is the
+    # same load as the --recover run's below).
+    output, stock_tp1, _ = stock_run(tmp_path, "stock-tp1", [
+        *no_dropout, "--load", str(stock_ckpt), "--ckpt-step", "2", "--exit-interval", "3"],
+        ranks=2)
+    assert "at iteration       2" in output and "RNG state will be ignored" in output
+    assert sorted(stock_tp1) == [3]
     output, recovered, _ = stock_run(tmp_path, "recover", [
         *no_dropout, "--recover", "--load", str(stock_ckpt), "--ckpt-step", "2",
         "--save", str(recover_ckpt), "--save-interval", "2", "--exit-interval", "4"], ranks=2)
@@ -180,5 +187,6 @@ def test_stock_and_recover_checkpoints_load_each_other_resharded(tmp_path):
     continued = {**recovered, **resumed}
     rdiff = max(abs(continued[t] - reference[t]) / abs(reference[t]) for t in range(3, 7))
     print(f"uninterrupted TP=2 x PP=2 {[reference[t] for t in range(3, 7)]}, continued "
-          f"{[continued[t] for t in range(3, 7)]}: largest relative difference {rdiff:.2e}")
-    assert rdiff < 1e-5
+          f"{[continued[t] for t in range(3, 7)]}, stock at TP=1 {stock_tp1[3]}: largest "
+          f"relative difference {rdiff:.2e}")
+    assert rdiff < 1e-5 and abs(stock_tp1[3] - reference[3]) / abs(reference[3]) < 1e-5
