@@ -460,8 +460,9 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
                   left: list[int] = (), part: dict | None = None, joins=(),
                   same_as: dict[int, int] | None = None, save_interval: int | None = None) -> dict:
     """A failure-free reference and the same job under `schedule`; judged as the e2e tests do.
-    With `save_interval`, the job with failures also saves torch_dist checkpoints (the lowest
-    live replica writes them from device memory), judged by `checkpoint_problems`. Fills `part`
+    With `save_interval`, the job with failures also saves torch_dist checkpoints with
+    --async-save (the lowest live replica copies them from device memory, a forked process
+    writes them), judged by `checkpoint_problems`. Fills `part`
     as it goes (what an interrupted run still reports)."""
     part = {} if part is None else part
     part["ranks"] = num_ranks
@@ -472,8 +473,8 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
         if timeout_s < MIN_JOB_S:
             problems.append(f"{name}: no time left in the budget")
             break
-        saves = (["--save", str(out / name / "ckpt"), "--save-interval", str(save_interval)]
-                 if save_interval and sched else [])
+        saves = (["--save", str(out / name / "ckpt"), "--save-interval", str(save_interval),
+                  "--async-save"] if save_interval and sched else [])
         run = train(out / name, num_ranks, [*args, *saves], sched, timeout_s)
         runs[name] = run
         part[f"{name}_s"] = round(run["result"].elapsed_s, 2)

@@ -229,6 +229,9 @@ def test_megatron_load_flags():
     assert "--no-load-optim says what to load, and nothing is loaded" in refused(
         "--no-load-optim")
     assert "--ckpt-step must name a saved iteration" in refused("--load", "d", "--ckpt-step", "0")
+    assert small("--save", "d", "--save-interval", "2", "--async-save").checkpoint.async_save
+    assert "--async-save writes megatron-core distributed checkpoints" in refused(
+        "--recover", "--ckpt-format", "torch", "--async-save")
 
 
 def test_legacy_split_default_with_data_path(gpt2_files):

@@ -49,11 +49,11 @@ def params_rdiff(run_dir, reference_dir, ranks):
 
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_a_save_after_failures_and_a_kill_during_the_next_resume_exactly(tmp_path):
-    """torch_dist (Megatron-LM's default format) under --recover, 3 replicas: replica 0 dies in
-    iteration 2's reduction, so replica 1 writes iteration 2's checkpoint; replica 1 dies inside
-    iteration 4's save, after its shards are on disk and before the tracker names them. The
-    tracker must still name iteration 2, and relaunches from it on the survivors' count (2) and
-    on the original count (3) continue the uninterrupted run."""
+    """torch_dist (Megatron-LM's default format) under --recover with --async-save, 3 replicas:
+    replica 0 dies in iteration 2's reduction, so replica 1 writes iteration 2's checkpoint;
+    replica 1 dies inside iteration 4's save, after its shards are on disk and before the
+    tracker names them. The tracker must still name iteration 2, and relaunches from it on the
+    survivors' count (2) and on the original count (3) continue the uninterrupted run."""
     _, reference = train(tmp_path / "reference", 3, ["--train-iters", "8"])
     schedule = tmp_path / "schedule.yaml"
     schedule.write_text("entries:\n"
@@ -62,9 +62,13 @@ def test_a_save_after_failures_and_a_kill_during_the_next_resume_exactly(tmp_pat
     ckpt = tmp_path / "ckpt"
     # The run of the reference, stopped after iteration 4 (a shorter --train-iters would be
     # another schedule, whose checkpoint Megatron-LM's scheduler check refuses to resume).
-    _, first = train(tmp_path / "first", 3, [
+    result, first = train(tmp_path / "first", 3, [
         "--train-iters", "8", "--exit-interval", "4", "--save", str(ckpt), "--save-interval", "2",
-        "--recover-failure-schedule", str(schedule)])
+        "--recover-failure-schedule", str(schedule), "--async-save"])
+    # --async-save: each save is scheduled, written by a forked process, and completed later
+    # (iteration 4's completion is where its writer dies).
+    assert result.output.count("scheduled an async checkpoint save at iteration") == 2
+    assert result.output.count("successfully saved checkpoint from iteration") == 1
     markers = [json.loads(line) for line in
                (tmp_path / "first/log.markers.jsonl").read_text().splitlines()]
     assert [(m["rank"], m["iteration"], m["location"]) for m in markers] == [

@@ -62,14 +62,19 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
 def test_megatron_load_flags(tmp_path):
     """--ckpt-step, --no-load-rng, --no-load-optim and --pretrained-checkpoint (a fine-tune)
     against a 4-iteration run that saved at 2 and 4 (2 ranks, dropout on, the distributed
-    optimizer). Each flag's effect is what changes: iteration 3's loss is computed before its
+    optimizer, --async-save). Each flag's effect is what changes: iteration 3's loss is computed before its
     optimizer step, so it equals the uninterrupted run's exactly when the parameters, data and
     dropout generators were loaded; the distributed optimizer's state makes the resumed run's
     final parameters bitwise equal."""
     save = tmp_path / "ckpt"
     four = ["--train-iters", "4", "--use-distributed-optimizer"]
-    _, losses, digests = stock_run(tmp_path, "full", [*four, "--save", str(save),
-                                                      "--save-interval", "2"], ranks=2)
+    # Saved with --async-save: the resumes below read what the forked writers wrote while
+    # training went on.
+    output, losses, digests = stock_run(tmp_path, "full", [*four, "--save", str(save),
+                                                           "--save-interval", "2",
+                                                           "--async-save"], ranks=2)
+    assert output.count("scheduled an async checkpoint save at iteration") == 2
+    assert loading.tracked_iteration(save) == 4
     from_2 = ["--load", str(save), "--ckpt-step", "2", *four]
     output, whole, whole_digests = stock_run(tmp_path, "whole", from_2, ranks=2)
     assert "at iteration       2" in output and sorted(whole) == [3, 4]

@@ -195,9 +195,6 @@ _REFUSED_GROUPS = (
      "--position-embedding-type rope, --ckpt-format)", "--batch-size --checkpoint-activations "
      "--warmup --model-parallel-size --use-rotary-position-embeddings --dist-ckpt-format "
      "--use-dist-ckpt"),
-    ("saves here are synchronous: the training loop does not drive megatron-core's "
-     "asynchronous save queue (and on a CPU run that save's host copy, tensor.to('cpu'), would "
-     "return the live tensor itself, racing the next optimizer step); drop it", "--async-save"),
     ("this checkpoint option is not supported: --save/--load/--save-interval save and resume the "
      "complete state (model, optimizer, RNG, scheduler, data position); drop it",
      "--auto-detect-ckpt-format --ckpt-assume-constant-structure "
@@ -378,6 +375,10 @@ IMPLEMENTED_NOTES = {
     "fine-tune from this one",
     "--ckpt-step": "Megatron-LM's meaning: load this iteration instead of the tracker's",
     "--exit-on-missing-checkpoint": "Megatron-LM's meaning: --load without a checkpoint stops",
+    "--async-save": "Megatron-LM's meaning: a save returns once its tensors are in host memory, "
+    "a background process writes them, and a later iteration completes the checkpoint (the "
+    "tracker moves then; the next save and the end of training wait for it); refused with "
+    "--ckpt-format torch, as in Megatron-LM",
     "--ckpt-format": "torch_dist (the default; stock and --recover runs load each other's) or, "
                      "under --recover, torch (per-position files of this project's own)",
     "--use-distributed-optimizer": "with --recover the optimizer state is sharded inside each "

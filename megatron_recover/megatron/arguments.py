@@ -212,6 +212,7 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pretrained-checkpoint")
     g.add_argument("--ckpt-step", type=int)
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--async-save", action="store_true")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -856,6 +857,10 @@ def _checkpointing(ns) -> list[str]:
     if loads and ns.load is None and ns.pretrained_checkpoint is None:
         problems.append(f"{', '.join(loads)} says what to load, and nothing is loaded: add "
                         "--load DIR (or --pretrained-checkpoint DIR) or drop it")
+    if ns.async_save and ns.ckpt_format == "torch":
+        problems.append("--async-save writes megatron-core distributed checkpoints in the "
+                        "background, as in Megatron-LM: pass --ckpt-format torch_dist (the "
+                        "default) or drop --async-save")
     if not ns.recover and ns.ckpt_format == "torch":
         problems.append("--ckpt-format torch: runs without --recover save megatron-core "
                         "distributed checkpoints: pass --ckpt-format torch_dist or drop the flag")
@@ -1247,7 +1252,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             ckpt_format=ns.ckpt_format or "torch_dist",
             load_optim=not ns.no_load_optim, load_rng=not ns.no_load_rng,
             finetune=ns.finetune, pretrained_checkpoint=ns.pretrained_checkpoint,
-            ckpt_step=ns.ckpt_step, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint),
+            ckpt_step=ns.ckpt_step, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
+            async_save=ns.async_save),
         recover=RecoverConfig(
             enabled=ns.recover, policy=ns.recover_policy or "static",
             mode=ns.recover_mode or "exact",

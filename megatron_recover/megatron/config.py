@@ -359,6 +359,9 @@ class CheckpointConfig:
     """--ckpt-step: load this iteration instead of the tracker's."""
     exit_on_missing_checkpoint: bool = False
     """--exit-on-missing-checkpoint: stop when --load holds no checkpoint."""
+    async_save: bool = False
+    """--async-save: a save returns once its tensors are copied to host memory and is written
+    in the background (dist_checkpoint.AsyncSaves)."""
 
     def due(self, iteration: int, train_iters: int) -> bool:
         """As Megatron-LM: a save after every --save-interval iterations and at the end (an

@@ -33,10 +33,11 @@ script passes the same `--save`/`--load` on every launch); Megatron-LM's load fl
 load with its wall-clock span, which scripts/run_restart_baseline.py reads.
 """
 
+import multiprocessing
 import pickle
 import queue
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,19 +147,47 @@ def _as_main_replica(state: dict, offset: int) -> None:
             value.replica_id = (*replica_id[:-1], replica_id[-1] - offset)
 
 
-def _results_in_process() -> None:
-    """Have megatron's checkpoint writer pass a save's write results within this process.
-
-    By default it keeps a multiprocessing Manager (a spawned server process) for them, which
-    its asynchronous saves need; saves here are synchronous (--async-save is refused), and the
-    results are put and taken by the saving process itself. A Manager outlives a rank killed
-    by a signal and keeps the rank's stdout open, so mpirun would wait for it forever after a
-    failure that followed a save (measured: a --recover run whose writer died inside a save
-    never ended)."""
+def _fresh_results_queue(forked: bool):
+    """Give megatron's checkpoint writer a new queue for this save's write results, and return
+    it. By default it keeps one multiprocessing Manager (a spawned server process) for them. A
+    Manager outlives a rank killed by a signal and keeps the rank's stdout open, so mpirun
+    would wait for it forever after a failure that followed a save (measured: a --recover run
+    whose writer died inside a save never ended). A synchronous save puts and takes its results
+    in the saving process (a plain queue); an asynchronous one takes them from its forked
+    writer (`_ForkedResults`)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
+    filesystem_async._results_queue = _ForkedResults() if forked else queue.Queue()
+    return filesystem_async._results_queue
+
+
+class _ForkedResults:
+    """The write results of an asynchronous save: megatron's writer, in the forked process,
+    puts them once; the saving process takes them when it completes the save. `drain` takes
+    them as soon as they arrive, so that a large result never leaves the writer blocked on a
+    full pipe while the saving process waits for the writer to end."""
+
+    TAKE_TIMEOUT_S = 60.0  # after the writer ended (or, blocking, while it finishes)
+
+    def __init__(self):
+        self._queue = multiprocessing.get_context("fork").Queue()
+        self._taken = []
+
+    def put(self, item) -> None:  # in the writer process
+        self._queue.put(item)
+
+    def drain(self) -> None:
+        try:
+            self._taken.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+
+    def get_nowait(self):
+        """The results (megatron's writer calls it when the save completes); queue.Empty, which
+        megatron reports as a failed write, when the writer ended without any."""
+        if not self._taken:
+            self._taken.append(self._queue.get(timeout=self.TAKE_TIMEOUT_S))
+        return self._taken.pop(0)
 
 
 @contextmanager
@@ -179,6 +208,81 @@ def _as_world(group):
         world.default_pg = default
 
 
+@dataclass
+class _InFlight:
+    process: object  # the forked writer, or None when this rank has nothing to write
+    results: _ForkedResults
+    complete: object  # completes the checkpoint: megatron's finalization, then the tracker
+
+
+class AsyncSaves:
+    """--async-save, with Megatron-LM's meaning: `save` returns once this rank's tensors are
+    copied to host memory, a forked process writes them while training goes on, and the
+    checkpoint is completed (megatron's metadata, then the tracker) at a later `poll` once
+    every writer's process has ended. Until then the tracker names the previous checkpoint, so
+    a writer that dies first leaves it the newest. One save is in flight at a time: the next
+    save, and the end of training, wait for it (`poll(blocking=True)`).
+
+    Megatron-core's own asynchronous caller is CUDA-only (it synchronizes the device and
+    agrees over the default group with CUDA tensors); this one agrees over `control_group`
+    (gloo: the world's in stock runs, the writing replica's under --recover; None for a replica
+    of one rank). The host copy is `to("cpu")`, a blocking copy from the device; a CPU tensor's
+    is the tensor itself, and the writer, forked right after, holds the process's memory as it
+    was then (copy-on-write), whatever the next optimizer step changes."""
+
+    def __init__(self, control_group):
+        self.control_group = control_group
+        self.in_flight: _InFlight | None = None
+
+    def start(self, request, results: _ForkedResults, complete) -> None:
+        args = list(request.async_fn_args)
+        process = None
+        if request.async_fn is not None:  # megatron's writer: (rank, write buckets, results)
+            args[1] = [(path, key, (data, [(item, tensor.detach().to("cpu"))
+                                           for item, tensor in tensors]))
+                       for path, key, (data, tensors) in args[1]]
+            process = multiprocessing.get_context("fork").Process(
+                target=request.async_fn, args=args, kwargs=request.async_fn_kwargs)
+            process.start()
+        self.in_flight = _InFlight(process, results, lambda: complete(request))
+
+    def abandon(self) -> None:
+        """Leave the save in flight incomplete once its writer ended (its files are on disk,
+        megatron's metadata is not, and the tracker does not name it): under --recover, when
+        this replica is no longer the lowest live one, whose newer save supersedes it;
+        completing it could move the tracker back after that one."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None and flight.process is not None:
+            while flight.process.is_alive():
+                flight.results.drain()
+                flight.process.join(timeout=0.05)
+
+    def poll(self, blocking: bool = False) -> None:
+        """Complete the save in flight if every writer's process has ended (`blocking`: once
+        they have). Every rank that started it calls this at the same points."""
+        flight = self.in_flight
+        if flight is None:
+            return
+        if not blocking:
+            flight.results.drain()
+            running = torch.tensor([int(flight.process is not None
+                                        and flight.process.is_alive())])
+            if self.control_group is not None:
+                dist.all_reduce(running, op=dist.ReduceOp.MAX, group=self.control_group)
+            if running.item():
+                return
+        while flight.process is not None and flight.process.is_alive():  # blocking
+            flight.results.drain()
+            flight.process.join(timeout=0.05)
+        self.in_flight = None
+        flight.complete()
+        if flight.process is not None:
+            flight.process.join()
+            if flight.process.exitcode != 0:
+                raise RuntimeError(f"the checkpoint writer process ended with exit code "
+                                   f"{flight.process.exitcode}")
+
+
 def _report(message: str, start: float, end: float) -> None:
     if dist.get_rank() == 0:
         print(f"  {message} [ {end - start:.3f} s, wall {start:.3f} -> {end:.3f} ]", flush=True)
@@ -186,12 +290,14 @@ def _report(message: str, start: float, end: float) -> None:
 
 def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dict,
          recovery: dict | None = None, writers: ReplicaWriters | None = None,
-         written=lambda: None) -> None:
+         written=lambda: None, saves: AsyncSaves | None = None) -> None:
     """Write iteration `iteration`'s checkpoint, with the `common` keys
     (`checkpoint_common.megatron_common`). Stock runs: every rank calls. --recover: the ranks
     of `writers` call, with the `recovery` state. All return once it is complete and the
     tracker names it; until then the tracker names the previous one. `written()` is called on
-    each writer once its part is on disk, before the tracker moves."""
+    each writer once its part is on disk, before the tracker moves. With `saves`
+    (--async-save) they return once their tensors are in host memory, and a later
+    `saves.poll` completes the checkpoint."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import (
         get_default_save_sharded_strategy,
@@ -201,23 +307,38 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dic
     )
 
     start = time.time()
-    _results_in_process()
+    if saves is not None:
+        saves.poll(blocking=True)  # one save in flight at a time
+    results = _fresh_results_queue(forked=saves is not None)
     path = loading.iteration_dir(directory, iteration)
     path.mkdir(parents=True, exist_ok=True)
     state = {**common, **_state_dict(ddp_model, optimizer, scheduler, iteration, False)}
     if writers is None:
-        strategy = FullyParallelSaveStrategyWrapper(
+        world, strategy = nullcontext, FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy("torch_dist"),
             parallel_state.get_data_parallel_group())
-        dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
-        _commit(directory, iteration, start)
-        return
-    state[RECOVERY_KEY] = recovery
-    _as_main_replica(state, writers.offset)
-    with _as_world(writers.group):
-        dist_checkpointing.save(state, str(path))
-        written()
-        _commit(directory, iteration, start)
+    else:
+        state[RECOVERY_KEY] = recovery
+        _as_main_replica(state, writers.offset)
+        world, strategy = (lambda: _as_world(writers.group)), None
+
+    def complete(request=None):
+        with world():
+            if request is not None:
+                for finalize in request.finalize_fns:  # megatron's metadata
+                    finalize()
+            written()
+            _commit(directory, iteration, start)
+
+    with world():
+        request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy,
+                                          async_sharded_save=saves is not None)
+        if saves is not None:
+            saves.start(request, results, complete)
+            _report(f"scheduled an async checkpoint save at iteration {iteration:7d} to "
+                    f"{directory}", start, time.time())
+    if saves is None:
+        complete()
 
 
 def _commit(directory, iteration: int, start: float) -> None:

@@ -104,6 +104,8 @@ class StockStepper:
         elif cfg.checkpoint.load:
             dist_checkpoint.nothing_to_load(cfg.checkpoint.load, start)
         self.consumed = cfg.global_batches.first_sample(self.first_iteration)
+        self.saves = (dist_checkpoint.AsyncSaves(groups.world_control())
+                      if cfg.checkpoint.async_save else None)
 
     def _state(self):
         return self.setup.ddp_model, self.setup.optimizer, self.setup.scheduler
@@ -143,10 +145,12 @@ class StockStepper:
         gather_parameters(self.setup.ddp_model)
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, *self._state(),
                              checkpoint_common.megatron_common(self.cfg, iteration,
-                                                             self.setup.padded_vocab_size))
+                                                             self.setup.padded_vocab_size),
+                             saves=self.saves)
 
     def committed(self, iteration: int) -> None:
-        pass
+        if self.saves is not None:
+            self.saves.poll()  # an --async-save whose writers all ended completes
 
     def exit_agreed(self, result: StepResult) -> bool:
         """As Megatron-LM: the maximum of every rank's request."""
@@ -161,6 +165,8 @@ class StockStepper:
         pass
 
     def finish(self) -> None:
+        if self.saves is not None:
+            self.saves.poll(blocking=True)
         gather_parameters(self.setup.ddp_model)
 
 
@@ -188,6 +194,9 @@ class ResilientStepper:
         # writes what the log lacks (bounded: a chain of PENDING_RECORDS writer deaths is not
         # survived in full).
         self.pending = deque(maxlen=PENDING_RECORDS)
+        # --async-save: the writing replica's saves; they agree on its control group.
+        self.saves = (dist_checkpoint.AsyncSaves(setup.control_group)
+                      if cfg.checkpoint.async_save else None)
 
     def step(self, iteration: int) -> StepResult:
         cfg = self.cfg
@@ -226,6 +235,8 @@ class ResilientStepper:
         trainer, setup = self.trainer, self.setup
         trainer.gather_parameters()
         if trainer.p.replica != min(trainer.p.policy.layout.replicas):
+            if self.saves is not None:  # this replica's save, if any, is superseded
+                self.saves.abandon()
             return
         state = recovery_state(trainer.p.policy, iteration)
 
@@ -244,11 +255,14 @@ class ResilientStepper:
             return
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.ddp_model,
                              setup.optimizer, setup.scheduler, common, state.to_dict(),
-                             setup.checkpoint_writers(), written)
+                             setup.checkpoint_writers(), written, self.saves)
 
     def committed(self, iteration: int) -> None:
-        """A node snapshot when one is due."""
+        """An --async-save completes once its writers all ended; a node snapshot when one is
+        due."""
         trainer, setup = self.trainer, self.setup
+        if self.saves is not None:
+            self.saves.poll()
         if self.snapshots is None or not self.snapshots.due(iteration,
                                                             trainer.p.policy.layout.replicas):
             return
@@ -265,6 +279,8 @@ class ResilientStepper:
             self.grow_back(iteration)
 
     def finish(self) -> None:
+        if self.saves is not None:
+            self.saves.poll(blocking=True)
         if self.snapshots is not None:
             self.snapshots.finish()
         self.trainer.gather_parameters()  # the final parameters, on every shard
