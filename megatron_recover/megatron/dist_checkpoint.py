@@ -275,12 +275,11 @@ class AsyncSaves:
             flight.results.drain()
             flight.process.join(timeout=0.05)
         self.in_flight = None
+        if flight.process is not None and flight.process.exitcode != 0:
+            raise RuntimeError(f"--async-save: the checkpoint writer process ended with exit "
+                               f"code {flight.process.exitcode}; the checkpoint is incomplete "
+                               "and the tracker names the previous one")
         flight.complete()
-        if flight.process is not None:
-            flight.process.join()
-            if flight.process.exitcode != 0:
-                raise RuntimeError(f"the checkpoint writer process ended with exit code "
-                                   f"{flight.process.exitcode}")
 
 
 def _report(message: str, start: float, end: float) -> None:
