@@ -27,6 +27,9 @@ are made the main replicas of every tensor. The checkpoint also holds the recove
 optimizer state is Megatron-LM's `dp_reshardable` format, so a checkpoint loads on another
 data-parallel size (another replica count, or another number of shards).
 
+With --async-save a save returns once its tensors are in host memory; a forked process writes
+them, and a later iteration completes the checkpoint (`AsyncSaves`).
+
 As in Megatron-LM, `--load` of a directory without a tracker file starts from scratch (a job
 script passes the same `--save`/`--load` on every launch); Megatron-LM's load flags
 (`--finetune`, `--no-load-optim`, ...) are resolved in `loading.py`. Rank 0 prints one line per save and
@@ -418,7 +421,8 @@ def load(plan, ddp_model, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
     try:
         state = dist_checkpointing.load(template, str(path))
         ddp_model.module.load_state_dict(state["model"])
-    except (CheckpointingException, CheckpointException, RuntimeError) as error:  # shapes, keys
+    except (CheckpointingException, CheckpointException, RuntimeError, OSError, EOFError,
+            pickle.UnpicklingError) as error:  # shapes and keys, or files that cannot be read
         torn = _unreadable(error)
         if torn:
             raise ValueError(f"--load: {path} cannot be read ({torn}); a torn or partial "
