@@ -50,10 +50,11 @@ def params_rdiff(run_dir, reference_dir, ranks):
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_a_save_after_failures_and_a_kill_during_the_next_resume_exactly(tmp_path):
     """torch_dist (Megatron-LM's default format) under --recover with --async-save, 3 replicas:
-    replica 0 dies in iteration 2's reduction, so replica 1 writes iteration 2's checkpoint;
-    replica 1 dies inside iteration 4's save, after its shards are on disk and before the
-    tracker names them. The tracker must still name iteration 2, and relaunches from it on the
-    survivors' count (2) and on the original count (3) continue the uninterrupted run."""
+    replica 0 dies in iteration 2's reduction, so replicas 1 and 2 save iteration 2's
+    checkpoint, the replicated tensors spread over them; replica 1 dies inside iteration 4's
+    save, after its shards are on disk and before the tracker names them. The tracker must
+    still name iteration 2, and relaunches from it on the survivors' count (2) and on the
+    original count (3) continue the uninterrupted run."""
     _, reference = train(tmp_path / "reference", 3, ["--train-iters", "8"])
     schedule = tmp_path / "schedule.yaml"
     schedule.write_text("entries:\n"
@@ -69,12 +70,22 @@ def test_a_save_after_failures_and_a_kill_during_the_next_resume_exactly(tmp_pat
     # (iteration 4's completion is where its writer dies).
     assert result.output.count("scheduled an async checkpoint save at iteration") == 2
     assert result.output.count("successfully saved checkpoint from iteration") == 1
+    assert ("megatron-recover: the checkpoint in flight is not complete: a rank failed during "
+            "the save") in result.output  # replica 2, the other saver, went on to the end
     markers = [json.loads(line) for line in
                (tmp_path / "first/log.markers.jsonl").read_text().splitlines()]
     assert [(m["rank"], m["iteration"], m["location"]) for m in markers] == [
         (0, 2, "during-reduce"), (1, 4, "checkpoint-save")]  # both faults fired
     assert first[4]["live_replicas"] == 2
     assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # a torch_dist checkpoint
+    # Both live replicas wrote: replicated tensors are spread over them (file __R_N.distcp is
+    # rank R's of the 2 savers), each about half of the bytes.
+    written = {}
+    for part in (ckpt / "iter_0000002").glob("__*.distcp"):
+        saver = int(part.name.split("_")[2])
+        written[saver] = written.get(saver, 0) + part.stat().st_size
+    print(f"iteration 2's checkpoint: bytes written per saver {written}")
+    assert sorted(written) == [0, 1] and max(written.values()) < 0.7 * sum(written.values())
     state = json.loads((ckpt / "iter_0000002/recover_state.json").read_text())
     assert state["live_replicas"] == [1, 2] and state["b"] == 12 and state["w_init"] == 3
     assert (ckpt / "iter_0000004").is_dir()  # written, never named

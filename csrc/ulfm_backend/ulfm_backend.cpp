@@ -223,18 +223,28 @@ ProcessGroupULFM::ProcessGroupULFM(GroupOptions options)
   TORCH_CHECK(fault_tolerance_enabled(),
               "ulfm: MPI fault tolerance is off. Launch with `mpirun --with-ft ulfm ...` "
               "(or `megatron-recover launch`), using an Open MPI 5 built with ULFM.");
-  MPI_Group world_group, group;
-  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
-  std::vector<int> ranks(options_.world_ranks.begin(), options_.world_ranks.end());
-  MPI_Group_incl(world_group, int(ranks.size()), ranks.data(), &group);
-  // Collective over the members only; members create their groups in the same order, so a tag
-  // derived from the group's name keeps concurrent creations of disjoint groups apart.
-  const int tag = int(std::hash<std::string>{}(options_.name) % 32768);
-  int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &comm_);
-  MPI_Group_free(&group);
-  MPI_Group_free(&world_group);
-  TORCH_CHECK(rc == MPI_SUCCESS && comm_ != MPI_COMM_NULL,
-              "ulfm: MPI_Comm_create_group failed for group ", options_.name);
+  if (options_.parent != nullptr) {
+    // One color per group (its first member), ordered as its ranks are.
+    const int color = int(*std::min_element(options_.world_ranks.begin(),
+                                            options_.world_ranks.end()));
+    const int rc = MPI_Comm_split(options_.parent->comm_, color, getRank(), &comm_);
+    options_.parent = nullptr;
+    TORCH_CHECK(rc == MPI_SUCCESS && comm_ != MPI_COMM_NULL,
+                "ulfm: MPI_Comm_split failed for group ", options_.name);
+  } else {
+    MPI_Group world_group, group;
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    std::vector<int> ranks(options_.world_ranks.begin(), options_.world_ranks.end());
+    MPI_Group_incl(world_group, int(ranks.size()), ranks.data(), &group);
+    // Collective over the members only; members create their groups in the same order, so a
+    // tag derived from the group's name keeps concurrent creations of disjoint groups apart.
+    const int tag = int(std::hash<std::string>{}(options_.name) % 32768);
+    int rc = MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &comm_);
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+    TORCH_CHECK(rc == MPI_SUCCESS && comm_ != MPI_COMM_NULL,
+                "ulfm: MPI_Comm_create_group failed for group ", options_.name);
+  }
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
@@ -532,12 +542,13 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::broadcast_from(at::Tensor tensor,
 
 c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_broadcast(at::Tensor tensor,
                                                                 int64_t root_world_rank,
-                                                                bool fail_stop) {
+                                                                bool fail_stop,
+                                                                at::Tensor keep) {
   // The root's tensor is only read, the others' only written.
   const auto use = root_world_rank == world_rank() ? Stage::kRead : Stage::kWrite;
   auto stage = std::make_shared<Stage>(tensor, use, /*direct_ok=*/true, staging());
-  return enqueue(c10d::OpType::BROADCAST, {tensor}, fail_stop, {stage},
-                 [this, stage, root_world_rank](FailureRecord* record) {
+  return enqueue(c10d::OpType::BROADCAST, {keep.defined() ? keep : tensor}, fail_stop, {stage},
+                 [this, stage, root_world_rank, keep](FailureRecord* record) {
     const auto current = members();
     auto it = std::find(current.begin(), current.end(), root_world_rank);
     TORCH_CHECK_VALUE(it != current.end(), "ulfm: broadcast root ", root_world_rank,
@@ -555,6 +566,9 @@ c10::intrusive_ptr<WorkULFM> ProcessGroupULFM::enqueue_broadcast(at::Tensor tens
       }
       return MPI_SUCCESS;
     }, record);
+    if (record->repaired || !keep.defined()) return;
+    const auto rows = stage->mpi().chunk(int64_t(current.size()));
+    keep.copy_(rows[size_t(current_rank())].view(keep.sizes()));
   });
 }
 
@@ -714,6 +728,43 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::barrier(const c10d::BarrierOptions&) {
   return enqueue_barrier(true);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  TORCH_CHECK_VALUE(inputs.size() == 1, "ulfm: gather takes one input tensor");
+  const bool root = options_.world_ranks.at(opts.rootRank) == world_rank();
+  std::vector<at::Tensor> rows;
+  if (root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1 && int64_t(outputs[0].size()) == current_size(),
+                      "ulfm: gather's root takes one output list with one tensor per live "
+                      "member (", current_size(), ")");
+    rows = outputs[0];
+  }
+  at::Tensor flat = at::empty({current_size() * inputs[0].numel()},
+                              inputs[0].options().device(at::kCPU));
+  return enqueue_allgather(flat, inputs[0], rows, true);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupULFM::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == 1, "ulfm: scatter takes one output tensor");
+  const int64_t root_world_rank = options_.world_ranks.at(opts.rootRank);
+  at::Tensor flat;
+  if (root_world_rank == world_rank()) {
+    TORCH_CHECK_VALUE(inputs.size() == 1 && int64_t(inputs[0].size()) == current_size(),
+                      "ulfm: scatter's root takes one input list with one tensor per live "
+                      "member (", current_size(), ")");
+    std::vector<at::Tensor> rows;
+    for (const auto& row : inputs[0]) rows.push_back(row.reshape({-1}).to(at::kCPU));
+    flat = at::cat(rows);
+  } else {
+    flat = at::empty({current_size() * outputs[0].numel()},
+                     outputs[0].options().device(at::kCPU));
+  }
+  return enqueue_broadcast(flat, root_world_rank, true, outputs[0]);
 }
 
 // ------------------------------------------------------------------------------ fault injection

@@ -100,10 +100,17 @@ class WorkULFM : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+class ProcessGroupULFM;
+
 struct GroupOptions {
   std::vector<int64_t> world_ranks;  // members, in group-rank order
   std::string name;
   std::chrono::milliseconds timeout;
+  // Split from this group's communicator instead of creating one over MPI_COMM_WORLD, which
+  // fails while the world holds a dead rank. Collective over the parent's members, each
+  // splitting off its own group at once (the groups so made are disjoint); the parent has no
+  // operation in flight, and its members are the live ones (a consensus on it repaired it).
+  ProcessGroupULFM* parent = nullptr;
 };
 
 class ProcessGroupULFM : public c10d::Backend {
@@ -123,6 +130,16 @@ class ProcessGroupULFM : public c10d::Backend {
       std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // torch's gather and scatter (gather_object, scatter_object_list: megatron-core's
+  // distributed checkpoints plan and finalize with them), as an all-gather of which the root
+  // keeps the rows, and a broadcast of the root's rows of which each member keeps its own.
+  // For small messages: every member moves size() x the input.
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
 
   // Typed entry points for megatron_recover.collective (they return WorkULFM).
   c10::intrusive_ptr<WorkULFM> allreduce_sum(at::Tensor tensor);
@@ -178,8 +195,9 @@ class ProcessGroupULFM : public c10d::Backend {
   c10::intrusive_ptr<WorkULFM> enqueue_allreduce(c10d::OpType type,
                                                  const std::vector<at::Tensor>& tensors,
                                                  bool fail_stop);
+  // `keep`: a scatter's output, which takes this member's row of the broadcast `tensor`.
   c10::intrusive_ptr<WorkULFM> enqueue_broadcast(at::Tensor tensor, int64_t root_world_rank,
-                                                 bool fail_stop);
+                                                 bool fail_stop, at::Tensor keep = {});
   c10::intrusive_ptr<WorkULFM> enqueue_barrier(bool fail_stop);
   int reduce_in_place(const at::Tensor& host, const SumSpec& spec, MPI_Comm comm, bool inject);
   c10::intrusive_ptr<WorkULFM> enqueue_allgather(at::Tensor output, at::Tensor input,

@@ -71,7 +71,11 @@ def _create_backend(dist_opts, backend_options):
     ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
     ranks = world_ranks(ranks)
     timeout_s = dist_opts.timeout.total_seconds()
-    backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)
+    if _split_parent is None:
+        backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)
+    else:
+        backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s,
+                                          _split_parent)
     _backends[dist_opts.group_id] = backend
     return backend
 
@@ -214,13 +218,29 @@ class ULFMGroup:
         return self._native.fault_hits(point)
 
 
-def new_group(ranks: list[int], timeout_s: float = DEFAULT_TIMEOUT_S) -> ULFMGroup | None:
+_split_parent = None  # the native group new groups split from (`new_group`'s `parent`)
+
+
+def new_group(ranks: list[int], timeout_s: float = DEFAULT_TIMEOUT_S,
+              parent: "ULFMGroup | None" = None) -> ULFMGroup | None:
     """Create a ulfm group over `ranks` (world ranks); None on ranks outside it.
 
     Like torch.distributed.new_group, every rank calls it for every group, in the same order;
-    the MPI communicator is built by the members only.
+    the MPI communicator is built by the members only. With `parent`, it is split from the
+    parent's communicator instead: after a failure the world's holds a dead rank, over which
+    no communicator can be created. Then every live member of `parent` calls at once, each for
+    its own group (disjoint ones), the parent idle and repaired (a consensus on it).
     """
+    global _split_parent
     register()
+    _split_parent = None if parent is None else parent._native
+    try:
+        return _new_group(ranks, timeout_s)
+    finally:
+        _split_parent = None
+
+
+def _new_group(ranks: list[int], timeout_s: float) -> ULFMGroup | None:
     pg = dist.new_group(
         ranks=sorted(ranks), backend=BACKEND_NAME,
         timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True,

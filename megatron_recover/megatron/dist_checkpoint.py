@@ -16,16 +16,22 @@ counter). In stock runs replicated tensors are spread over the data-parallel ran
 (Megatron-LM's default fully parallel save). The data needs no state: an iteration's
 microbatch ids depend only on the iteration number, in both modes.
 
-Under --recover the lowest live replica writes alone (`ReplicaWriters`), after any number of
-failures: its ranks hold a complete copy of the training state, and its training group is
-whole while the torch world may hold dead ranks. dist_checkpointing runs every collective of a
-save over torch's default group (rank 0 writes the common state, validation and the planner
-gather over it), so for the save that group stands in for the world, and the replica's copies
-are made the main replicas of every tensor. The checkpoint also holds the recovery state
-(`recover_state`: B, W_init, the policy layout, ...); a stock run's load ignores it, and a
---recover load of a stock checkpoint starts the policy afresh at its iteration. Distributed-
-optimizer state is Megatron-LM's `dp_reshardable` format, so a checkpoint loads on another
-data-parallel size (another replica count, or another number of shards).
+Under --recover every live rank saves, after any number of failures (`ReplicaWriters`, built by
+`RankSetup.checkpoint_writers`), and replicated tensors are spread over the live replicas for
+writing as a stock run spreads them over its data-parallel ranks. dist_checkpointing runs every
+collective of a save over torch's default group (rank 0 writes the common state, validation and
+the planner gather over it), and the torch world may hold dead ranks: for the save a ulfm group
+over the live ranks stands in for the world (`_as_world`). It is split from a group made at
+start-up over every training rank and repaired by a consensus, since no communicator can be
+created over the world while it holds a dead rank. Copies are counted from the lowest live
+replica, whose copies become the main ones (`_as_main_replica`). A failure during the save
+leaves that checkpoint incomplete and the run going on. When a standby joined (it has a torch
+world of its own) the lowest live replica writes alone, over its own training group. The
+checkpoint also holds the recovery state (`recover_state`: B, W_init, the policy layout, ...);
+a stock run's load ignores it, and a --recover load of a stock checkpoint starts the policy
+afresh at its iteration. Distributed-optimizer state is Megatron-LM's `dp_reshardable` format,
+so a checkpoint loads on another data-parallel size (another replica count, or another number
+of shards).
 
 With --async-save a save returns once its tensors are in host memory; a forked process writes
 them, and a later iteration completes the checkpoint (`AsyncSaves`).
@@ -47,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint_common, loading
+from megatron_recover.megatron import checkpoint_common, groups, loading
 from megatron_recover.megatron import state as training_state
 
 TRACKER = loading.TRACKER
@@ -115,39 +121,55 @@ def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: boo
 
 @dataclass(frozen=True)
 class ReplicaWriters:
-    """Who writes a --recover torch_dist checkpoint: the ranks of the lowest live replica.
+    """Who writes a --recover torch_dist checkpoint, and how its copies are counted
+    (`RankSetup.checkpoint_writers` builds it).
 
-    group: the replica's training group (its model-parallel group, or its distributed-optimizer
-        instance), whole after any failure of other replicas.
-    offset: megatron's data-parallel rank of the replica's first rank; its copies' replica ids
-        are counted from it, and it is subtracted so that they become the main replicas.
+    group: the ranks that save, standing in for the world: every live rank (their ulfm
+        group), or, when a standby joined (it has a torch world of its own), the lowest live
+        replica's training group alone.
+    offset: megatron's data-parallel rank of this replica's first rank; subtracted, it leaves
+        the shard's index in its replica.
+    distance: this replica's distance from the lowest live one. Copies are counted from the
+        lowest live replica, whose copies become the main ones (replica id 0): the
+        distributed optimizer counts them by instance, the rest by data-parallel rank
+        (`distance` x `shards` + shard).
+    shards: distributed-optimizer shards per replica (1 without).
+    spread: the group over which replicated tensors are spread for writing (this position's
+        live copies, one per live replica), as megatron's fully parallel save spreads them
+        over the data-parallel ranks; None when the lowest live replica writes alone.
+    agree: where the writers agree that an --async-save's processes all ended.
     """
 
     group: object
     offset: int
+    distance: int = 0
+    shards: int = 1
+    spread: object = None
+    agree: object = None
 
 
-def _as_main_replica(state: dict, offset: int) -> None:
-    """Make this replica's copies the main ones (replica id 0 along the data-parallel axis):
-    megatron writes each tensor once, from the rank whose copy has replica id 0, and counts
-    copies by megatron's data-parallel rank, in which the writing replica is not necessarily
-    the first. The distributed optimizer's state counts its copies by instance (the first
-    coordinate), the rest by data-parallel rank (the last; an int for the RNG objects).
-    megatron's own validation of the save checks that each tensor then has exactly one main
-    copy."""
+def _as_main_replica(state: dict, writers: ReplicaWriters) -> None:
+    """Count each copy from the lowest live replica, whose copies become the main ones (replica
+    id 0 along the data-parallel axis): megatron writes each tensor once, from the rank whose
+    copy has replica id 0, and counts copies by megatron's data-parallel rank, in which the
+    lowest live replica is not necessarily the first. The distributed optimizer's state counts
+    its copies by instance (the first coordinate), the rest by data-parallel rank (the last; an
+    int for the RNG objects). megatron's own validation of the save checks that each tensor
+    then has exactly one main copy."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
+    shift = writers.distance * writers.shards - writers.offset
     for value in nested_values(state):
         if not isinstance(value, (ShardedBase, ShardedTensorFactory)):
             continue
         replica_id = value.replica_id
         if isinstance(replica_id, int):
-            value.replica_id = replica_id - offset
+            value.replica_id = replica_id + shift
         elif "optimizer.distributed." in value.key:  # with a chained_N. prefix too
-            value.replica_id = (0, *replica_id[1:])
+            value.replica_id = (writers.distance, *replica_id[1:])
         else:
-            value.replica_id = (*replica_id[:-1], replica_id[-1] - offset)
+            value.replica_id = (*replica_id[:-1], replica_id[-1] + shift)
 
 
 def _fresh_results_queue(forked: bool):
@@ -194,19 +216,24 @@ class _ForkedResults:
 
 
 @contextmanager
-def _as_world(group):
+def _as_world(group, inside=None):
     """Inside, `group` is torch.distributed's world: the default group, with its own ranks as
     the global ones (dist_checkpointing saves over the default group only, and maps its ranks
-    to global ones; see the module docstring). Nothing inside may use another group."""
+    to global ones; see the module docstring). `inside`, a group of some of its members, is
+    mapped from those ranks too; nothing inside may use another group."""
     from torch.distributed import distributed_c10d
 
     world = distributed_c10d._world
     default, ranks = world.default_pg, world.pg_group_ranks[group]
+    saved = {other: world.pg_group_ranks[other] for other in (inside,) if other is not None}
     world.default_pg = group
     world.pg_group_ranks[group] = {rank: rank for rank in range(group.size())}
+    for other, other_ranks in saved.items():
+        world.pg_group_ranks[other] = {ranks[g]: r for g, r in other_ranks.items()}
     try:
         yield
     finally:
+        world.pg_group_ranks.update(saved)
         world.pg_group_ranks[group] = ranks
         world.default_pg = default
 
@@ -216,6 +243,7 @@ class _InFlight:
     process: object  # the forked writer, or None when this rank has nothing to write
     results: _ForkedResults
     complete: object  # completes the checkpoint: megatron's finalization, then the tracker
+    agree: object  # where the writers agree that they all ended (None: this rank alone)
 
 
 class AsyncSaves:
@@ -227,17 +255,16 @@ class AsyncSaves:
     save, and the end of training, wait for it (`poll(blocking=True)`).
 
     Megatron-core's own asynchronous caller is CUDA-only (it synchronizes the device and
-    agrees over the default group with CUDA tensors); this one agrees over `control_group`
-    (gloo: the world's in stock runs, the writing replica's under --recover; None for a replica
-    of one rank). The host copy is `to("cpu")`, a blocking copy from the device; a CPU tensor's
+    agrees over the default group with CUDA tensors); this one agrees over the group the save
+    names (gloo, the world's, in stock runs; under --recover the savers' ulfm group, or the
+    writing replica's gloo control group; None for a replica of one rank). The host copy is `to("cpu")`, a blocking copy from the device; a CPU tensor's
     is the tensor itself, and the writer, forked right after, holds the process's memory as it
     was then (copy-on-write), whatever the next optimizer step changes."""
 
-    def __init__(self, control_group):
-        self.control_group = control_group
+    def __init__(self):
         self.in_flight: _InFlight | None = None
 
-    def start(self, request, results: _ForkedResults, complete) -> None:
+    def start(self, request, results: _ForkedResults, complete, agree) -> None:
         args = list(request.async_fn_args)
         process = None
         if request.async_fn is not None:  # megatron's writer: (rank, write buckets, results)
@@ -247,7 +274,7 @@ class AsyncSaves:
             process = multiprocessing.get_context("fork").Process(
                 target=request.async_fn, args=args, kwargs=request.async_fn_kwargs)
             process.start()
-        self.in_flight = _InFlight(process, results, lambda: complete(request))
+        self.in_flight = _InFlight(process, results, lambda: complete(request), agree)
 
     def abandon(self) -> None:
         """Leave the save in flight incomplete once its writer ended (its files are on disk,
@@ -270,8 +297,8 @@ class AsyncSaves:
             flight.results.drain()
             running = torch.tensor([int(flight.process is not None
                                         and flight.process.is_alive())])
-            if self.control_group is not None:
-                dist.all_reduce(running, op=dist.ReduceOp.MAX, group=self.control_group)
+            if flight.agree is not None:
+                dist.all_reduce(running, group=flight.agree)  # a sum: ulfm sums only
             if running.item():
                 return
         while flight.process is not None and flight.process.is_alive():  # blocking
@@ -316,13 +343,16 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dic
     path.mkdir(parents=True, exist_ok=True)
     state = {**common, **_state_dict(ddp_model, optimizer, scheduler, iteration, False)}
     if writers is None:
-        world, strategy = nullcontext, FullyParallelSaveStrategyWrapper(
+        world, agree = nullcontext, groups.world_control()
+        strategy = FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy("torch_dist"),
             parallel_state.get_data_parallel_group())
     else:
         state[RECOVERY_KEY] = recovery
-        _as_main_replica(state, writers.offset)
-        world, strategy = (lambda: _as_world(writers.group)), None
+        _as_main_replica(state, writers)
+        world, agree = (lambda: _as_world(writers.group, writers.spread)), writers.agree
+        strategy = None if writers.spread is None else FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"), writers.spread)
 
     def complete(request=None):
         with world():
@@ -336,7 +366,7 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dic
         request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy,
                                           async_sharded_save=saves is not None)
         if saves is not None:
-            saves.start(request, results, complete)
+            saves.start(request, results, complete, agree)
             _report(f"scheduled an async checkpoint save at iteration {iteration:7d} to "
                     f"{directory}", start, time.time())
     if saves is None:

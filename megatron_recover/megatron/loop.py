@@ -104,8 +104,7 @@ class StockStepper:
         elif cfg.checkpoint.load:
             dist_checkpoint.nothing_to_load(cfg.checkpoint.load, start)
         self.consumed = cfg.global_batches.first_sample(self.first_iteration)
-        self.saves = (dist_checkpoint.AsyncSaves(groups.world_control())
-                      if cfg.checkpoint.async_save else None)
+        self.saves = dist_checkpoint.AsyncSaves() if cfg.checkpoint.async_save else None
 
     def _state(self):
         return self.setup.ddp_model, self.setup.optimizer, self.setup.scheduler
@@ -194,9 +193,7 @@ class ResilientStepper:
         # writes what the log lacks (bounded: a chain of PENDING_RECORDS writer deaths is not
         # survived in full).
         self.pending = deque(maxlen=PENDING_RECORDS)
-        # --async-save: the writing replica's saves; they agree on its control group.
-        self.saves = (dist_checkpoint.AsyncSaves(setup.control_group)
-                      if cfg.checkpoint.async_save else None)
+        self.saves = dist_checkpoint.AsyncSaves() if cfg.checkpoint.async_save else None
 
     def step(self, iteration: int) -> StepResult:
         cfg = self.cfg
@@ -231,38 +228,76 @@ class ResilientStepper:
                         else {})})
 
     def save(self, iteration: int) -> None:
-        """The lowest live replica (every rank agrees on it through the policy) writes."""
+        """torch_dist: every live rank saves, replicated tensors spread over the live replicas
+        (`RankSetup.checkpoint_writers`); the torch format, and torch_dist when a standby
+        joined, the lowest live replica alone (every rank agrees on it through the policy). A
+        failure during the save leaves that checkpoint incomplete and the run going on."""
         trainer, setup = self.trainer, self.setup
         trainer.gather_parameters()
-        if trainer.p.replica != min(trainer.p.policy.layout.replicas):
-            if self.saves is not None:  # this replica's save, if any, is superseded
-                self.saves.abandon()
-            return
+        lowest = min(trainer.p.policy.layout.replicas)
         state = recovery_state(trainer.p.policy, iteration)
 
         def written():  # this rank's part is on disk; the tracker has not moved
-            if setup.local_rank == 0:
+            if setup.local_rank == 0 and trainer.p.replica == lowest:
                 checkpoint.write_summary(
                     loading.iteration_dir(self.cfg.checkpoint.save, iteration), state)
             trainer.p.faults.at("checkpoint-save", iteration)  # the failure schedule's point
 
         common = checkpoint_common.megatron_common(self.cfg, iteration, setup.padded_vocab_size)
         if self.cfg.checkpoint.ckpt_format == "torch":
-            checkpoint.save(self.cfg.checkpoint.save, state, setup.ddp_model, setup.optimizer,
-                            setup.scheduler, setup.checkpoint_position,
-                            self.cfg.parallel.pipeline_model_parallel_size, common,
-                            setup.control_group, setup.local_rank, written)
+            if trainer.p.replica == lowest:
+                checkpoint.save(self.cfg.checkpoint.save, state, setup.ddp_model,
+                                setup.optimizer, setup.scheduler, setup.checkpoint_position,
+                                self.cfg.parallel.pipeline_model_parallel_size, common,
+                                setup.control_group, setup.local_rank, written)
+            return
+        self._surviving(iteration, lambda: self._save_torch_dist(iteration, lowest, state,
+                                                                 common, written))
+
+    def _save_torch_dist(self, iteration: int, lowest: int, state, common: dict,
+                         written) -> None:
+        setup = self.setup
+        if self.saves is not None:
+            self.saves.poll(blocking=True)  # one save in flight at a time
+        writers = setup.checkpoint_writers(self.trainer.p.replica, lowest)
+        if writers is None:
+            if self.saves is not None:  # this replica's save, if any, is superseded
+                self.saves.abandon()
             return
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.ddp_model,
-                             setup.optimizer, setup.scheduler, common, state.to_dict(),
-                             setup.checkpoint_writers(), written, self.saves)
+                             setup.optimizer, setup.scheduler, common, state.to_dict(), writers,
+                             written, self.saves)
+
+    def _poll(self, blocking: bool = False) -> None:
+        """Complete an --async-save in flight once its writers all ended."""
+        if self.saves is not None and self.saves.in_flight is not None:
+            self._surviving(None, lambda: self.saves.poll(blocking))
+
+    def _surviving(self, iteration: int | None, action) -> None:
+        """Run a torch_dist save's `action`. When every live rank saves, a failure of one of
+        them during it leaves the checkpoint incomplete (the tracker on the previous one) and
+        the run going on to the next iteration, where it is recovered as any other: the
+        survivors agree on it in a consensus over `saving_group`, which also repairs that
+        group for the next save."""
+        spreads = self.setup.spreads_saves()
+        try:
+            action()
+        except RuntimeError as error:
+            if not spreads or not self.setup.saving_group.consensus().wait().has_failure:
+                raise
+            if self.saves is not None:
+                self.saves.abandon()
+            which = f"of iteration {iteration}" if iteration else "in flight"
+            if self.setup.saving_group.rank == 0:  # the lowest live rank, after the consensus
+                print(f"megatron-recover: the checkpoint {which} is not complete: a rank failed "
+                      f"during the save ({str(error).splitlines()[0]}); the tracker names the "
+                      "previous one", flush=True)
 
     def committed(self, iteration: int) -> None:
         """An --async-save completes once its writers all ended; a node snapshot when one is
         due."""
         trainer, setup = self.trainer, self.setup
-        if self.saves is not None:
-            self.saves.poll()
+        self._poll()
         if self.snapshots is None or not self.snapshots.due(iteration,
                                                             trainer.p.policy.layout.replicas):
             return
@@ -279,8 +314,7 @@ class ResilientStepper:
             self.grow_back(iteration)
 
     def finish(self) -> None:
-        if self.saves is not None:
-            self.saves.poll(blocking=True)
+        self._poll(blocking=True)
         if self.snapshots is not None:
             self.snapshots.finish()
         self.trainer.gather_parameters()  # the final parameters, on every shard

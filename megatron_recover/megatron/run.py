@@ -281,13 +281,17 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         dp_group_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
         replica_group = parallel_state.get_model_parallel_group()
         shard_group = None
-    group = replica_of_rank = None
+    group = replica_of_rank = saving_group = None
     if cfg.recover.cross_replica_backend == "ulfm":
         # Frozen peers are declared failed by the detector within hang_s; waiting on a slow but
         # live peer is legitimate, so a cross-replica wait leaves only as a last resort.
         group, replica_of_rank = _cross_replica_groups(
             dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
+        if (cfg.recover.enabled and cfg.checkpoint.save
+                and cfg.checkpoint.ckpt_format == "torch_dist"):
+            # Every training rank: a torch_dist save's groups are split from it (rank_setup).
+            saving_group = collective.new_group(list(range(dist.get_world_size())))
         if cfg.recover.cuda_aware_mpi:
             group.set_direct_device(True)  # a ValueError unless the MPI is CUDA-aware
     if par.ranks_per_replica > 1:
@@ -317,7 +321,7 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         replica_of_rank=replica_of_rank, replica_group=replica_group,
         control_group=groups.mirror_of(replica_group) if par.ranks_per_replica > 1 else None,
         shard_group=shard_group,
-        shard_control_group=shard_control_group,
+        shard_control_group=shard_control_group, saving_group=saving_group,
         dp_rank=parallel_state.get_data_parallel_rank(),
         replica_index=sorted(dp_group_ranks).index(dist.get_rank()),
         local_rank=dist.get_rank(group=replica_group),

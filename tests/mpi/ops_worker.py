@@ -87,6 +87,22 @@ def check_ops(group, rank: int, n: int) -> dict:
     rows = [torch.empty(2, dtype=torch.int64) for _ in range(n)]
     dist.all_gather(rows, torch.tensor([rank, rank * 10]), group=pg)
     checks["torch_all_gather"] = [r.tolist() for r in rows] == [[r, r * 10] for r in range(n)]
+    # gather and scatter (megatron-core's distributed checkpoints plan and finalize with them).
+    gathered = [None] * n if rank == n - 1 else None
+    dist.gather_object(("r", rank), gathered, dst=n - 1, group=pg)
+    checks["torch_gather_object"] = gathered == ([("r", r) for r in range(n)] if rank == n - 1
+                                                 else None)
+    scattered = [None]
+    dist.scatter_object_list(scattered, [f"to{r}" * (r + 1) for r in range(n)] if rank == 0
+                             else None, src=0, group=pg)
+    checks["torch_scatter_object"] = scattered == [f"to{rank}" * (rank + 1)]
+    # Groups split from this one, every member at once, each its own: the even and odd ranks.
+    half = [r for r in range(n) if r % 2 == rank % 2]
+    split = collective.new_group(half, parent=group)
+    ones = torch.ones(3)
+    record = split.allreduce(ones).wait()
+    checks["split_from_parent"] = (not record.has_failure and split.members == half
+                                   and bool(torch.all(ones == len(half))))
 
     # Transfers larger than one MPI call moves, in chunks (lowered from 1 GiB to 1000 bytes):
     # lengths that do not divide, and an empty one.

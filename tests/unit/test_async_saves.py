@@ -39,8 +39,8 @@ def _save(tmp_path, tensor, **writer_kwargs):
     def complete(req):  # megatron's finalization takes the writer's results first
         completed.append((req, results.get_nowait(), (tmp_path / "w.pt").is_file()))
 
-    saves = dist_checkpoint.AsyncSaves(control_group=None)
-    saves.start(request, results, complete)
+    saves = dist_checkpoint.AsyncSaves()
+    saves.start(request, results, complete, agree=None)
     return saves, request, completed
 
 
