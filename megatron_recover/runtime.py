@@ -24,7 +24,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-_state = {"status_path": None, "groups": [], "installed": False, "rank": "?"}
+_state = {"status_path": None, "groups": [], "installed": False, "rank": "?",
+          "torch_world_comm": None}
 FINAL_CONSENSUS_TIMEOUT_S = 60.0
 
 
@@ -395,6 +396,12 @@ def init_mpi(status_dir: Path | None = None) -> DistributedContext:
     return DistributedContext(rank=rank, world_size=size, status_path=status_path)
 
 
+def torch_world_comm():
+    """The MPI communicator over this rank's torch.distributed world (`init_torch_distributed`),
+    as it was made at start-up."""
+    return _state["torch_world_comm"]
+
+
 def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
                            timeout_s: float = 1800.0, world_id: int = 0,
                            network: str | None = None) -> None:
@@ -412,7 +419,7 @@ def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
     import torch
     import torch.distributed as dist
 
-    world = _mpi().COMM_WORLD.Split(world_id, ctx.rank)
+    world = _state["torch_world_comm"] = _mpi().COMM_WORLD.Split(world_id, ctx.rank)
     rank, size = world.Get_rank(), world.Get_size()
     offset = ctx.rank - rank  # the world's ranks are consecutive MPI ranks (the caller's order)
     host = _rendezvous_host(world, network)

@@ -46,6 +46,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("world_ranks"), py::arg("name"), py::arg("timeout_s"), py::arg("parent"),
            nogil)
+      .def(py::init([](std::vector<int64_t> world_ranks, std::string name, double timeout_s,
+                       int64_t duplicate) {
+             ulfm::GroupOptions options;
+             options.world_ranks = std::move(world_ranks);
+             options.name = std::move(name);
+             options.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
+             options.duplicate = duplicate;
+             return c10::make_intrusive<PG>(std::move(options));
+           }),
+           py::arg("world_ranks"), py::arg("name"), py::arg("timeout_s"), py::arg("duplicate"),
+           nogil)
       .def("set_agree_each_op", &PG::set_agree_each_op, py::arg("on"))
       .def("set_max_chunk_bytes", &PG::set_max_chunk_bytes, py::arg("bytes"))
       .def("set_stage_host", &PG::set_stage_host, py::arg("on"))

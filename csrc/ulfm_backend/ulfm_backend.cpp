@@ -223,7 +223,12 @@ ProcessGroupULFM::ProcessGroupULFM(GroupOptions options)
   TORCH_CHECK(fault_tolerance_enabled(),
               "ulfm: MPI fault tolerance is off. Launch with `mpirun --with-ft ulfm ...` "
               "(or `megatron-recover launch`), using an Open MPI 5 built with ULFM.");
-  if (options_.parent != nullptr) {
+  if (options_.duplicate != 0) {
+    MPI_Comm source = reinterpret_cast<MPI_Comm>(static_cast<intptr_t>(options_.duplicate));
+    const int rc = MPI_Comm_dup(source, &comm_);
+    TORCH_CHECK(rc == MPI_SUCCESS && comm_ != MPI_COMM_NULL,
+                "ulfm: MPI_Comm_dup failed for group ", options_.name);
+  } else if (options_.parent != nullptr) {
     // One color per group (its first member), ordered as its ranks are.
     const int color = int(*std::min_element(options_.world_ranks.begin(),
                                             options_.world_ranks.end()));

@@ -111,6 +111,9 @@ struct GroupOptions {
   // splitting off its own group at once (the groups so made are disjoint); the parent has no
   // operation in flight, and its members are the live ones (a consensus on it repaired it).
   ProcessGroupULFM* parent = nullptr;
+  // Or duplicate this communicator (an MPI_Comm handle, as mpi4py gives it), whose members are
+  // exactly `world_ranks` in this order; collective over them.
+  int64_t duplicate = 0;
 };
 
 class ProcessGroupULFM : public c10d::Backend {

@@ -71,11 +71,14 @@ def _create_backend(dist_opts, backend_options):
     ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
     ranks = world_ranks(ranks)
     timeout_s = dist_opts.timeout.total_seconds()
-    if _split_parent is None:
-        backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)
-    else:
+    if _split_parent is not None:
         backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s,
-                                          _split_parent)
+                                          parent=_split_parent)
+    elif _duplicate is not None:
+        backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s,
+                                          duplicate=_duplicate)
+    else:
+        backend = native.ProcessGroupULFM(ranks, dist_opts.group_id, timeout_s)
     _backends[dist_opts.group_id] = backend
     return backend
 
@@ -219,25 +222,32 @@ class ULFMGroup:
 
 
 _split_parent = None  # the native group new groups split from (`new_group`'s `parent`)
+_duplicate = None  # the MPI_Comm handle new groups duplicate (`new_group`'s `duplicate`)
 
 
 def new_group(ranks: list[int], timeout_s: float = DEFAULT_TIMEOUT_S,
-              parent: "ULFMGroup | None" = None) -> ULFMGroup | None:
+              parent: "ULFMGroup | None" = None, duplicate=None) -> ULFMGroup | None:
     """Create a ulfm group over `ranks` (world ranks); None on ranks outside it.
 
     Like torch.distributed.new_group, every rank calls it for every group, in the same order;
     the MPI communicator is built by the members only. With `parent`, it is split from the
     parent's communicator instead: after a failure the world's holds a dead rank, over which
     no communicator can be created. Then every live member of `parent` calls at once, each for
-    its own group (disjoint ones), the parent idle and repaired (a consensus on it).
+    its own group (disjoint ones), the parent idle and repaired (a consensus on it). With
+    `duplicate`, an mpi4py communicator whose members are exactly `ranks`, it is that
+    communicator's duplicate, made by all of them.
     """
-    global _split_parent
+    global _split_parent, _duplicate
     register()
     _split_parent = None if parent is None else parent._native
+    if duplicate is not None:
+        from mpi4py import MPI
+
+        _duplicate = MPI._handleof(duplicate)
     try:
         return _new_group(ranks, timeout_s)
     finally:
-        _split_parent = None
+        _split_parent = _duplicate = None
 
 
 def _new_group(ranks: list[int], timeout_s: float) -> ULFMGroup | None:

@@ -283,15 +283,18 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         shard_group = None
     group = replica_of_rank = saving_group = None
     if cfg.recover.cross_replica_backend == "ulfm":
+        if (cfg.recover.enabled and cfg.checkpoint.save
+                and cfg.checkpoint.ckpt_format == "torch_dist"):
+            # Every training rank: a torch_dist save's groups are split from it (rank_setup).
+            # (a duplicate of the torch world's MPI communicator: MPI_Comm_create_group over
+            # every rank was measured to hang with pipeline parallelism).
+            saving_group = collective.new_group(list(range(dist.get_world_size())),
+                                                duplicate=runtime.torch_world_comm())
         # Frozen peers are declared failed by the detector within hang_s; waiting on a slow but
         # live peer is legitimate, so a cross-replica wait leaves only as a last resort.
         group, replica_of_rank = _cross_replica_groups(
             dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
         runtime.track_group(group)
-        if (cfg.recover.enabled and cfg.checkpoint.save
-                and cfg.checkpoint.ckpt_format == "torch_dist"):
-            # Every training rank: a torch_dist save's groups are split from it (rank_setup).
-            saving_group = collective.new_group(list(range(dist.get_world_size())))
         if cfg.recover.cuda_aware_mpi:
             group.set_direct_device(True)  # a ValueError unless the MPI is CUDA-aware
     if par.ranks_per_replica > 1:
