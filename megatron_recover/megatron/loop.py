@@ -279,19 +279,23 @@ class ResilientStepper:
         the run going on to the next iteration, where it is recovered as any other: the
         survivors agree on it in a consensus over `saving_group`, which also repairs that
         group for the next save."""
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+        from torch.distributed.checkpoint import CheckpointException  # a BaseException
+
         spreads = self.setup.spreads_saves()
         try:
             action()
-        except RuntimeError as error:
+        except (RuntimeError, CheckpointException, CheckpointingException) as error:
             if not spreads or not self.setup.saving_group.consensus().wait().has_failure:
                 raise
             if self.saves is not None:
                 self.saves.abandon()
             which = f"of iteration {iteration}" if iteration else "in flight"
+            reason = (str(error) or type(error).__name__).splitlines()[0]
             if self.setup.saving_group.rank == 0:  # the lowest live rank, after the consensus
                 print(f"megatron-recover: the checkpoint {which} is not complete: a rank failed "
-                      f"during the save ({str(error).splitlines()[0]}); the tracker names the "
-                      "previous one", flush=True)
+                      f"during the save ({reason}); the tracker names the previous one",
+                      flush=True)
 
     def committed(self, iteration: int) -> None:
         """An --async-save completes once its writers all ended; a node snapshot when one is
