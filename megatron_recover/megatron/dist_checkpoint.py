@@ -245,6 +245,12 @@ class _InFlight:
     complete: object  # completes the checkpoint: megatron's finalization, then the tracker
     agree: object  # where the writers agree that they all ended (None: this rank alone)
 
+    def wait(self) -> None:
+        """Until the writer ended, taking its results as they come (`_ForkedResults.drain`)."""
+        while self.process is not None and self.process.is_alive():
+            self.results.drain()
+            self.process.join(timeout=0.05)
+
 
 class AsyncSaves:
     """--async-save, with Megatron-LM's meaning: `save` returns once this rank's tensors are
@@ -282,10 +288,8 @@ class AsyncSaves:
         this replica is no longer the lowest live one, whose newer save supersedes it;
         completing it could move the tracker back after that one."""
         flight, self.in_flight = self.in_flight, None
-        if flight is not None and flight.process is not None:
-            while flight.process.is_alive():
-                flight.results.drain()
-                flight.process.join(timeout=0.05)
+        if flight is not None:
+            flight.wait()
 
     def poll(self, blocking: bool = False) -> None:
         """Complete the save in flight if every writer's process has ended (`blocking`: once
@@ -301,9 +305,7 @@ class AsyncSaves:
                 dist.all_reduce(running, group=flight.agree)  # a sum: ulfm sums only
             if running.item():
                 return
-        while flight.process is not None and flight.process.is_alive():  # blocking
-            flight.results.drain()
-            flight.process.join(timeout=0.05)
+        flight.wait()  # blocking
         self.in_flight = None
         if flight.process is not None and flight.process.exitcode != 0:
             raise RuntimeError(f"--async-save: the checkpoint writer process ended with exit "

@@ -257,8 +257,6 @@ class ResilientStepper:
     def _save_torch_dist(self, iteration: int, lowest: int, state, common: dict,
                          written) -> None:
         setup = self.setup
-        if self.saves is not None:
-            self.saves.poll(blocking=True)  # one save in flight at a time
         writers = setup.checkpoint_writers(self.trainer.p.replica, lowest)
         if writers is None:
             if self.saves is not None:  # this replica's save, if any, is superseded
