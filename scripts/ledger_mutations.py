@@ -34,6 +34,11 @@ SPARE_THEN_BLOCKING = ("  - {iteration: 1, replica: 0, local_rank: 0, location: 
                        "location: during-extension}\n")
 TRAINER = "megatron_recover/recovery/trainer.py"
 DATA = "megatron_recover/megatron/data.py"
+GPT = "megatron_recover/megatron/gpt.py"
+# PP=2 with 2 virtual stages per rank: an extension pass of 1 microbatch is padded to 2.
+INTERLEAVED = ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
+               "--num-virtual-stages-per-pipeline-rank", "2")
+PADDED = "  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}\n"
 GRADIENTS = "megatron_recover/recovery/gradients.py"
 SNAPSHOT = ("        bucket.snapshot.copy_(grad)\n"
             "        bucket.snapshot_ledger = bucket.ledger.copy()\n")
@@ -81,6 +86,9 @@ MUTATIONS = [
              "self.sample_range(iteration, microbatch_id)]", 3, 6, None),
     Mutation("snapshot taken after the bucket is posted (overlapped reductions)", GRADIENTS,
              SNAPSHOT + POST, POST + SNAPSHOT, 3, 6, BOUNDARY, ("--overlap-grad-reduce",)),
+    Mutation("a padding microbatch of the interleaved schedule keeps its loss mask", GPT,
+             '"loss_mask": torch.zeros_like(batch["loss_mask"])', '"loss_mask": batch["loss_mask"]',
+             6, 6, PADDED, INTERLEAVED),
 ]
 
 

@@ -439,6 +439,57 @@ def test_padded_vocab_size():
 
 
 @pytest.mark.parametrize("extra, expected", [
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--num-layers-per-virtual-pipeline-stage needs pipeline parallelism",
+      "add --pipeline-model-parallel-size 2"]),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage",
+      "1", "--pipeline-model-parallel-size", "2"], ["mutually exclusive: keep one"]),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-size", "2"],
+     ["--num-layers 2 does not split into 2 pipeline stages x 2 virtual stages",
+      "use a multiple of 4 layers"]),
+    (["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "3",
+      "--pipeline-model-parallel-size", "2"],
+     ["number of layers per pipeline stage (4) must be divisible by "
+      "--num-layers-per-virtual-pipeline-stage 3"]),
+    # 16 samples / (2 x DP 2) = 4 microbatches per rank; groups of 3 leave 1 < PP.
+    (["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--pipeline-model-parallel-size", "2", "--microbatch-group-size-per-virtual-pipeline-stage",
+      "3"], ["the interleaved schedule refuses a global batch of 16 samples (4 micro-batches per "
+             "data-parallel rank)", "the remainder of M=4", "but it is 1",
+             "set --microbatch-group-size-per-virtual-pipeline-stage"]),
+    (["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--pipeline-model-parallel-size", "2", "--microbatch-group-size-per-virtual-pipeline-stage",
+      "5"], ["should range in [PP=2, M=4], got 5"]),
+    (["--microbatch-group-size-per-virtual-pipeline-stage", "2"],
+     ["--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedule"]),
+    (["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--pipeline-model-parallel-size", "2", "--no-overlap-p2p-communication",
+      "--overlap-p2p-communication-warmup-flush"],
+     ["--overlap-p2p-communication-warmup-flush overlaps", "drop one"]),
+])
+def test_the_interleaved_schedule_refuses_what_megatron_refuses(extra, expected):
+    message = refused(*extra)
+    for text in expected:
+        assert text in message, (text, message)
+
+
+def test_the_interleaved_schedule_is_configured_as_megatron_lm_configures_it():
+    cfg = parse_args(_small_argv(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                                  "--num-layers-per-virtual-pipeline-stage", "2"]),
+                     world_size=4, cuda_available=False)
+    assert cfg.parallel.virtual_pipeline_stages == 2 and cfg.parallel.model_chunks == 2
+    tconfig = to_transformer_config(cfg)
+    assert tconfig.virtual_pipeline_model_parallel_size == 2
+    assert tconfig.microbatch_group_size_per_vp_stage == 2  # PP, megatron-core's default
+    assert tconfig.overlap_p2p_comm and not tconfig.batch_p2p_comm  # Megatron-LM's default
+    plain = to_transformer_config(parse_args(
+        _small_argv(["--pipeline-model-parallel-size", "2"]), world_size=4,
+        cuda_available=False))
+    assert plain.virtual_pipeline_model_parallel_size is None
+    assert not plain.overlap_p2p_comm and plain.batch_p2p_comm
+
+
+@pytest.mark.parametrize("extra, expected", [
     (["--context-parallel-size", "2"], ["--context-parallel-size", "CP = 1"]),
     (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "1, the default"]),
     (["--num-experts", "8"], ["--num-experts", "dense model"]),
@@ -451,9 +502,6 @@ def test_padded_vocab_size():
     (["--overlap-param-gather", "--use-distributed-optimizer"],
      ["--overlap-param-gather needs --overlap-grad-reduce"]),
     (["--decrease-batch-size-if-needed"], ["--decrease-batch-size-if-needed", "drop it"]),
-    (["--num-layers-per-virtual-pipeline-stage", "1"],
-     ["--num-layers-per-virtual-pipeline-stage: virtual pipeline", "1F1B"]),
-    (["--num-virtual-stages-per-pipeline-rank", "2"], ["--num-virtual-stages-per-pipeline"]),
     (["--gradient-accumulation-fusion"],
      ["--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"]),
     (["--transformer-impl", "transformer_engine"],

@@ -24,21 +24,31 @@ class DDPBuffers:
     backward (in every mode); with `overlap_grad_reduce` their buckets are also deferred to
     after the pass."""
 
-    def __init__(self, ddp_model, overlap_grad_reduce: bool,
+    def __init__(self, chunks, overlap_grad_reduce: bool,
                  synced_inside_replica: frozenset = frozenset()):
-        self.model = ddp_model
+        self.chunks = list(chunks)
         self.overlap_grad_reduce = overlap_grad_reduce
-        self._buckets = [bucket for group in ddp_model.bucket_groups for bucket in group.buckets]
+        # In the order megatron completes them: the last model chunk's backward ends first.
+        self._buckets = [bucket for chunk in reversed(self.chunks)
+                         for group in chunk.bucket_groups for bucket in group.buckets]
         self._synced = [bucket.grad_data for bucket in self._buckets
                         if bucket.params & synced_inside_replica]
         # megatron's flag for a parameter all-gather dispatched by the optimizer step: the
         # forward pre-hooks then only wait, and do not dispatch the next bucket group's.
-        self.overlap_param_gather = ddp_model.use_forward_hook
+        self.overlap_param_gather = self.chunks[0].use_forward_hook
         if self.overlap_param_gather:
-            ddp_model.overlap_param_gather_with_optimizer_step = True
+            for chunk in self.chunks:
+                chunk.overlap_param_gather_with_optimizer_step = True
 
     def buckets(self) -> list[torch.Tensor]:
         return [bucket.grad_data for bucket in self._buckets]
+
+    def chunk_buckets(self) -> list[list[torch.Tensor]] | None:
+        """Each model chunk's buckets, or None with one chunk (every bucket)."""
+        if len(self.chunks) == 1:
+            return None
+        return [[bucket.grad_data for group in chunk.bucket_groups for bucket in group.buckets]
+                for chunk in self.chunks]
 
     def synced(self) -> list[torch.Tensor]:
         return list(self._synced)
@@ -47,29 +57,34 @@ class DDPBuffers:
         return list(self._synced) if self.overlap_grad_reduce else []
 
     def zero(self) -> None:
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
 
     def scale(self, factor: float) -> None:
-        self.model.scale_gradients(factor)
+        for chunk in self.chunks:
+            chunk.scale_gradients(factor)
 
     def new_pass(self) -> None:
         if self.overlap_grad_reduce:
             # megatron counts each parameter's gradient-ready hooks per pass to know when a
             # bucket is complete; start this pass's count from zero (posting stays ours).
-            for bucket_group in self.model.bucket_groups:
-                bucket_group.reset()
+            for chunk in self.chunks:
+                for bucket_group in chunk.bucket_groups:
+                    bucket_group.reset()
 
     def dispatch_param_gather(self) -> None:
         if self.overlap_param_gather:
-            self.model.start_param_sync(force_dispatch=True)
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_dispatch=True)
 
     def wait_param_gather(self) -> None:
         if not self.overlap_param_gather:
             return
-        for bucket_group in self.model.bucket_groups:
-            if bucket_group.param_gather_handle is not None:
-                bucket_group.param_gather_handle.wait()
-                bucket_group.param_gather_handle = None
+        for chunk in self.chunks:
+            for bucket_group in chunk.bucket_groups:
+                if bucket_group.param_gather_handle is not None:
+                    bucket_group.param_gather_handle.wait()
+                    bucket_group.param_gather_handle = None
 
 
 class MegatronOptimizer:
@@ -125,7 +140,7 @@ class SchedulePass:
         failures.note(iteration)
 
 
-def build_trainer(*, ddp_model, optimizer, scheduler, micro_batch_size: int, run_pass,
+def build_trainer(*, chunks, optimizer, scheduler, micro_batch_size: int, run_pass,
                   replica_group, shard_group, shard_control_group, overlap_grad_reduce: bool,
                   synced_inside_replica: frozenset, **parts) -> ResilientTrainer:
     """The trainer of this rank over megatron's objects; `parts` are the remaining
@@ -133,7 +148,7 @@ def build_trainer(*, ddp_model, optimizer, scheduler, micro_batch_size: int, run
     `replica_group`: the replica's control group (gloo), None when the replica is one rank;
     `shard_group`: the training group the buckets reduce-scatter on, `shard_control_group` its
     gloo mirror (groups.py)."""
-    buffers = DDPBuffers(ddp_model, overlap_grad_reduce, synced_inside_replica)
+    buffers = DDPBuffers(chunks, overlap_grad_reduce, synced_inside_replica)
     trainer = ResilientTrainer(TrainerParts(
         buffers=buffers, run_pass=SchedulePass(run_pass),
         optimizer=MegatronOptimizer(optimizer, scheduler, micro_batch_size),
@@ -141,6 +156,6 @@ def build_trainer(*, ddp_model, optimizer, scheduler, micro_batch_size: int, run
         shard_group=shard_group,
         shard_control=None if shard_group is None else TorchControl(shard_control_group),
         overlap_grad_reduce=overlap_grad_reduce, **parts))
-    hooks.install(trainer.p.group.process_group, trainer.recovery)
+    hooks.install(trainer.p.group.process_group, trainer.recovery, buffers.chunk_buckets())
     buffers.dispatch_param_gather()  # the first forward's pre-hooks wait for it
     return trainer

@@ -87,8 +87,6 @@ _NO_EFFECT_GROUPS = (
      "no NCCL communicator options", "--nccl-communicator-config-path:1 --use-sharp "
      "--sharp-enabled-group:1 --high-priority-stream-groups:* "
      "--ddp-pad-buckets-for-high-nccl-busbw --disable-symmetric-registration"),
-    ("only the interleaved (virtual-pipeline) schedule reads it, and that schedule is refused",
-     "--no-overlap-p2p-communication --no-align-param-gather"),
     ("with --overlap-grad-reduce every pipeline stage here already starts its gradient "
      "reductions as its buckets fill, which is what this flag selects", "--no-align-grad-reduce"),
     ("only read with CPU optimizer offload, which is refused", "--no-pin-cpu-grads "
@@ -134,10 +132,6 @@ _REFUSED_GROUPS = (
      "--context-parallel-size 1 (the default, accepted)", "--context-parallel-size=1 "
      "--cp-comm-type --hierarchical-context-parallel-sizes --hybrid-context-parallel "
      "--max-seqlen-per-dp-cp-rank"),
-    ("virtual pipeline stages (the interleaved schedule) are not supported: an extension pass "
-     "cannot be shorter than the pipeline depth; use the plain 1F1B schedule",
-     "--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank "
-     "--microbatch-group-size-per-virtual-pipeline-stage --overlap-p2p-communication-warmup-flush"),
     ("uneven pipeline splits are not supported: each stage holds --num-layers / PP layers",
      "--pipeline-model-parallel-layout --decoder-first-pipeline-num-layers "
      "--decoder-last-pipeline-num-layers --account-for-embedding-in-pipeline-split "
@@ -389,6 +383,15 @@ IMPLEMENTED_NOTES = {
                                              "(Megatron-LM: 1), said at start-up; 1 is refused "
                                              "when DP > 1; K shards each instance over DP / K "
                                              "ranks",
+    "--num-layers-per-virtual-pipeline-stage": "the interleaved schedule; under --recover a "
+                                               "pass shorter than the pipeline is padded with "
+                                               "loss-masked microbatches (docs/training.md)",
+    "--num-virtual-stages-per-pipeline-rank": "as --num-layers-per-virtual-pipeline-stage",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "a full pass must fit it (refused at "
+                                                          "start-up otherwise); under --recover "
+                                                          "a shorter pass runs as one group",
+    "--no-align-param-gather": "stock runs; under --recover every chunk's all-gathers are "
+                               "dispatched after the optimizer step, so it changes nothing",
     "--overlap-grad-reduce": "with PP > 1 every stage starts its reductions as its buckets "
                              "fill (Megatron-LM by default holds the later stages' for the "
                              "pipeline bubble, as --no-align-grad-reduce turns off); the same "

@@ -19,7 +19,7 @@ import json
 import signal
 from pathlib import Path
 
-from megatron_recover.megatron import argument_table
+from megatron_recover.megatron import argument_table, interleaving
 from megatron_recover.megatron.config import (
     CheckpointConfig,
     DataConfig,
@@ -156,6 +156,14 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    # The interleaved schedule (virtual pipeline stages), as Megatron-LM names it.
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--no-overlap-p2p-communication", action="store_false",
+                   dest="overlap_p2p_comm")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true")
+    g.add_argument("--no-align-param-gather", action="store_false", dest="align_param_gather")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     # None: not given (Megatron's default, 1; under --recover one instance per replica).
@@ -363,6 +371,9 @@ def _positive(ns) -> list[str]:
                  "--micro-batch-size", "--train-iters", "--train-samples",
                  "--lr-decay-samples", "--tensor-model-parallel-size",
                  "--pipeline-model-parallel-size", "--num-distributed-optimizer-instances",
+                 "--num-layers-per-virtual-pipeline-stage",
+                 "--num-virtual-stages-per-pipeline-rank",
+                 "--microbatch-group-size-per-virtual-pipeline-stage",
                  "--log-interval", "--global-batch-size", "--ffn-hidden-size",
                  "--max-position-embeddings", "--save-interval", "--lr-decay-iters",
                  "--ddp-bucket-size", "--vocab-size", "--num-query-groups",
@@ -548,6 +559,67 @@ def _parallel_layout(ns, world_size: int) -> list[str]:
         problems.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM): "
                         "add it or drop --overlap-param-gather")
     return problems
+
+
+def virtual_stages(ns) -> int | None:
+    """The model chunks per pipeline rank of the interleaved schedule (Megatron-LM's
+    virtual_pipeline_model_parallel_size), or None for the plain 1F1B schedule."""
+    if ns.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = ns.num_layers // ns.pipeline_model_parallel_size
+        return per_stage // ns.num_layers_per_virtual_pipeline_stage
+    return ns.num_virtual_stages_per_pipeline_rank
+
+
+def _virtual_pipeline(ns, world_size: int) -> list[str]:
+    """Megatron-LM's rules for virtual pipeline stages, and megatron-core's interleaved
+    schedule's for the microbatches of a full pass (every global batch of a ramp-up)."""
+    per_vstage = ns.num_layers_per_virtual_pipeline_stage
+    given = [f for f in ("--num-layers-per-virtual-pipeline-stage",
+                         "--num-virtual-stages-per-pipeline-rank")
+             if getattr(ns, f[2:].replace("-", "_")) is not None]
+    pp = ns.pipeline_model_parallel_size
+    if not given:
+        return [f"{flag} applies to the interleaved schedule: add "
+                "--num-virtual-stages-per-pipeline-rank or drop it"
+                for flag, value in (("--microbatch-group-size-per-virtual-pipeline-stage",
+                                     ns.microbatch_group_size_per_virtual_pipeline_stage),
+                                    ("--overlap-p2p-communication-warmup-flush",
+                                     ns.overlap_p2p_communication_warmup_flush))
+                if value]
+    if ns.overlap_p2p_communication_warmup_flush and not ns.overlap_p2p_comm:
+        return ["--overlap-p2p-communication-warmup-flush overlaps the pipeline's sends and "
+                "receives, which --no-overlap-p2p-communication batches instead: drop one"]
+    if len(given) == 2:
+        return ["--num-layers-per-virtual-pipeline-stage and "
+                "--num-virtual-stages-per-pipeline-rank are mutually exclusive: keep one"]
+    if pp == 1:
+        return [f"{given[0]} needs pipeline parallelism (the interleaved schedule splits each "
+                "pipeline rank's layers into model chunks): add --pipeline-model-parallel-size "
+                "2 or more, or drop it"]
+    per_stage = ns.num_layers // pp
+    if per_vstage is not None and per_stage % per_vstage:
+        return [f"number of layers per pipeline stage ({per_stage}) must be divisible by "
+                f"--num-layers-per-virtual-pipeline-stage {per_vstage}: use a divisor of "
+                f"{per_stage}"]
+    chunks = virtual_stages(ns)
+    if ns.num_layers % (pp * chunks):
+        return [f"--num-layers {ns.num_layers} does not split into {pp} pipeline stages x "
+                f"{chunks} virtual stages of equal size: use a multiple of {pp * chunks} layers"]
+    group = ns.microbatch_group_size_per_virtual_pipeline_stage or pp
+    (dp, gbs), mbs = _sizes(ns, world_size), ns.micro_batch_size
+    sizes = [gbs]
+    if ns.rampup_batch_size:
+        start, increment, _ = (int(v) for v in ns.rampup_batch_size)
+        sizes = sorted(set(range(start, gbs, increment)) | {gbs})
+    for size in sizes:
+        problem = interleaving.problem(size // (mbs * dp), group, pp)
+        if problem:
+            return [f"the interleaved schedule refuses a global batch of {size} samples "
+                    f"({size // (mbs * dp)} micro-batches per data-parallel rank): {problem}; "
+                    "choose --global-batch-size (and the ramp-up) so that every data-parallel "
+                    f"rank runs a multiple of {group} micro-batches, or set "
+                    "--microbatch-group-size-per-virtual-pipeline-stage"]
+    return []
 
 
 def _optimizer_instances(ns, dp: int) -> int:
@@ -1047,6 +1119,8 @@ def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
     if not problems:
         problems = (_model_shape(ns) + _parallel_layout(ns, world_size)
                     + _schedule(ns, world_size) + _recompute(ns))
+        if not problems:
+            problems = _virtual_pipeline(ns, world_size)
         if ns.recover:
             problems += _verification(ns, world_size)
     problems += (_device_refusals(ns, world_size, cuda_available, te_available,
@@ -1232,7 +1306,12 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             use_cpu_initialization=ns.use_cpu_initialization,
             gradient_accumulation_fusion=cuda_available if fusion is None else fusion,
             distributed_backend=ns.distributed_backend,
-            ranks_per_device=ns.recover_ranks_per_device),
+            ranks_per_device=ns.recover_ranks_per_device,
+            virtual_pipeline_stages=virtual_stages(ns),
+            microbatch_group_size=ns.microbatch_group_size_per_virtual_pipeline_stage,
+            overlap_p2p_comm=ns.overlap_p2p_comm,
+            overlap_p2p_comm_warmup_flush=ns.overlap_p2p_communication_warmup_flush,
+            align_param_gather=ns.align_param_gather),
         data=DataConfig(
             blend=blend, blend_per_split=blend_per_split, mock_data=ns.mock_data,
             split=(ns.split if ns.split is not None or ns.mock_data

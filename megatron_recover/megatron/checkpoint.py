@@ -87,7 +87,7 @@ def _files(directory, iteration: int, position: tuple[int, ...],
     return base / MODEL_FILE, base / OPTIMIZER_FILE
 
 
-def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
+def save(directory: Path, state: RecoveryState, chunks, optimizer, scheduler,
          position: tuple[int, ...], pipeline_size: int, common: dict, replica_group,
          local_rank: int, written=lambda: None) -> None:
     """Write this rank's position; call on every rank of the writing replica only. `common`:
@@ -104,7 +104,8 @@ def save(directory: Path, state: RecoveryState, ddp_model, optimizer, scheduler,
     if first_shard:  # a position's shards hold the same model
         _write(model_file, {
             **common, "iteration": state.iteration,
-            "model": ddp_model.module.state_dict_for_save_checkpoint(),
+            **{key: chunk.module.state_dict_for_save_checkpoint()
+               for key, chunk in zip(training_state.model_keys(chunks), chunks)},
             "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict(),
             "rng_state": [checkpoint_common.rng_state()],
             checkpoint_common.RECOVERY_KEY: state.to_dict()})
@@ -197,7 +198,7 @@ def write_summary(path: Path, state: RecoveryState) -> None:
     (path / "recover_state.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...], pipeline_size: int,
+def load(plan, chunks, optimizer, scheduler, position: tuple[int, ...], pipeline_size: int,
          cfg) -> tuple[int, dict | None]:
     """Load this position of the checkpoint `plan` (loading.LoadPlan) names into the model and,
     as the plan says, the optimizer with the scheduler and the generators. Returns the
@@ -206,8 +207,9 @@ def load(plan, ddp_model, optimizer, scheduler, position: tuple[int, ...], pipel
                                         pipeline_size)
     saved = _read(model_file)
     try:
-        ddp_model.module.load_state_dict(saved["model"])
-    except RuntimeError as error:  # load_state_dict's missing keys and size mismatches
+        for key, chunk in zip(training_state.model_keys(chunks), chunks):
+            chunk.module.load_state_dict(saved[key])
+    except (RuntimeError, KeyError) as error:  # missing keys and chunks, size mismatches
         raise ValueError(loading.model_mismatch(model_file, error)) from error
     if plan.optimizer:
         optimizer.load_state_dict(saved["optimizer"])

@@ -240,6 +240,28 @@ class ParallelConfig:
     gloo); on the CPU they are gloo (groups.py)."""
     ranks_per_device: int = 1
     """Consecutive node-local ranks bound to one device (--recover-ranks-per-device)."""
+    virtual_pipeline_stages: int | None = None
+    """Model chunks per pipeline rank of the interleaved schedule
+    (--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank);
+    None: the plain 1F1B schedule."""
+    microbatch_group_size: int | None = None
+    """Contiguous microbatches per virtual stage in the interleaved schedule
+    (--microbatch-group-size-per-virtual-pipeline-stage); None: the pipeline size."""
+    overlap_p2p_comm: bool = True
+    """The interleaved schedule's pipeline sends and receives overlap compute (Megatron-LM's
+    default; --no-overlap-p2p-communication batches them instead)."""
+    overlap_p2p_comm_warmup_flush: bool = False
+    """Overlap them in the warm-up and flush phases too (--overlap-p2p-communication-warmup-flush)."""
+    align_param_gather: bool = True
+    """With --overlap-param-gather and model chunks, the interleaved schedule dispatches each
+    later chunk's parameter all-gathers itself (Megatron-LM's default; --no-align-param-gather:
+    each chunk's forward pre-hook does). Under --recover every chunk's are dispatched after
+    the optimizer step instead."""
+
+    @property
+    def model_chunks(self) -> int:
+        """The model chunks a rank holds: its virtual pipeline stages, or 1."""
+        return self.virtual_pipeline_stages or 1
 
     @property
     def model_parallel_size(self) -> int:

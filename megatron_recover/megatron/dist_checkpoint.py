@@ -103,16 +103,19 @@ def _rng_state():
                          replica_id=parallel_state.get_data_parallel_rank())
 
 
-def _state_dict(ddp_model, optimizer, scheduler, iteration: int, is_loading: bool,
+def _state_dict(chunks, optimizer, scheduler, iteration: int, is_loading: bool,
                 optim: bool = True, rng: bool = True) -> dict:
-    """What a checkpoint holds; for a load, the parts to read (`optim`: the optimizer and the
-    scheduler; `rng`: the generators)."""
-    model = ddp_model.module.sharded_state_dict()
-    state = {"model": model, "iteration": iteration}
+    """What a checkpoint holds (`chunks`: the rank's DDP model chunks, under Megatron-LM's keys
+    "model" or "model0", "model1", ...); for a load, the parts to read (`optim`: the optimizer
+    and the scheduler; `rng`: the generators)."""
+    models = {key: chunk.module.sharded_state_dict()
+              for key, chunk in zip(training_state.model_keys(chunks), chunks)}
+    state = {**models, "iteration": iteration}
     if optim:
         training_state.initialize_optimizer_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading,
-                                                          metadata=_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            models["model"] if len(models) == 1 else models, is_loading=is_loading,
+            metadata=_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if rng:
         state["rng_state"] = _rng_state()
@@ -319,7 +322,7 @@ def _report(message: str, start: float, end: float) -> None:
         print(f"  {message} [ {end - start:.3f} s, wall {start:.3f} -> {end:.3f} ]", flush=True)
 
 
-def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dict,
+def save(directory, iteration: int, chunks, optimizer, scheduler, common: dict,
          recovery: dict | None = None, writers: ReplicaWriters | None = None,
          written=lambda: None, saves: AsyncSaves | None = None) -> None:
     """Write iteration `iteration`'s checkpoint, with the `common` keys
@@ -343,7 +346,7 @@ def save(directory, iteration: int, ddp_model, optimizer, scheduler, common: dic
     results = _fresh_results_queue(forked=saves is not None)
     path = loading.iteration_dir(directory, iteration)
     path.mkdir(parents=True, exist_ok=True)
-    state = {**common, **_state_dict(ddp_model, optimizer, scheduler, iteration, False)}
+    state = {**common, **_state_dict(chunks, optimizer, scheduler, iteration, False)}
     if writers is None:
         world, agree = nullcontext, groups.world_control()
         strategy = FullyParallelSaveStrategyWrapper(
@@ -422,7 +425,7 @@ def _unreadable(error: Exception) -> str | None:
     return None
 
 
-def load(plan, ddp_model, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
+def load(plan, chunks, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
     """Load what `plan` (loading.LoadPlan) names into the model and, as it says, the
     optimizer, scheduler and RNGs; every rank calls. Returns the iteration the run continues
     after (the checkpoint's, or 0 for a fine-tune) and the checkpoint's --recover state (None
@@ -448,11 +451,12 @@ def load(plan, ddp_model, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
     if mismatch and plan.rng and dist.get_rank() == 0:
         print(f"megatron-recover: {mismatch}: RNG state will be ignored", flush=True)
     rng = plan.rng and not mismatch
-    template = _state_dict(ddp_model, optimizer, scheduler, plan.iteration, True,
+    template = _state_dict(chunks, optimizer, scheduler, plan.iteration, True,
                            optim=plan.optimizer, rng=rng)
     try:
         state = dist_checkpointing.load(template, str(path))
-        ddp_model.module.load_state_dict(state["model"])
+        for key, chunk in zip(training_state.model_keys(chunks), chunks):
+            chunk.module.load_state_dict(state[key])
     except (CheckpointingException, CheckpointException, RuntimeError, OSError, EOFError,
             pickle.UnpicklingError) as error:  # shapes and keys, or files that cannot be read
         torn = _unreadable(error)

@@ -27,7 +27,8 @@ from functools import partial
 
 import torch
 
-from megatron_recover.megatron import devices, hooks
+from megatron_recover.megatron import devices, hooks, interleaving
+
 
 @dataclass
 class EvalResult:
@@ -79,9 +80,9 @@ def _eval_loss(loss_mask, index, output_tensor):
 class EvalPass:
     """Forward-only passes over evaluation microbatches through megatron's schedule."""
 
-    def __init__(self, ddp_model, source, seq_length: int, micro_batch_size: int, faults,
+    def __init__(self, chunks, source, seq_length: int, micro_batch_size: int, faults,
                  forward_backward):
-        self.model = ddp_model
+        self.chunks = list(chunks)
         self.source = source
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
@@ -105,16 +106,36 @@ class EvalPass:
         self.faults.at("evaluation", iteration)
         if not ids:
             return values
-        batches = (self.source.eval_microbatch(split, evaluation, j) for j in ids)
+        from megatron.core import parallel_state
+
+        padding, group_size = 0, None
+        config = self.chunks[0].config
+        configured = config.microbatch_group_size_per_vp_stage
+        if len(self.chunks) > 1:  # a pass of any length (interleaving.py)
+            padding, group_size = interleaving.shape(
+                len(ids), configured, parallel_state.get_pipeline_model_parallel_world_size())
+            config.microbatch_group_size_per_vp_stage = group_size
+
+        def batches():
+            for j in ids:
+                yield self.source.eval_microbatch(split, evaluation, j)
+            for _ in range(padding):  # reported under no index, so never counted
+                yield {**self.source.eval_microbatch(split, evaluation, ids[0]), "index": None}
+
         hooks.set_loss_divisor(None)  # megatron's own divisor for the forward-only pass
-        self.model.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         try:
             outputs = self.forward_backward(
-                forward_step_func=self._forward_step, data_iterator=batches, model=[self.model],
-                num_microbatches=len(ids), seq_length=self.seq_length,
+                forward_step_func=self._forward_step,
+                data_iterator=[batches() for _ in self.chunks], model=self.chunks,
+                num_microbatches=len(ids) + padding, seq_length=self.seq_length,
                 micro_batch_size=self.micro_batch_size, forward_only=True)
         finally:
-            self.model.train()
+            config.microbatch_group_size_per_vp_stage = configured
+            for chunk in self.chunks:
+                chunk.train()
+        outputs = [out for out in outputs if out["index"] is not None]
         if reports_loss and outputs:  # only the last pipeline stage has them
             pairs = torch.stack([torch.stack([out["loss sum"].double(), out["tokens"].double()])
                                  for out in outputs]).cpu()

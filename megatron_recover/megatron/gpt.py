@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from megatron_recover import failures
-from megatron_recover.megatron import devices, hooks
+from megatron_recover.megatron import devices, hooks, interleaving
 from megatron_recover.megatron.data import batch_checksum
 from megatron_recover.megatron.norms import Norm
 
@@ -31,8 +31,9 @@ _SEED_STRIDE = 1_000_003  # > any B: (iteration, id) pairs map to distinct seeds
 _MAX_STAGES = 1024  # > any pipeline depth: each stage's dropout draws from its own seeds
 
 
-def layer_specs(transformer_config, transformer_impl: str):
-    """The transformer block of this pipeline stage: Transformer Engine's layer spec, or
+def layer_specs(transformer_config, transformer_impl: str, vp_stage: int | None = None):
+    """The transformer block of this pipeline stage (of its virtual stage `vp_stage` with the
+    interleaved schedule): Transformer Engine's layer spec, or
     megatron-core's local spec with our `Norm` in every norm position (megatron-core's torch
     norm refuses zero-centred gamma and sequence parallelism)."""
     if transformer_impl == "transformer_engine":
@@ -50,19 +51,24 @@ def layer_specs(transformer_config, transformer_impl: str):
         attention = layer.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = Norm
     return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(transformer_config), layer_norm=Norm)
+        layer_specs=[spec] * get_num_layers_to_build(transformer_config, vp_stage=vp_stage),
+        layer_norm=Norm)
 
 
-def build_gpt(transformer_config, vocab_size: int, model) -> GPTModel:
-    """This rank's GPTModel, as Megatron-LM's GPT builder makes it from the arguments in
-    `model` (a ModelConfig); `vocab_size` is the padded one."""
+def build_gpt(transformer_config, vocab_size: int, model, vp_stage: int | None = None) -> GPTModel:
+    """This rank's GPTModel (its model chunk `vp_stage` with the interleaved schedule), as
+    Megatron-LM's GPT builder makes it from the arguments in `model` (a ModelConfig);
+    `vocab_size` is the padded one."""
     return GPTModel(
         config=transformer_config,
-        transformer_layer_spec=layer_specs(transformer_config, model.transformer_impl),
+        transformer_layer_spec=layer_specs(transformer_config, model.transformer_impl, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                           vp_stage=vp_stage),
+        vp_stage=vp_stage,
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type,
         rotary_percent=model.rotary_percent,
@@ -87,38 +93,47 @@ def process_groups(cross_replica_group, across_instances=False):
     return pg_collection
 
 
-def wrap_ddp(model, transformer_config, ddp_config, pg_collection=None):
-    """Megatron's DDP over `pg_collection` (`process_groups`; None: megatron's groups)."""
-    ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model,
-                                  pg_collection=pg_collection)
+def wrap_ddp(chunks, transformer_config, ddp_config, pg_collection=None) -> list:
+    """Megatron's DDP over `pg_collection` (`process_groups`; None: megatron's groups), one per
+    model chunk; as in Megatron-LM, only the first chunk's gradients are split into buckets."""
+    ddps = [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config,
+                                    module=chunk, pg_collection=pg_collection,
+                                    disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)]
     transformer_config.finalize_model_grads_func = (
         finalize_model_grads if pg_collection is None else _finalize_keeping_token_sums)
-    transformer_config.no_sync_func = ddp.no_sync
-    return ddp
+    transformer_config.no_sync_func = ([ddp.no_sync for ddp in ddps] if len(ddps) > 1
+                                       else ddps[0].no_sync)
+    return ddps
 
 
-def synced_inside_replica(ddp_model) -> set:
+def synced_inside_replica(chunks) -> set:
     """The parameters whose gradients megatron-core's finalize_model_grads all-reduces in place
     inside a replica after backward, by the conditions of its helpers at 0.16.1: the word
-    embedding shared by the first and last pipeline stages (tied embeddings, PP > 1) and, with
-    TP > 1, the sequence-parallel norms, the q/k layernorms and the parameters averaged over the
-    TP domain. (GPT's position-embedding group is the first stage alone: nothing to sync.)"""
+    embedding shared by the first and last pipeline stages (tied embeddings, PP > 1; with
+    virtual stages the first stage's first chunk and the last stage's last chunk hold it) and,
+    with TP > 1, the sequence-parallel norms, the q/k layernorms and the parameters averaged
+    over the TP domain. (GPT's position-embedding group is the first stage alone: nothing to
+    sync.)"""
     from megatron.core.utils import get_attr_wrapped_model
 
-    config = ddp_model.config
-    model = get_attr_wrapped_model(ddp_model, "pre_process", return_model_obj=True)
     synced = set()
     embedding_group = parallel_state.get_embedding_group(check_initialized=False)
-    if (embedding_group is not None and dist.get_world_size(embedding_group) > 1
-            and dist.get_rank() in dist.get_process_group_ranks(embedding_group)
-            and model.share_embeddings_and_output_weights):
-        synced.add(model.shared_embedding_or_output_weight())
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        for name, param in model.named_parameters():
-            if (getattr(param, "average_gradients_across_tp_domain", False)
-                    or (config.sequence_parallel and getattr(param, "sequence_parallel", False))
-                    or (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))):
-                synced.add(param)
+    in_embedding_group = (embedding_group is not None and dist.get_world_size(embedding_group) > 1
+                          and dist.get_rank() in dist.get_process_group_ranks(embedding_group))
+    for ddp_model in chunks:
+        config = ddp_model.config
+        model = get_attr_wrapped_model(ddp_model, "pre_process", return_model_obj=True)
+        if (in_embedding_group and model.share_embeddings_and_output_weights
+                and (model.pre_process or model.post_process)):
+            synced.add(model.shared_embedding_or_output_weight())
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            for name, param in model.named_parameters():
+                if (getattr(param, "average_gradients_across_tp_domain", False)
+                        or (config.sequence_parallel and getattr(param, "sequence_parallel", False))
+                        or (config.qk_layernorm
+                            and ("q_layernorm" in name or "k_layernorm" in name))):
+                    synced.add(param)
     return synced
 
 
@@ -143,10 +158,12 @@ def seed_stage(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
-def seed_microbatch(seed: int, iteration: int, microbatch_id: int) -> None:
+def seed_microbatch(seed: int, iteration: int, microbatch_id: int, chunk: int = 0) -> None:
     """Seed every RNG a microbatch draws from by its identity, not its position on a replica:
-    (iteration, id, pipeline stage) map to distinct seeds."""
-    stage = parallel_state.get_pipeline_model_parallel_rank()
+    (iteration, id, pipeline stage) map to distinct seeds; with virtual pipeline stages each
+    model chunk `chunk` of a rank is a stage of its own."""
+    pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank() + chunk * pipeline
     assert stage < _MAX_STAGES, stage
     mixed = seed + (iteration * _SEED_STRIDE + microbatch_id) * _MAX_STAGES + stage
     torch.manual_seed(mixed)
@@ -205,14 +222,18 @@ class MicrobatchPass:
 
     `microbatch(iteration, id)` yields megatron's GPT batch dict, which names its own iteration
     and id; the forward step registers that batch (with a checksum of what it trains on) in the
-    gradient ledger, so the ledger records what the schedule consumed, not what it was asked to
-    run. `faults.at("backward", t)` fires after the first forward of the first pass of an
-    iteration, before its backward.
+    gradient ledger of the model chunk it runs through, so the ledger records what the schedule
+    consumed, not what it was asked to run. `faults.at("backward", t)` fires after the first
+    forward of the first pass of an iteration, before its backward.
+
+    With virtual pipeline stages (`chunks` holds several DDP model chunks) a pass of any length
+    runs through megatron's interleaved schedule as `interleaving.shape` says: padding
+    microbatches are real batches with an empty loss mask, seeded apart, never reported.
     """
 
-    def __init__(self, ddp_model, microbatch, seq_length: int, micro_batch_size: int, seed: int,
+    def __init__(self, chunks, microbatch, seq_length: int, micro_batch_size: int, seed: int,
                  faults, reseed_per_microbatch: bool, check_finite: bool = False):
-        self.model = ddp_model
+        self.chunks = list(chunks)
         self.microbatch = microbatch
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
@@ -222,52 +243,90 @@ class MicrobatchPass:
         self.check_finite = check_finite
         self.forward_backward = get_forward_backward_func()
         self._fired_backward_for = None
+        self._chunk_of = {id(chunk): index for index, chunk in enumerate(self.chunks)}
+        self.config = self.chunks[0].config
+        self.group_size = self.config.microbatch_group_size_per_vp_stage  # as configured
 
-    def _batches(self, iteration, ids):
+    @property
+    def model(self):
+        """The DDP model of a rank with one model chunk."""
+        assert len(self.chunks) == 1, "several model chunks: use `chunks`"
+        return self.chunks[0]
+
+    def _batches(self, iteration, ids, padding: int, chunk: int):
         for microbatch_id in ids:
             if self.reseed:
-                seed_microbatch(self.seed, iteration, microbatch_id)
+                seed_microbatch(self.seed, iteration, microbatch_id, chunk)
             yield self.microbatch(iteration, microbatch_id)
+        for index in range(padding):
+            if self.reseed:  # apart from every id's seeds
+                seed_microbatch(self.seed, iteration, _SEED_STRIDE - 1 - index, chunk)
+            yield padding_batch(self.microbatch(iteration, ids[0]))
 
     def _forward_step(self, iteration, data_iterator, model):
         batch = next(data_iterator)
         microbatch_id = batch["microbatch_id"]
-        failures.note(batch["iteration"], microbatch_id)
-        hooks.register_microbatch(batch["iteration"], microbatch_id, batch_checksum(
-            batch["tokens"], batch["labels"], batch["loss_mask"]))  # on the host, before the move
+        padding = batch.get("padding", False)
+        if not padding:
+            failures.note(batch["iteration"], microbatch_id)
+        # Every batch consumed is in the ledger, except padding that cannot contribute (its
+        # loss mask is empty, read from the batch itself).
+        if not padding or batch["loss_mask"].any():
+            hooks.register_microbatch(batch["iteration"], microbatch_id, batch_checksum(
+                batch["tokens"], batch["labels"], batch["loss_mask"]),  # on the host
+                chunk=self._chunk_of[id(model)])
         batch = devices.batch_to_device(batch)
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                        labels=batch["labels"])
         hooks.forward_done()  # the restore's copies overlapped this forward; backward waits
 
         def on_first_loss() -> bool:
-            if self._fired_backward_for != iteration:
+            if self._fired_backward_for != iteration and not padding:
                 self._fired_backward_for = iteration
                 return self.faults.at("backward", iteration)
             return False
 
-        return output, partial(_loss_func, batch["loss_mask"], microbatch_id, on_first_loss,
-                               partial(self.faults.overflow, batch["iteration"], microbatch_id),
-                               self.model.config.calculate_per_token_loss,
-                               self.check_finite, bad_sample=partial(
-                                   self.faults.bad_sample, batch["iteration"], microbatch_id))
+        never = lambda: False  # noqa: E731  (padding: no fault of the schedule's ids)
+        return output, partial(
+            _loss_func, batch["loss_mask"], None if padding else microbatch_id, on_first_loss,
+            never if padding else partial(self.faults.overflow, batch["iteration"],
+                                          microbatch_id),
+            self.config.calculate_per_token_loss, self.check_finite,
+            bad_sample=never if padding else partial(self.faults.bad_sample, batch["iteration"],
+                                                     microbatch_id))
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float],
             tokens: dict[int, int]) -> None:
         self.faults.phase("schedule")
-        outputs = self.forward_backward(
-            forward_step_func=partial(self._forward_step, iteration),
-            data_iterator=self._batches(iteration, ids),
-            model=[self.model],
-            num_microbatches=len(ids),
-            seq_length=self.seq_length,
-            micro_batch_size=self.micro_batch_size,
-            forward_only=False,
-        )
+        padding, group_size = 0, self.group_size
+        if len(self.chunks) > 1:
+            padding, group_size = interleaving.shape(
+                len(ids), self.group_size,
+                parallel_state.get_pipeline_model_parallel_world_size())
+        self.config.microbatch_group_size_per_vp_stage = group_size
+        try:
+            outputs = self.forward_backward(
+                forward_step_func=partial(self._forward_step, iteration),
+                data_iterator=[self._batches(iteration, ids, padding, chunk)
+                               for chunk in range(len(self.chunks))],
+                model=self.chunks,
+                num_microbatches=len(ids) + padding,
+                seq_length=self.seq_length,
+                micro_batch_size=self.micro_batch_size,
+                forward_only=False,
+            )
+        finally:
+            self.config.microbatch_group_size_per_vp_stage = self.group_size
         self.faults.phase("after-schedule")
+        outputs = [out for out in outputs if out["id"] is not None]  # padding's are not losses
         if outputs:  # only the last pipeline stage has losses; one host sync for the pass
             values = torch.stack([torch.stack([out["lm loss"].double(), out["tokens"].double()])
                                   for out in outputs]).tolist()
             for out, (loss, count) in zip(outputs, values):
                 losses[out["id"]] = loss
                 tokens[out["id"]] = int(count)
+
+
+def padding_batch(batch: dict) -> dict:
+    """A copy of `batch` that trains on nothing: its loss mask is empty (interleaving.py)."""
+    return {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"]), "padding": True}

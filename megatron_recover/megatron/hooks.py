@@ -14,12 +14,16 @@ intra-instance reduce-scatter is the trainer's too (layer 2 snapshots the bucket
 """
 
 _recoveries = {}  # id(data-parallel process group) -> GradientRecovery
+_chunk_buckets = {}  # id(data-parallel process group) -> each model chunk's gradient buckets
 _loss_divisor = None
 
 
-def install(process_group, recovery) -> None:
-    """Route the bucket reductions of `process_group` through `recovery`."""
+def install(process_group, recovery, chunk_buckets=None) -> None:
+    """Route the bucket reductions of `process_group` through `recovery`; `chunk_buckets`:
+    with virtual pipeline stages, each model chunk's gradient buckets (a microbatch a chunk
+    consumed is registered in that chunk's buckets only)."""
     _recoveries[id(process_group)] = recovery
+    _chunk_buckets[id(process_group)] = chunk_buckets
 
 
 def set_loss_divisor(b: int) -> None:
@@ -58,11 +62,15 @@ def finish_grad_sync(bucket_group) -> None:
     that runs no microbatch issues an all-gather its peers do not."""
 
 
-def register_microbatch(iteration: int, microbatch_id: int, checksum: int) -> None:
-    """The schedule consumed this microbatch: its gradient goes into this rank's buckets (the
-    gradient ledger of layer 2). Nothing without an installed recovery."""
-    for recovery in _recoveries.values():
-        recovery.register(iteration, microbatch_id, checksum)
+def register_microbatch(iteration: int, microbatch_id: int, checksum: int,
+                        chunk: int = 0) -> None:
+    """The schedule consumed this microbatch in model chunk `chunk`: its gradient goes into
+    that chunk's buckets (the gradient ledger of layer 2). Nothing without an installed
+    recovery."""
+    for key, recovery in _recoveries.items():
+        buckets = _chunk_buckets[key]
+        recovery.register(iteration, microbatch_id, checksum,
+                          None if buckets is None else buckets[chunk])
 
 
 def forward_done() -> None:

@@ -26,7 +26,7 @@ def join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> d
     trainer.gather_parameters()
     policy = trainer.p.policy
     return {"iteration": iteration, "position": setup.checkpoint_position,
-            **training_state.capture(setup.ddp_model, setup.optimizer, setup.scheduler),
+            **training_state.capture(setup.chunks, setup.optimizer, setup.scheduler),
             "layout": policy.layout, "last_committed": policy.last_committed,
             "reserve_next": policy.reserve_next, "speeds": policy.speeds,
             "dead_replicas": sorted(trainer.dead_replicas),

@@ -107,7 +107,7 @@ class StockStepper:
         self.saves = dist_checkpoint.AsyncSaves() if cfg.checkpoint.async_save else None
 
     def _state(self):
-        return self.setup.ddp_model, self.setup.optimizer, self.setup.scheduler
+        return self.setup.chunks, self.setup.optimizer, self.setup.scheduler
 
     def step(self, iteration: int) -> StepResult:
         """One iteration over the same ids as the policy's. As Megatron-LM, the logged loss is
@@ -126,7 +126,8 @@ class StockStepper:
         ids = [m * dp + setup.dp_rank for m in range(get_num_microbatches())]
         global_batch_size = get_current_global_batch_size()
         start = time.perf_counter()
-        setup.ddp_model.zero_grad_buffer()
+        for chunk in setup.chunks:
+            chunk.zero_grad_buffer()
         setup.optimizer.zero_grad()
         losses, tokens = {}, {}
         self.micro_pass.run(iteration, ids, losses, tokens)
@@ -141,7 +142,7 @@ class StockStepper:
                           skipped=not update_successful, global_batch_size=global_batch_size)
 
     def save(self, iteration: int) -> None:
-        gather_parameters(self.setup.ddp_model)
+        gather_parameters(self.setup.chunks)
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, *self._state(),
                              checkpoint_common.megatron_common(self.cfg, iteration,
                                                              self.setup.padded_vocab_size),
@@ -166,7 +167,7 @@ class StockStepper:
     def finish(self) -> None:
         if self.saves is not None:
             self.saves.poll(blocking=True)
-        gather_parameters(self.setup.ddp_model)
+        gather_parameters(self.setup.chunks)
 
 
 class ResilientStepper:
@@ -246,7 +247,7 @@ class ResilientStepper:
         common = checkpoint_common.megatron_common(self.cfg, iteration, setup.padded_vocab_size)
         if self.cfg.checkpoint.ckpt_format == "torch":
             if trainer.p.replica == lowest:
-                checkpoint.save(self.cfg.checkpoint.save, state, setup.ddp_model,
+                checkpoint.save(self.cfg.checkpoint.save, state, setup.chunks,
                                 setup.optimizer, setup.scheduler, setup.checkpoint_position,
                                 self.cfg.parallel.pipeline_model_parallel_size, common,
                                 setup.control_group, setup.local_rank, written)
@@ -262,7 +263,7 @@ class ResilientStepper:
             if self.saves is not None:  # this replica's save, if any, is superseded
                 self.saves.abandon()
             return
-        dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.ddp_model,
+        dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.chunks,
                              setup.optimizer, setup.scheduler, common, state.to_dict(), writers,
                              written, self.saves)
 
@@ -305,7 +306,7 @@ class ResilientStepper:
             return
         trainer.gather_parameters()
         self.snapshots.take(iteration, {
-            **training_state.capture(setup.ddp_model, setup.optimizer, setup.scheduler),
+            **training_state.capture(setup.chunks, setup.optimizer, setup.scheduler),
             "recovery": recovery_state(trainer.p.policy, iteration)})
 
     def exit_agreed(self, result: StepResult) -> bool:
@@ -328,9 +329,10 @@ class ResilientStepper:
         return {"copy_s": self.snapshots.copy_s, "write_s": self.snapshots.write_s}
 
 
-def gather_parameters(ddp_model) -> None:
+def gather_parameters(chunks) -> None:
     """With --overlap-param-gather the last step's parameters reach the other shards only in the
-    next forward; gather them now, as Megatron-LM does before a save and at the end of training
-    (its disable_forward_pre_hook)."""
-    if ddp_model.use_forward_hook:
-        ddp_model.start_param_sync(force_sync=True)
+    next forward; gather them now (in every model chunk), as Megatron-LM does before a save and
+    at the end of training (its disable_forward_pre_hook)."""
+    for chunk in chunks:
+        if chunk.use_forward_hook:
+            chunk.start_param_sync(force_sync=True)

@@ -47,6 +47,13 @@ def to_transformer_config(cfg: TrainConfig):
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_stages,
+        microbatch_group_size_per_vp_stage=par.microbatch_group_size,
+        # Megatron-LM's: the interleaved schedule overlaps its sends and receives unless
+        # --no-overlap-p2p-communication; the plain one batches them.
+        overlap_p2p_comm=bool(par.virtual_pipeline_stages) and par.overlap_p2p_comm,
+        batch_p2p_comm=not (par.virtual_pipeline_stages and par.overlap_p2p_comm),
+        overlap_p2p_comm_warmup_flush=par.overlap_p2p_comm_warmup_flush,
         sequence_parallel=par.sequence_parallel,
         use_cpu_initialization=par.use_cpu_initialization,
         gradient_accumulation_fusion=par.gradient_accumulation_fusion,

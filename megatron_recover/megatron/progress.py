@@ -78,7 +78,7 @@ class Progress:
         self.stats = IntervalStats()
         self.exits = exits
         # Evaluation runs the training pass's schedule, with the failure schedule's points.
-        self.eval_pass = EvalPass(setup.ddp_model, source, cfg.model.seq_length,
+        self.eval_pass = EvalPass(setup.chunks, source, cfg.model.seq_length,
                                   cfg.micro_batch_size, micro_pass.faults,
                                   micro_pass.forward_backward)
         self.last_stage = parallel_state.is_pipeline_last_stage()
@@ -166,12 +166,14 @@ class Progress:
                           (cfg.train_iters // interval if interval else 0) + 1)
         else:
             evaluation = 1
-        ddp = self.setup.ddp_model
-        if ddp.use_forward_hook:
+        chunks = self.setup.chunks
+        hooked = chunks[0].use_forward_hook
+        if hooked:
             # As Megatron-LM: no parameter all-gather overlaps an evaluation's forward passes.
             if self.trainer is not None:
                 self.trainer.gather_parameters()
-            ddp.disable_forward_pre_hook(param_sync=self.trainer is None)
+            for chunk in chunks:
+                chunk.disable_forward_pre_hook(param_sync=self.trainer is None)
         try:
             if self.trainer is None:
                 dp = cfg.data_parallel_size
@@ -186,8 +188,9 @@ class Progress:
                     lambda ids: self.eval_pass.values(split, evaluation, iteration, ids,
                                                       self.last_stage), self.eval_pass.count)
         finally:
-            if ddp.use_forward_hook:
-                ddp.enable_forward_pre_hook()
+            if hooked:
+                for chunk in chunks:
+                    chunk.enable_forward_pre_hook()
         result = result_of(values, split, evaluation, iteration)
         self.stats.failures += sum(len(e["replicas"]) for e in events)
         writer = self.is_writer()

@@ -27,7 +27,7 @@ def _save_group(parent: collective.ULFMGroup, ranks: tuple[int, ...],
 class RankSetup:
     """What one rank built: megatron's model and optimizer, and its place among the replicas."""
 
-    ddp_model: object
+    chunks: tuple  # megatron's DDP over each model chunk: one, or one per virtual stage
     optimizer: object
     scheduler: object
     group: collective.ULFMGroup | None  # the cross-replica group of this position (ulfm)
@@ -41,6 +41,14 @@ class RankSetup:
     replica_index: int  # the data-parallel rank, or the distributed-optimizer instance
     local_rank: int
     position: tuple[int, int]  # (tensor, pipeline) parallel rank
+
+    @property
+    def ddp_model(self):
+        """The DDP model of a rank with one model chunk (not the interleaved schedule)."""
+        if len(self.chunks) != 1:
+            raise TypeError(f"this rank holds {len(self.chunks)} model chunks (virtual pipeline "
+                            "stages): use `chunks`")
+        return self.chunks[0]
 
     @property
     def checkpoint_position(self) -> tuple[int, ...]:
@@ -90,11 +98,25 @@ class RankSetup:
     def padded_vocab_size(self) -> int:
         """The model's vocabulary, padded as megatron pads it (its embedding's rows over all
         tensor-parallel ranks)."""
-        return self.unwrapped_model().vocab_size
+        return self.unwrapped_chunks()[0].vocab_size
 
     def unwrapped_model(self):
-        """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""
-        from megatron.core.transformer.module import Float16Module
+        """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16); with
+        virtual pipeline stages a ModuleList of each chunk's (its parameters named "0.", "1.",
+        ... by chunk)."""
+        import torch
 
-        model = self.ddp_model.module
-        return model.module if isinstance(model, Float16Module) else model
+        chunks = self.unwrapped_chunks()
+        return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+
+    def unwrapped_chunks(self) -> list:
+        """Each model chunk's GPTModel (`unwrapped_model`)."""
+        return [unwrap(chunk) for chunk in self.chunks]
+
+
+def unwrap(ddp_model):
+    """The GPTModel inside megatron's DDP wrapper (and Float16Module, in fp16/bf16)."""
+    from megatron.core.transformer.module import Float16Module
+
+    model = ddp_model.module
+    return model.module if isinstance(model, Float16Module) else model

@@ -52,7 +52,7 @@ def load_newest(cfg, rank: int,
     start = time.perf_counter()
     if cfg.recover.snapshot_interval:
         state = snapshot.restore(cfg.recover.snapshot_dir, setup.group,
-                                 setup.checkpoint_position, setup.ddp_model, setup.optimizer,
+                                 setup.checkpoint_position, setup.chunks, setup.optimizer,
                                  setup.scheduler, after=on_disk or 0)
         if state is not None:
             return state, (f"in-memory snapshots in {cfg.recover.snapshot_dir} "
@@ -77,10 +77,10 @@ def _load(cfg, plan, setup: RankSetup) -> checkpoint.RecoveryState:
     or a stock run wrote holds no recovery state: the policy starts afresh at its iteration, on
     every replica of this run."""
     if dist_checkpoint.is_torch_dist(plan.path):
-        iteration, saved = dist_checkpoint.load(plan, setup.ddp_model, setup.optimizer,
+        iteration, saved = dist_checkpoint.load(plan, setup.chunks, setup.optimizer,
                                                 setup.scheduler, cfg)
     else:
-        iteration, saved = checkpoint.load(plan, setup.ddp_model, setup.optimizer,
+        iteration, saved = checkpoint.load(plan, setup.chunks, setup.optimizer,
                                            setup.scheduler, setup.checkpoint_position,
                                            cfg.parallel.pipeline_model_parallel_size, cfg)
     if saved is not None:

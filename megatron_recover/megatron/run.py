@@ -168,11 +168,28 @@ def _agreed_start(start, finalize: bool = False):
     return result
 
 
-def _optimizer_and_scheduler(cfg, ddp_model, pg_collection):
+def _model_chunks(cfg, tconfig, padded_vocab_size: int) -> list:
+    """This rank's GPTModel on its device: one, or with the interleaved schedule one per
+    virtual pipeline stage (Megatron-LM's model list), each in Float16Module with fp16/bf16."""
+    from megatron.core.transformer.module import Float16Module
+
+    stages = cfg.parallel.virtual_pipeline_stages
+    chunks = []
+    for vp_stage in ([None] if stages is None else range(stages)):
+        model = devices.model_to_device(build_gpt(tconfig, padded_vocab_size, cfg.model,
+                                                  vp_stage))
+        if cfg.precision.fp16 or cfg.precision.bf16:
+            # As Megatron-LM's get_model: fp16/bf16 parameters and compute, fp32 outputs.
+            model = Float16Module(tconfig, model)
+        chunks.append(model)
+    return chunks
+
+
+def _optimizer_and_scheduler(cfg, ddp_chunks, pg_collection):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    optimizer = get_megatron_optimizer(mcore_config.to_optimizer_config(cfg), [ddp_model],
+    optimizer = get_megatron_optimizer(mcore_config.to_optimizer_config(cfg), list(ddp_chunks),
                                        use_gloo_process_groups=False, pg_collection=pg_collection)
     scheduler = OptimizerParamScheduler(optimizer, **mcore_config.to_scheduler_kwargs(cfg))
     return optimizer, scheduler
@@ -252,6 +269,7 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_stages,
         num_distributed_optimizer_instances=(1 if standby_instance else
                                              par.num_distributed_optimizer_instances),
         create_gloo_process_groups=False,
@@ -261,13 +279,13 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     )
     seed_stage(cfg.seed)
     tconfig = mcore_config.to_transformer_config(cfg)
-    model = devices.model_to_device(
-        build_gpt(tconfig, mcore_config.padded_vocab_size(cfg, vocab_size), cfg.model))
-    if cfg.precision.fp16 or cfg.precision.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        # As Megatron-LM's get_model: fp16/bf16 parameters and compute, fp32 outputs.
-        model = Float16Module(tconfig, model)
+    if tconfig.overlap_p2p_comm and dist.get_backend(
+            parallel_state.get_pipeline_model_parallel_group()) == "gloo":
+        # The interleaved schedule frees a sent activation's storage before it waits for the
+        # send; gloo's send reads that storage on its own thread (NCCL's records its stream on
+        # it), and the receiver got garbage or NaN: on gloo the activations are kept.
+        tconfig.deallocate_pipeline_outputs = False
+    chunks = _model_chunks(cfg, tconfig, mcore_config.padded_vocab_size(cfg, vocab_size))
     # A replica is a data-parallel rank's TP x PP ranks or, with distributed-optimizer instances
     # (Megatron's HSDP form), an instance: its shards reduce-scatter inside it, and only the
     # all-reduce across instances crosses replicas.
@@ -304,12 +322,17 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         if hang_s:
             runtime.start_replica_gate(replica_ranks, hang_s / 4)
     pg_collection = process_groups(group.process_group if group else None, instances)
-    ddp_model = wrap_ddp(model, tconfig, mcore_config.to_ddp_config(cfg), pg_collection)
+    ddp_chunks = wrap_ddp(chunks, tconfig, mcore_config.to_ddp_config(cfg), pg_collection)
     # With instances the optimizer takes the same groups (a standby instance's megatron state
     # has no group across instances); without, megatron's own, as Megatron-LM builds it.
-    optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_model,
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_chunks,
                                                     pg_collection if instances else None)
     tconfig.grad_scale_func = optimizer.scale_loss
+    if (len(ddp_chunks) > 1 and par.overlap_param_gather and par.align_param_gather
+            and not cfg.recover.enabled):
+        # As Megatron-LM: the interleaved schedule dispatches the later chunks' all-gathers.
+        # (--recover dispatches every chunk's after the optimizer step: DDPBuffers.)
+        tconfig.param_sync_func = [chunk.start_param_sync for chunk in ddp_chunks]
     shard_control_group = None if shard_group is None else groups.mirror_of(shard_group)
     if par.use_distributed_optimizer:
         # As Megatron-LM gives it one: the gloo group its data-parallel shards gather on for a
@@ -320,7 +343,7 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         for distributed in training_state.distributed_optimizers(optimizer):
             distributed.data_parallel_group_gloo = gloo
     return RankSetup(
-        ddp_model=ddp_model, optimizer=optimizer, scheduler=scheduler, group=group,
+        chunks=tuple(ddp_chunks), optimizer=optimizer, scheduler=scheduler, group=group,
         replica_of_rank=replica_of_rank, replica_group=replica_group,
         control_group=groups.mirror_of(replica_group) if par.ranks_per_replica > 1 else None,
         shard_group=shard_group,
@@ -336,20 +359,20 @@ def _micro_pass(cfg, ctx, setup: RankSetup, microbatch) -> MicrobatchPass:
     """The forward/backward pass of this rank, with the failure schedule's points of its
     replica (a standby's: of the replica id it took)."""
     faults = _faults(cfg, ctx, setup)
-    _optimizer_fault_points(faults, setup.optimizer, setup.ddp_model)
+    _optimizer_fault_points(faults, setup.optimizer, setup.chunks)
     # Exact mode reseeds dropout per microbatch id; stock Megatron draws in sequence, and so does
     # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
     reseed = cfg.recover.enabled and cfg.recover.mode == EXACT
-    return MicrobatchPass(setup.ddp_model, microbatch, cfg.model.seq_length,
+    return MicrobatchPass(setup.chunks, microbatch, cfg.model.seq_length,
                           cfg.micro_batch_size, cfg.seed, faults, reseed_per_microbatch=reseed,
                           check_finite=cfg.precision.check_for_nan_in_loss_and_grad)
 
 
-def _optimizer_fault_points(faults, optimizer, ddp_model) -> None:
+def _optimizer_fault_points(faults, optimizer, chunks) -> None:
     """Failure-schedule points inside megatron's optimizer step: wrap, on this rank's objects
     only, the call that enters the gradient-norm all-reduce (`clip_grad_norm`, or
     `get_grad_norm` of a chained optimizer) and the distributed optimizer's parameter
-    all-gather (`start_param_sync` of the DDP model)."""
+    all-gather (`start_param_sync` of the first DDP model chunk)."""
     def before(location, method):
         def call(*args, **kwargs):
             faults.at_current(location)
@@ -361,7 +384,7 @@ def _optimizer_fault_points(faults, optimizer, ddp_model) -> None:
             for name in ("clip_grad_norm", "get_grad_norm"):
                 setattr(target, name, before("grad-norm", getattr(target, name)))
     if faults.wants("param-gather"):
-        ddp_model.start_param_sync = before("param-gather", ddp_model.start_param_sync)
+        chunks[0].start_param_sync = before("param-gather", chunks[0].start_param_sync)
 
 
 def _faults(cfg, ctx, setup: RankSetup):
@@ -415,12 +438,12 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
 
     continued = continued or {}
     trainer = build_trainer(
-        ddp_model=setup.ddp_model, optimizer=setup.optimizer, scheduler=setup.scheduler,
+        chunks=setup.chunks, optimizer=setup.optimizer, scheduler=setup.scheduler,
         micro_batch_size=cfg.micro_batch_size, run_pass=micro_pass.run,
         replica_group=setup.control_group, shard_group=setup.shard_group,
         shard_control_group=setup.shard_control_group,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        synced_inside_replica=frozenset(synced_inside_replica(setup.ddp_model)),
+        synced_inside_replica=frozenset(synced_inside_replica(setup.chunks)),
         group=setup.group, policy=policy, per_token_loss=cfg.model.calculate_per_token_loss,
         check_finite=cfg.precision.check_for_nan_in_loss_and_grad,
         computes_loss=parallel_state.is_pipeline_last_stage(),
@@ -475,7 +498,7 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
             runtime.finish(standby="idle", reason=pool.end_reason, waited_s=pool.waited_s,
                            wait_cpu_s=pool.wait_cpu_s)
         setup = dataclasses.replace(setup, replica_index=call.replica_index)
-        training_state.restore(call.state, setup.ddp_model, setup.optimizer, setup.scheduler)
+        training_state.restore(call.state, setup.chunks, setup.optimizer, setup.scheduler)
     micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch)
     joined = None
     if call is not None:

@@ -245,7 +245,7 @@ def choose(inventories: list[tuple[str, str, dict[int, set[str]]]]) -> int | Non
     return max(covered) if covered else None
 
 
-def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimizer,
+def restore(directory: Path, group, position: tuple[int, ...], chunks, optimizer,
             scheduler, after: int = 0) -> checkpoint.RecoveryState | None:
     """Resume from the newest snapshot the surviving nodes hold in full (see the module
     docstring), if it is newer than iteration `after` (an on-disk checkpoint's); None when
@@ -281,7 +281,7 @@ def restore(directory: Path, group, position: tuple[int, ...], ddp_model, optimi
             raise RuntimeError("a rank failed while restoring a snapshot")
     if saved["iteration"] != iteration:
         raise RuntimeError(f"snapshot {local} holds iteration {saved['iteration']}")
-    training_state.restore(saved, ddp_model, optimizer, scheduler)
+    training_state.restore(saved, chunks, optimizer, scheduler)
     # Every rank has its state: the lowest rank of each node removes the other iterations there
     # (later ones belong to the run that ended and are written again; older ones are not needed).
     dist.barrier(group=groups.world_control())

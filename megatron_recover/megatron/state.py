@@ -110,17 +110,25 @@ def load_parameter_state(optimizer, saved: list[dict]) -> None:
                 opt._set_main_param_and_optimizer_states(param, state[opt._param_name(param)])
 
 
-def capture(ddp_model, optimizer, scheduler) -> dict:
-    """This rank's complete training state, as torch.save writes it (tensors are the live ones:
-    clone them to keep a copy past the next step)."""
-    return {"model": ddp_model.module.state_dict(), "optimizer": optimizer.state_dict(),
+def model_keys(chunks) -> list[str]:
+    """Megatron-LM's keys of a rank's model chunks in its state: "model", or with virtual
+    pipeline stages "model0", "model1", ..."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def capture(chunks, optimizer, scheduler) -> dict:
+    """This rank's complete training state (`chunks`: its DDP model chunks), as torch.save
+    writes it (tensors are the live ones: clone them to keep a copy past the next step)."""
+    return {**{key: chunk.module.state_dict() for key, chunk in zip(model_keys(chunks), chunks)},
+            "optimizer": optimizer.state_dict(),
             "parameter_state": parameter_state(optimizer), "scheduler": scheduler.state_dict(),
             "rng": capture_rng()}
 
 
-def restore(saved: dict, ddp_model, optimizer, scheduler) -> None:
+def restore(saved: dict, chunks, optimizer, scheduler) -> None:
     """Install what `capture` returned (on a rank of the same position)."""
-    ddp_model.module.load_state_dict(saved["model"])
+    for key, chunk in zip(model_keys(chunks), chunks):
+        chunk.module.load_state_dict(saved[key])
     optimizer.load_state_dict(saved["optimizer"])
     load_parameter_state(optimizer, saved.get("parameter_state", []))
     scheduler.load_state_dict(saved["scheduler"])

@@ -196,10 +196,14 @@ class GradientRecovery:
             scatter.wait()  # intra-replica: a dead peer makes this raise (the replica gate)
             self._allreduce(bucket)
 
-    def register(self, iteration: int, microbatch_id: int, checksum: int) -> None:
-        """A microbatch's backward accumulates into every bucket of this rank: record it."""
+    def register(self, iteration: int, microbatch_id: int, checksum: int,
+                 grads: list[torch.Tensor] | None = None) -> None:
+        """A microbatch's backward accumulates into every bucket of this rank (or, with model
+        chunks, into `grads`, the buckets of the chunk it ran through): record it."""
         entry = Entry(iteration, microbatch_id, checksum)
-        for bucket in self._buckets.values():
+        buckets = (self._buckets.values() if grads is None
+                   else [self._buckets[grad.data_ptr()] for grad in grads])
+        for bucket in buckets:
             bucket.ledger.register(entry)
 
     def sent_ledger(self) -> tuple[Ledger | None, bool]:

@@ -71,7 +71,7 @@ def places():
             hook = model.register_forward_pre_hook(record_inputs, with_kwargs=True)
             micro_pass = run._micro_pass(cfg, ctx, setup, source.microbatch)
             group = RecordingGroup()
-            recovery = GradientRecovery(group, DDPBuffers(setup.ddp_model, False).buckets())
+            recovery = GradientRecovery(group, DDPBuffers(setup.chunks, False).buckets())
             recovery.begin_iteration()
             recovery.begin_pass()
             micro_pass.run(1, [0], {}, {})

@@ -1,0 +1,99 @@
+"""The interleaved pipeline schedule (virtual pipeline stages) under --recover: PP=2 with 2 model
+chunks per rank, 4 replicas of 2 ranks, static exact policy.
+
+Run: `make test`. CPU only; 8 (4) oversubscribed ranks per run, each under a hard timeout.
+
+- Iteration 2: replica 3 dies inside a bucket reduction. Its 2 ids go to the 3 survivors: an
+  extension pass of 1 microbatch each on two of them, which megatron-core's interleaved schedule
+  refuses (fewer microbatches than pipeline stages), so the pass runs with one padding
+  microbatch (interleaving.py). Inside that extension pass replica 1 dies (its second rank, at
+  `during-extension`), and the last two replicas run a second extension pass of 2 microbatches.
+  Every loss and final parameter equals the failure-free interleaved run within the exact
+  tolerance, the ledger holds every iteration (a padding microbatch that contributed would
+  count an id twice: tests/test_ledger_mutations.py), both ranks of each dead replica leave and
+  the survivors at each position are bitwise equal.
+- A failure-free --recover run (2 replicas, no dropout) trains as a stock (no --recover)
+  interleaved run: the same losses and final parameters within the exact tolerance. Not
+  bitwise: nor are they without virtual stages (PP=2, tied or untied embeddings, checked by
+  hand at this commit); --recover reduces in another order (the tied embedding's pipeline sync
+  before the cross-replica sum, MPI's all-reduce for gloo's).
+"""
+
+import pytest
+import torch
+
+from megatron_recover.launch import LaunchConfig, launch
+from megatron_recover.testing.compare import param_rdiff
+from tests.mpirun_harness import ENTRY
+from tests.training_harness import (
+    EXACT_RTOL,
+    STABLE_LR,
+    TrainingRun,
+    assert_exact,
+    assert_ledger_held,
+    printed_values,
+    run_training,
+)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
+TIMEOUT_S = 240
+RANKS = 8
+B = 8
+JOB = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--eval-iters", "0", "--seq-length", "32", "--max-position-embeddings", "32",
+       "--micro-batch-size", "1", "--global-batch-size", str(B), "--train-iters", "4",
+       *STABLE_LR, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+       "--log-interval", "1", "--ddp-bucket-size", "2000",
+       "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+SCHEDULE = """entries:
+  - {iteration: 2, replica: 3, local_rank: 0, location: during-reduce}
+  - {iteration: 2, replica: 1, local_rank: 1, location: during-extension}
+"""
+# Megatron's rank order with PP=2 over 8 ranks: replica r is world ranks r (stage 0) and r + 4.
+VICTIMS = {3: 3, 1: 5}  # replica -> the rank the schedule kills
+PEERS = {3: 7, 1: 1}  # replica -> its other rank, which leaves through the replica gate
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> TrainingRun:
+    return run_training(tmp_path_factory.mktemp("interleaved") / "reference", RANKS, JOB,
+                        timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_failures_in_a_reduction_and_a_padded_extension_pass_stay_exact(tmp_path, reference):
+    run = run_training(tmp_path / "failures", RANKS, JOB, SCHEDULE, TIMEOUT_S)
+    fired = sorted((m["rank"], m["iteration"], m["location"]) for m in run.markers)
+    assert fired == [(3, 2, "during-reduce"), (5, 2, "during-extension")]
+    failures = [e for e in run.records[1]["events"] if e["event"] == "failure"]
+    # The first extension pass gave each extending replica one microbatch (then padded).
+    assert [(e["replicas"], e["g_ext"]) for e in failures] == [([3], 1), ([1], 2)]
+    assert run.records[1]["extension_rounds"] == 2
+    assert [r["iteration"] for r in run.records] == [1, 2, 3, 4]
+    assert_ledger_held(run.records, B)
+    statuses = run.result.statuses
+    for replica, peer in PEERS.items():
+        assert statuses[peer]["state"] == "left", (replica, statuses[peer])
+    assert run.completed() == [0, 2, 4, 6]
+    for stage in (0, 1):  # the survivors of each position hold the same bytes
+        digests = {statuses[r]["param_digest"] for r in run.completed() if r // 4 == stage}
+        assert len(digests) == 1, (stage, digests)
+    assert_exact(run, reference, "interleaved, failures in a reduction and an extension pass")
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_failure_free_run_trains_as_a_stock_interleaved_run(tmp_path):
+    # 2 replicas; no dropout: a stock run draws its masks in sequence, --recover per microbatch.
+    job = [*JOB, "--hidden-dropout", "0", "--attention-dropout", "0"]
+    resilient = run_training(tmp_path / "recover", 4, job, timeout_s=TIMEOUT_S)
+    stock = launch(LaunchConfig(4, [*ENTRY, *job], tmp_path / "stock", timeout_s=TIMEOUT_S))
+    assert stock.succeeded, stock.output[-4000:]
+    losses = printed_values(stock.output, "lm loss")
+    assert len(losses) == len(resilient.records)
+    worst = max(abs(a - r["loss"]) / abs(r["loss"]) for a, r in zip(losses, resilient.records))
+    # The printed loss has 7 significant digits.
+    assert worst <= 1e-6, (losses, [r["loss"] for r in resilient.records])
+    params = max(param_rdiff(torch.load(tmp_path / "stock" / f"rank-{rank}.params.pt"),
+                             resilient.params(rank)) for rank in range(4))
+    print(f"stock vs --recover interleaved: loss {worst:.2e}, final parameters {params:.2e}")
+    assert params <= EXACT_RTOL, params
