@@ -18,7 +18,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build gpu-check test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-node-loss bench-sdc goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build gpu-check test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-interleaved bench-node-loss bench-sdc goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -76,6 +76,10 @@ bench-scale: build
 
 bench-grow-back: build
 	$(PY) scripts/bench_grow_back.py
+
+# An extension pass of 1 microbatch, interleaved schedule against the plain one (about 3 minutes).
+bench-interleaved: build
+	$(PY) scripts/bench_interleaved.py
 
 # Three fake nodes of this machine (root: Linux namespaces): about 4 minutes.
 bench-node-loss: build

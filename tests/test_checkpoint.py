@@ -249,6 +249,7 @@ def test_megatron_load_flags_under_recover(tmp_path):
     assert tuned[1]["loss"] != full[1]["loss"]  # the same data, the trained model
 
 
+@pytest.mark.long  # make test: a torn torch_dist file in test_dist_checkpoint.py
 @pytest.mark.timeout(4 * TIMEOUT_S)
 def test_a_checkpoint_that_does_not_fit_stops_at_start_up(tmp_path):
     """Another model shape, another vocabulary, a torn file: each relaunch stops before training
