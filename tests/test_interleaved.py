@@ -104,3 +104,32 @@ def test_a_stock_run_resumed_from_its_checkpoint_trains_as_the_failure_free_run(
                              resilient.params(rank)) for rank in range(4))
     print(f"stock vs --recover interleaved: loss {worst:.2e}, final parameters {params:.2e}")
     assert params <= EXACT_RTOL, params
+
+
+# 6 replicas, B = 12: after replica 5 dies in iteration 1, replica 4 shadows replica 0 (with
+# G_init >= PP no spare exists among 4 replicas: `megatron-recover plan`). Iteration 2: replica
+# 0 dies inside a reduction and replica 4 is promoted (a blocking restore: every bucket of both
+# chunks rewound and reduced again); inside that restore replica 1 dies, and its 3 ids go to
+# the 3 survivors as an extension pass of 1 microbatch each (padded).
+BLOCKING_SCHEDULE = """entries:
+  - {iteration: 1, replica: 5, local_rank: 0, location: during-reduce}
+  - {iteration: 2, replica: 0, local_rank: 0, location: during-reduce}
+  - {iteration: 2, replica: 1, local_rank: 1, location: during-restore}
+"""
+
+
+@pytest.mark.long
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_a_failure_inside_a_blocking_restore_stays_exact(tmp_path):
+    job = [*JOB, "--global-batch-size", "12"]
+    reference = run_training(tmp_path / "reference", 12, job, timeout_s=TIMEOUT_S)
+    run = run_training(tmp_path / "failures", 12, job, BLOCKING_SCHEDULE, TIMEOUT_S)
+    fired = sorted((m["rank"], m["iteration"], m["location"]) for m in run.markers)
+    assert fired == [(0, 2, "during-reduce"), (5, 1, "during-reduce"), (7, 2, "during-restore")]
+    failures = [e for e in run.records[1]["events"] if e["event"] == "failure"]
+    assert failures[0]["replicas"] == [0] and failures[0]["restore"] == "blocking"
+    assert failures[0]["promotions"] == [[0, 4]]
+    assert failures[1]["replicas"] == [1] and failures[1]["g_ext"] == 1
+    assert_ledger_held(run.records, 12)
+    assert run.completed() == [2, 3, 4, 8, 9, 10]
+    assert_exact(run, reference, "interleaved, a failure inside a blocking restore")

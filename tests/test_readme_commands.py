@@ -55,8 +55,8 @@ COMMANDS = {
     "make PYTHON=/path/to/python3.11": ("skip", "a placeholder path; make setup above runs with "
                                                 "the default python3.11"),
     "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
-    "make mutations": ("skip", "tests/test_ledger_mutations.py runs its data-path mutation end to "
-                               "end, tests/unit/test_mutations.py the others in process"),
+    "make mutations": ("skip", "tests/test_ledger_mutations.py runs its data-path mutations end "
+                               "to end, tests/unit/test_mutations.py the others in process"),
     "make fault-campaign N=30 SEED=1": ("long", "make fault-campaign N=1 SEED=5 "
                                                "OUT={tmp}/campaign"),
     "make fault-campaign": ("skip", "the target of the command above"),
@@ -81,6 +81,8 @@ COMMANDS = {
     "scripts/bench_node_loss.py --json": ("skip", "as make bench-node-loss"),
     "scripts/bench_node_loss.py --json --only overhead --pairs 3":
         ("skip", "the overhead half of make bench-node-loss, which runs above"),
+    "make bench-interleaved": ("long", ".venv/bin/python scripts/bench_interleaved.py "
+                                       "--repeats 1 --out {tmp}/interleaved"),
     "make bench-sdc": ("long", ".venv/bin/python scripts/bench_sdc.py --json --rates 0,1 "
                                "--trials 2 --flips 20 --ranks 2 --iterations 7"),
     "scripts/bench_sdc.py --json --rounds 2": ("skip", "the command make bench-sdc runs, above"),

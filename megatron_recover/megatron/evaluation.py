@@ -108,15 +108,7 @@ class EvalPass:
             return values
         from megatron.core import parallel_state
 
-        padding, group_size = 0, None
-        config = self.chunks[0].config
-        configured = config.microbatch_group_size_per_vp_stage
-        if len(self.chunks) > 1:  # a pass of any length (interleaving.py)
-            padding, group_size = interleaving.shape(
-                len(ids), configured, parallel_state.get_pipeline_model_parallel_world_size())
-            config.microbatch_group_size_per_vp_stage = group_size
-
-        def batches():
+        def batches(padding):
             for j in ids:
                 yield self.source.eval_microbatch(split, evaluation, j)
             for _ in range(padding):  # reported under no index, so never counted
@@ -126,13 +118,16 @@ class EvalPass:
         for chunk in self.chunks:
             chunk.eval()
         try:
-            outputs = self.forward_backward(
-                forward_step_func=self._forward_step,
-                data_iterator=[batches() for _ in self.chunks], model=self.chunks,
-                num_microbatches=len(ids) + padding, seq_length=self.seq_length,
-                micro_batch_size=self.micro_batch_size, forward_only=True)
+            with interleaving.shaped_pass(  # a pass of any length (interleaving.py)
+                    self.chunks[0].config, len(ids),
+                    parallel_state.get_pipeline_model_parallel_world_size(),
+                    len(self.chunks)) as padding:
+                outputs = self.forward_backward(
+                    forward_step_func=self._forward_step,
+                    data_iterator=[batches(padding) for _ in self.chunks], model=self.chunks,
+                    num_microbatches=len(ids) + padding, seq_length=self.seq_length,
+                    micro_batch_size=self.micro_batch_size, forward_only=True)
         finally:
-            config.microbatch_group_size_per_vp_stage = configured
             for chunk in self.chunks:
                 chunk.train()
         outputs = [out for out in outputs if out["index"] is not None]

@@ -245,13 +245,6 @@ class MicrobatchPass:
         self._fired_backward_for = None
         self._chunk_of = {id(chunk): index for index, chunk in enumerate(self.chunks)}
         self.config = self.chunks[0].config
-        self.group_size = self.config.microbatch_group_size_per_vp_stage  # as configured
-
-    @property
-    def model(self):
-        """The DDP model of a rank with one model chunk."""
-        assert len(self.chunks) == 1, "several model chunks: use `chunks`"
-        return self.chunks[0]
 
     def _batches(self, iteration, ids, padding: int, chunk: int):
         for microbatch_id in ids:
@@ -286,25 +279,21 @@ class MicrobatchPass:
                 return self.faults.at("backward", iteration)
             return False
 
-        never = lambda: False  # noqa: E731  (padding: no fault of the schedule's ids)
+        # Padding is no microbatch of the schedule's: no fault of the failure schedule hits it.
         return output, partial(
             _loss_func, batch["loss_mask"], None if padding else microbatch_id, on_first_loss,
-            never if padding else partial(self.faults.overflow, batch["iteration"],
-                                          microbatch_id),
+            _never if padding else partial(self.faults.overflow, batch["iteration"],
+                                           microbatch_id),
             self.config.calculate_per_token_loss, self.check_finite,
-            bad_sample=never if padding else partial(self.faults.bad_sample, batch["iteration"],
-                                                     microbatch_id))
+            bad_sample=_never if padding else partial(self.faults.bad_sample, batch["iteration"],
+                                                      microbatch_id))
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float],
             tokens: dict[int, int]) -> None:
         self.faults.phase("schedule")
-        padding, group_size = 0, self.group_size
-        if len(self.chunks) > 1:
-            padding, group_size = interleaving.shape(
-                len(ids), self.group_size,
-                parallel_state.get_pipeline_model_parallel_world_size())
-        self.config.microbatch_group_size_per_vp_stage = group_size
-        try:
+        with interleaving.shaped_pass(self.config, len(ids),
+                                      parallel_state.get_pipeline_model_parallel_world_size(),
+                                      len(self.chunks)) as padding:
             outputs = self.forward_backward(
                 forward_step_func=partial(self._forward_step, iteration),
                 data_iterator=[self._batches(iteration, ids, padding, chunk)
@@ -315,8 +304,6 @@ class MicrobatchPass:
                 micro_batch_size=self.micro_batch_size,
                 forward_only=False,
             )
-        finally:
-            self.config.microbatch_group_size_per_vp_stage = self.group_size
         self.faults.phase("after-schedule")
         outputs = [out for out in outputs if out["id"] is not None]  # padding's are not losses
         if outputs:  # only the last pipeline stage has losses; one host sync for the pass
@@ -325,6 +312,10 @@ class MicrobatchPass:
             for out, (loss, count) in zip(outputs, values):
                 losses[out["id"]] = loss
                 tokens[out["id"]] = int(count)
+
+
+def _never() -> bool:
+    return False
 
 
 def padding_batch(batch: dict) -> dict:

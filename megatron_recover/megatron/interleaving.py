@@ -19,6 +19,8 @@ such a pass runs:
   counted and the ledger audit reports the doubled id).
 """
 
+from contextlib import contextmanager
+
 
 def problem(microbatches: int, group_size: int, pipeline: int) -> str | None:
     """What megatron-core's interleaved schedule says of a pass of `microbatches` with
@@ -42,3 +44,18 @@ def shape(microbatches: int, group_size: int, pipeline: int) -> tuple[int, int]:
     if problem(total, group_size, pipeline) is None:
         return total - microbatches, group_size
     return total - microbatches, total
+
+
+@contextmanager
+def shaped_pass(config, microbatches: int, pipeline: int, chunks: int):
+    """Around one call of megatron's schedule over `microbatches` with `chunks` model chunks
+    per rank: yields the padding microbatches to append, and runs the pass with the group size
+    `shape` chose in megatron's `config` (the configured one is restored after)."""
+    configured = config.microbatch_group_size_per_vp_stage
+    padding, group_size = (0, configured) if chunks == 1 else shape(microbatches, configured,
+                                                                   pipeline)
+    config.microbatch_group_size_per_vp_stage = group_size
+    try:
+        yield padding
+    finally:
+        config.microbatch_group_size_per_vp_stage = configured
