@@ -1,7 +1,7 @@
 """The interleaved pipeline schedule (virtual pipeline stages) under --recover: PP=2 with 2 model
 chunks per rank, 4 replicas of 2 ranks, static exact policy.
 
-Run: `make test`. CPU only; 8 (4) oversubscribed ranks per run, each under a hard timeout.
+Run: `make test`. CPU only; 8 (2) oversubscribed ranks per run, each under a hard timeout.
 
 - Iteration 2: replica 3 dies inside a bucket reduction. Its 2 ids go to the 3 survivors: an
   extension pass of 1 microbatch each on two of them, which megatron-core's interleaved schedule
@@ -12,12 +12,12 @@ Run: `make test`. CPU only; 8 (4) oversubscribed ranks per run, each under a har
   tolerance, the ledger holds every iteration (a padding microbatch that contributed would
   count an id twice: tests/test_ledger_mutations.py), both ranks of each dead replica leave and
   the survivors at each position are bitwise equal.
-- A failure-free --recover run (2 replicas, no dropout) saves a torch_dist checkpoint at
+- A failure-free --recover run (one replica, no dropout) saves a torch_dist checkpoint at
   iteration 2 (each rank's chunks under "model0" and "model1", as Megatron-LM keys them); a
-  stock (no --recover) interleaved run loads it and trains iterations 3 and 4 as the --recover
-  run did: the same losses and final parameters within the exact tolerance. Not bitwise: nor
-  are a stock and a --recover run without virtual stages (PP=2, tied or untied embeddings, no
-  dropout, checked by hand); where the last bits part was not isolated.
+  stock (no --recover) interleaved run loads it and trains iterations 3 and 4 to bitwise the
+  same parameters. With several replicas the two modes agree within the exact tolerance, not
+  bitwise: Megatron's sampler gives data-parallel rank r the microbatches r, r + DP, ..., the
+  --recover layout gives a replica a contiguous range, and the partial sums round differently.
 """
 
 import pytest
@@ -27,7 +27,6 @@ from megatron_recover.launch import LaunchConfig, launch
 from megatron_recover.testing.compare import param_rdiff
 from tests.mpirun_harness import ENTRY
 from tests.training_harness import (
-    EXACT_RTOL,
     STABLE_LR,
     TrainingRun,
     assert_exact,
@@ -84,14 +83,14 @@ def test_failures_in_a_reduction_and_a_padded_extension_pass_stay_exact(tmp_path
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 def test_a_stock_run_resumed_from_its_checkpoint_trains_as_the_failure_free_run(tmp_path):
-    # 2 replicas; no dropout: a stock run draws its masks in sequence, --recover per microbatch.
+    # One replica; no dropout: a stock run draws its masks in sequence, --recover per microbatch.
     job = [*JOB, "--hidden-dropout", "0", "--attention-dropout", "0"]
     ckpt = tmp_path / "ckpt"
-    resilient = run_training(tmp_path / "recover", 4, [*job, "--save", str(ckpt),
+    resilient = run_training(tmp_path / "recover", 2, [*job, "--save", str(ckpt),
                                                        "--save-interval", "2"],
                              timeout_s=TIMEOUT_S)
-    assert (ckpt / "iter_0000002" / "common.pt").is_file()  # model0 and model1 of each rank
-    stock = launch(LaunchConfig(4, [*ENTRY, *job, "--load", str(ckpt), "--ckpt-step", "2"],
+    assert (ckpt / "iter_0000002" / "common.pt").is_file()
+    stock = launch(LaunchConfig(2, [*ENTRY, *job, "--load", str(ckpt), "--ckpt-step", "2"],
                                 tmp_path / "stock", timeout_s=TIMEOUT_S))
     assert stock.succeeded, stock.output[-4000:]
     assert "successfully loaded checkpoint" in stock.output
@@ -100,10 +99,11 @@ def test_a_stock_run_resumed_from_its_checkpoint_trains_as_the_failure_free_run(
     assert len(losses) == len(expected) == 2
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected))
     assert worst <= 1e-6, (losses, expected)  # the printed loss has 7 significant digits
-    params = max(param_rdiff(torch.load(tmp_path / "stock" / f"rank-{rank}.params.pt"),
-                             resilient.params(rank)) for rank in range(4))
-    print(f"stock vs --recover interleaved: loss {worst:.2e}, final parameters {params:.2e}")
-    assert params <= EXACT_RTOL, params
+    for rank in range(2):  # bitwise, at both pipeline stages
+        assert (stock.statuses[rank]["param_digest"]
+                == resilient.result.statuses[rank]["param_digest"]), rank
+        assert param_rdiff(torch.load(tmp_path / "stock" / f"rank-{rank}.params.pt"),
+                           resilient.params(rank)) == 0.0
 
 
 # 6 replicas, B = 12: after replica 5 dies in iteration 1, replica 4 shadows replica 0 (with
