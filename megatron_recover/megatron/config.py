@@ -251,7 +251,8 @@ class ParallelConfig:
     """The interleaved schedule's pipeline sends and receives overlap compute (Megatron-LM's
     default; --no-overlap-p2p-communication batches them instead)."""
     overlap_p2p_comm_warmup_flush: bool = False
-    """Overlap them in the warm-up and flush phases too (--overlap-p2p-communication-warmup-flush)."""
+    """Overlap them in the warm-up and flush phases too
+    (--overlap-p2p-communication-warmup-flush)."""
     align_param_gather: bool = True
     """With --overlap-param-gather and model chunks, the interleaved schedule dispatches each
     later chunk's parameter all-gathers itself (Megatron-LM's default; --no-align-param-gather:
