@@ -390,6 +390,8 @@ IMPLEMENTED_NOTES = {
     "--microbatch-group-size-per-virtual-pipeline-stage": "a full pass must fit it (refused at "
                                                           "start-up otherwise); under --recover "
                                                           "a shorter pass runs as one group",
+    "--no-overlap-p2p-communication": "refused with PP = 2 and virtual stages (megatron-core "
+                                      "pairs the batched sends and receives wrongly there)",
     "--no-align-param-gather": "stock runs; under --recover every chunk's all-gathers are "
                                "dispatched after the optimizer step, so it changes nothing",
     "--overlap-grad-reduce": "with PP > 1 every stage starts its reductions as its buckets "

@@ -596,6 +596,13 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
         return [f"{given[0]} needs pipeline parallelism (the interleaved schedule splits each "
                 "pipeline rank's layers into model chunks): add --pipeline-model-parallel-size "
                 "2 or more, or drop it"]
+    if pp == 2 and not ns.overlap_p2p_comm:
+        return ["--no-overlap-p2p-communication with --pipeline-model-parallel-size 2 and "
+                "virtual stages: each stage is then both the other's previous and next stage, "
+                "and megatron-core 0.16.1's batched sends and receives pair a forward "
+                "activation with a backward gradient (measured: the first iteration's loss "
+                "changes with the data-parallel size); drop --no-overlap-p2p-communication "
+                "(Megatron-LM's default overlaps them) or use more pipeline stages"]
     per_stage = ns.num_layers // pp
     if per_vstage is not None and per_stage % per_vstage:
         return [f"number of layers per pipeline stage ({per_stage}) must be divisible by "
