@@ -2,14 +2,15 @@
 and how to bring the wheels onto an offline GPU machine).
 
 Usage: .venv/bin/python scripts/gpu_check.py [--emulate] [--out runs/gpu-check]
-                                             [--budget-s 450] [--parts abc] [--cleanup]
+                                             [--budget-s 450] [--parts abcd] [--cleanup]
 
-Runs parts a, b and c in order, each job under mpirun --with-ft ulfm in its own process group,
+Runs parts a, b, c and d in order, each job under mpirun --with-ft ulfm in its own process group,
 bounded by what is left of the budget, then prints ONE JSON line on stdout:
 
     {"gpu_check": "pass"|"fail", "emulated": false, "device": "<torch.cuda.get_device_name>",
      "gpus": N, "torch": ..., "cuda": ..., "seconds": ..., "budget_s": ...,
-     "parts": {"a": {"verdict": "pass"|"fail"|"skipped", "seconds": ..., ...}, "b": ..., "c": ...}}
+     "parts": {"a": {"verdict": "pass"|"fail"|"skipped", "seconds": ..., ...}, "b": ..., "c": ...,
+               "d": ...}}
 
 Progress goes to stderr; each job's output is kept under --out (replaced at each run). Exit
 status: 0 when no part failed, 1 when one did, 2 when the check could not start (no GPU, the
@@ -41,7 +42,9 @@ MPICC_RECORD = ROOT / "build" / "mpicc-path"  # which MPI `make build` compiled 
 
 DEFAULT_BUDGET_S = 450.0  # the driver's; scripts/gpu_check.sh bounds the whole at 8 minutes
 # Nominal share of each part: a later part that will run keeps it whatever earlier parts use.
-SHARES_S = {"a": 100.0, "b": 170.0, "c": 170.0}
+# Parts c and d need 4 GPUs; a part may use what the parts before it left of their shares.
+SHARES_S = {"a": 100.0, "b": 170.0, "c": 90.0, "d": 90.0}
+PARTS = "abcd"
 MIN_JOB_S = 20.0  # a job given less than this is not started: its part fails for lack of time
 
 # Part (a): (size in MiB, victim rank, survivor held back before the hit all-reduce).
@@ -96,6 +99,19 @@ C_FAILURES = [(3, [1])]
 C_LIVE = [2, 2] + [1] * (ITERATIONS - 2)
 C_SURVIVORS = [0, 1]
 C_LEFT = [2]  # the victim's TP peer: status "left" (its replica is gone)
+
+# (d): 2 replicas x PP 2 with 2 virtual stages each (the interleaved schedule; its sends and
+# receives on NCCL, overlapped), one rank per GPU (ranks 1, 3 are replica 1); replica 1's
+# second stage dies inside a bucket all-reduce of iteration 3, its first stage must leave.
+D_RANKS = 4
+D_ARGS = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+          "--num-virtual-stages-per-pipeline-rank", "2"]
+D_SCHEDULE = C_SCHEDULE
+D_FIRED = [(3, 3, "during-reduce")]
+D_FAILURES = [(3, [1])]
+D_LIVE = C_LIVE
+D_SURVIVORS = [0, 2]
+D_LEFT = [1]
 
 
 class Interrupted(Exception):
@@ -379,10 +395,12 @@ def compare_runs(reference: dict, run: dict, survivors: list[int],
 
 def judge_training(reference: dict, run: dict, fired: list, failures: list, live: list,
                    survivors: list[int], left=(), joins=(),
-                   same_as: dict[int, int] | None = None) -> tuple[dict, list[str]]:
+                   same_as: dict[int, int] | None = None,
+                   positions: list[list[int]] | None = None) -> tuple[dict, list[str]]:
     """What the e2e tests check of a run with failures against its failure-free reference, both
     of which committed every iteration: (the figures, the problems found). `joins`: the standby
-    joins expected, each joiner holding its donor's state bitwise."""
+    joins expected, each joiner holding its donor's state bitwise. `positions`: the survivors
+    grouped by the position they hold, each group bitwise equal (default: one position)."""
     part, problems = {}, []
     problems += ledger_problems(reference["records"], "reference")
     problems += ledger_problems(run["records"], "failures")
@@ -417,10 +435,11 @@ def judge_training(reference: dict, run: dict, fired: list, failures: list, live
     if torch.cuda.is_available() and any(not d.startswith("cuda:") or "emulation" in d
                                          for d in part["devices"]):
         problems.append(f"the survivors did not train on a GPU: {part['devices']}")
-    digests = {statuses[r].get("param_digest") for r in survivors}
-    part["survivors_agree"] = len(digests) == 1
-    if len(digests) != 1:
-        problems.append("survivors' final parameters differ")
+    part["survivors_agree"] = all(
+        len({statuses[r].get("param_digest") for r in group}) == 1
+        for group in (positions or [survivors]))
+    if not part["survivors_agree"]:
+        problems.append("survivors of one position hold different final parameters")
     part["joins"] = [[e["replicas"], e["ranks"], e["after_iteration"]] for r in run["records"]
                      for e in r["events"] if e["event"] == "join"]
     if part["joins"] != [list(j) for j in joins]:
@@ -458,7 +477,8 @@ def reduction_shares(records: list[dict]) -> dict:
 def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], schedule: str,
                   fired: list, failures: list, live: list, survivors: list[int],
                   left: list[int] = (), part: dict | None = None, joins=(),
-                  same_as: dict[int, int] | None = None, save_interval: int | None = None) -> dict:
+                  same_as: dict[int, int] | None = None, save_interval: int | None = None,
+                  positions: list[list[int]] | None = None) -> dict:
     """A failure-free reference and the same job under `schedule`; judged as the e2e tests do.
     With `save_interval`, the job with failures also saves torch_dist checkpoints with
     --async-save (the lowest live replica copies them from device memory, a forked process
@@ -488,7 +508,7 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
             break
     if not problems:
         judged, found = judge_training(runs["reference"], runs["failures"], fired, failures,
-                                       live, survivors, left, joins, same_as)
+                                       live, survivors, left, joins, same_as, positions)
         part.update(judged)
         part["reduction"] = reduction_shares(runs["reference"]["records"])
         # Iterations whose failure was a policy boundary: their extension pass ran the
@@ -532,18 +552,30 @@ def part_b(out: Path, deadline: float, part: dict) -> dict:
 def part_c(out: Path, deadline: float, part: dict) -> dict:
     part["layout"] = "2 replicas x TP 2 (NCCL), one rank per GPU, bf16, overlapped grad reduce"
     return training_part(out, deadline, C_RANKS, C_ARGS, C_SCHEDULE, C_FIRED, C_FAILURES,
-                         C_LIVE, C_SURVIVORS, C_LEFT, part=part)
+                         C_LIVE, C_SURVIVORS, C_LEFT, part=part,
+                         positions=[[rank] for rank in C_SURVIVORS])
 
 
-def part_c_skip(gpus: int, emulate: bool) -> str | None:
-    """Why part (c) does not run here, or None."""
+def part_d(out: Path, deadline: float, part: dict) -> dict:
+    part["layout"] = ("2 replicas x PP 2 (NCCL), 2 virtual stages per rank (the interleaved "
+                      "schedule), one rank per GPU, bf16, overlapped grad reduce")
+    return training_part(out, deadline, D_RANKS, D_ARGS, D_SCHEDULE, D_FIRED, D_FAILURES,
+                         D_LIVE, D_SURVIVORS, D_LEFT, part=part,
+                         positions=[[rank] for rank in D_SURVIVORS])
+
+
+def part_skip(name: str, gpus: int, emulate: bool) -> str | None:
+    """Why part (c) or (d) does not run here, or None (parts a and b always run)."""
+    what = {"c": "TP=2", "d": "PP=2 with virtual stages"}.get(name)
+    if what is None:
+        return None
     if emulate:
-        return ("--emulate: TP=2 on NCCL needs 4 GPUs; the CPU emulation has neither (the e2e "
-                "tests cover TP=2 on gloo)")
-    if gpus < C_RANKS:
-        return (f"{gpus} GPU(s): TP=2 that survives a kill needs 2 replicas x 2 ranks = 4 "
-                "GPUs (NCCL refuses two ranks of one group on a device, and a single TP=2 "
-                "replica cannot lose a rank)")
+        return (f"--emulate: {what} on NCCL needs 4 GPUs; the CPU emulation has neither (the "
+                f"e2e tests cover {what} on gloo)")
+    if gpus < 4:
+        return (f"{gpus} GPU(s): {what} that survives a kill needs 2 replicas x 2 ranks = 4 "
+                "GPUs (NCCL refuses two ranks of one group on a device, and a single replica "
+                "cannot lose a rank)")
     return None
 
 
@@ -629,7 +661,7 @@ def preflight(emulate: bool):
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description="megatron-recover's GPU check (make gpu-check): parts a, b and c, one JSON "
+        description="megatron-recover's GPU check (make gpu-check): parts a to d, one JSON "
                     "line at the end; the header of scripts/gpu_check.sh says what each checks")
     parser.add_argument("--emulate", action="store_true",
                         help="for the script's own test on machines without a GPU: runs parts a "
@@ -638,7 +670,7 @@ def main() -> int:
                         help="each job's output, replaced at each run (default runs/gpu-check)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"the driver's time bound (default {DEFAULT_BUDGET_S:g})")
-    parser.add_argument("--parts", default="abc", help="which parts to run (default abc)")
+    parser.add_argument("--parts", default=PARTS, help=f"which parts to run (default {PARTS})")
     parser.add_argument("--cleanup", action="store_true",
                         help="only stop what a killed driver left running under --out")
     args = parser.parse_args()
@@ -668,18 +700,19 @@ def main() -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    skip_c = part_c_skip(gpus, args.emulate)
+    skips = {name: part_skip(name, gpus, args.emulate) for name in PARTS}
     runners = {"a": lambda d, p: part_a(out / "a", d, args.emulate, p),
                "b": lambda d, p: part_b(out / "b", d, p),
-               "c": lambda d, p: part_c(out / "c", d, p)}
-    planned = [p for p in "abc" if p in args.parts and not (p == "c" and skip_c)]
+               "c": lambda d, p: part_c(out / "c", d, p),
+               "d": lambda d, p: part_d(out / "d", d, p)}
+    planned = [p for p in PARTS if p in args.parts and not skips[p]]
     packages = {}
-    parts, partial = {}, {name: {} for name in "abc"}
-    for name in "abc":
+    parts, partial = {}, {name: {} for name in PARTS}
+    for name in PARTS:
         if name not in args.parts:
             parts[name] = {"verdict": "skipped", "seconds": 0.0, "reason": "not in --parts"}
-        elif name == "c" and skip_c:
-            parts[name] = {"verdict": "skipped", "seconds": 0.0, "reason": skip_c}
+        elif skips[name]:
+            parts[name] = {"verdict": "skipped", "seconds": 0.0, "reason": skips[name]}
     try:
         if not args.emulate:
             packages = probe_packages()
@@ -717,7 +750,7 @@ def main() -> int:
                **({"packages": packages} if packages else {}),
                "seconds": round(budget.elapsed(), 2),
                "budget_s": args.budget_s, "out": str(out),
-               "parts": {name: parts[name] for name in "abc"}}
+               "parts": {name: parts[name] for name in PARTS}}
     print(json.dumps(summary), flush=True)
     return 1 if failed else 0
 

@@ -12,7 +12,8 @@
 #
 # Prints progress on stderr and, at the end, ONE JSON line on stdout:
 #   {"gpu_check": "pass"|"fail", "device": "<torch.cuda.get_device_name(0)>", "gpus": N,
-#    "parts": {"a": {"verdict": "pass"|"fail"|"skipped", "seconds": ..., ...}, "b": ..., "c": ...},
+#    "parts": {"a": {"verdict": "pass"|"fail"|"skipped", "seconds": ..., ...}, "b": ..., "c": ...,
+#              "d": ...},
 #    ...}
 # Exit status: 0 when no part failed, 1 when one did, 2 when the check cannot start (no GPU, the
 # backend not built), with a message and no JSON line. Each job's output stays under
@@ -59,14 +60,21 @@
 #      same model, bf16, --overlap-grad-reduce; replica 1's second rank killed inside a bucket
 #      all-reduce of iteration 3 (its TP peer must leave with it). Judged as (b). With 1-3 GPUs it
 #      is "skipped" with the reason: a TP=2 job that survives a kill needs 2 replicas x 2 ranks,
-#      and NCCL refuses two ranks of one group on a device.
+#      and NCCL refuses two ranks of one group on a device. With one surviving replica, each
+#      survivor is a position of its own (no two survivors need to agree bitwise).
+#  (d) With 4 or more GPUs: 2 replicas x PP 2 with 2 virtual stages per rank (the interleaved
+#      schedule, its sends and receives on NCCL, overlapped; 4 layers), one rank per GPU, bf16,
+#      --overlap-grad-reduce; replica 1's second stage killed inside a bucket all-reduce of
+#      iteration 3 (its first stage must leave with it; the survivor's extension pass runs 8
+#      microbatches through the interleaved schedule). Judged as (c); skipped as (c).
+#  Parts c and d share what a and b leave of the budget; each keeps 90 s for itself.
 #  The jobs run with CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS) unless it is set.
 #
 # Without a GPU (this is the CPU dry run) it stops at once: "no NVIDIA GPU visible: ...", exit 2.
 #
 # --emulate: for the script's own test on machines without a GPU: runs parts a and b on the CPU
 # emulation, verdicts marked emulated (megatron_recover.testing: tensors "on cuda" are host
-# tensors, gloo stands in for NCCL); part c is skipped. tests/test_gpu_check.py runs it.
+# tensors, gloo stands in for NCCL); parts c and d are skipped. tests/test_gpu_check.py runs it.
 #
 # Bringing it onto an offline GPU machine (docs/install-gpu.md, "Offline", has the details; the
 # machine's own CUDA torch is used, e.g. NVIDIA's PyTorch container, Python 3.12). On a machine

@@ -6,8 +6,10 @@
 - `--emulate` runs part (a) (the ulfm all-reduce of 1, 16 and 256 MiB, a rank killed inside each)
   and part (b) (4 one-rank replicas on one device, bf16, distributed optimizer, overlapped
   reduction, two failures, against the failure-free run) on the CPU emulation: the JSON line
-  reports both passed and emulated, part (c) skipped with its reason. About 2 minutes here:
-  `make test-long`.
+  reports both passed and emulated, parts (c) and (d) skipped with their reason. About 2
+  minutes here: `make test-long`.
+- Parts (c) and (d), which need 4 GPUs, run their jobs and judges on the CPU (gloo, not NCCL):
+  the layouts, schedules and expectations are right (`make test-long`, about a minute).
 - The budget: a driver given too little time fails its parts with the reason, still prints its
   JSON line and exits 1, without starting a job.
 - SIGTERM (the shell's 8-minute backstop) in the middle of a job: the driver stops the job, its
@@ -104,7 +106,7 @@ def test_a_budget_too_small_fails_the_parts_and_still_reports(tmp_path):
     assert [s["reason"] for s in sizes.values()] == ["no time left in the budget"] * 3
     assert summary["parts"]["b"]["verdict"] == "fail"
     assert summary["parts"]["b"]["problems"] == ["reference: no time left in the budget"]
-    assert summary["parts"]["c"]["verdict"] == "skipped"
+    assert summary["parts"]["c"]["verdict"] == summary["parts"]["d"]["verdict"] == "skipped"
     assert not list((tmp_path / "out").rglob("status"))  # no job was started
 
 
@@ -170,6 +172,7 @@ def test_emulate_runs_parts_a_and_b(tmp_path, figures):
     # bf16 with fp32 gradient buffers on the CPU: bitwise (tests/test_precision.py).
     assert b["params_bitwise_equal"], b
     assert c["verdict"] == "skipped" and "--emulate" in c["reason"]
+    assert parts["d"]["verdict"] == "skipped" and "--emulate" in parts["d"]["reason"]
     assert elapsed < 8 * 60
     line = (f"gpu_check --emulate: a {a['seconds']:.0f} s (256 MiB all-reduce "
             f"{a['sizes']['256MiB']['allreduce_s']:.2f} s), b {b['seconds']:.0f} s "
@@ -183,6 +186,19 @@ def driver_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["c", "d"])
+def test_the_four_gpu_parts_pass_their_own_judges_on_the_cpu(tmp_path, name, monkeypatch):
+    if os.geteuid() == 0:
+        monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    driver = driver_module()
+    part = getattr(driver, f"part_{name}")(tmp_path / name, time.monotonic() + 500, {})
+    assert part["verdict"] == "pass", part.get("problems")
+    assert part["exact"] and part["survivors_agree"] and part["extension_pass_iterations"] == [3]
 
 
 def write_allreduce_results(out: Path, victim: int, survivors: list[int]) -> None:
