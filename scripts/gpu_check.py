@@ -435,10 +435,12 @@ def judge_training(reference: dict, run: dict, fired: list, failures: list, live
     if torch.cuda.is_available() and any(not d.startswith("cuda:") or "emulation" in d
                                          for d in part["devices"]):
         problems.append(f"the survivors did not train on a GPU: {part['devices']}")
+    # None: no position has two survivors (one replica survived), so there is nothing to agree.
+    shared = [group for group in (positions or [survivors]) if len(group) > 1]
     part["survivors_agree"] = all(
-        len({statuses[r].get("param_digest") for r in group}) == 1
-        for group in (positions or [survivors]))
-    if not part["survivors_agree"]:
+        len({statuses[r].get("param_digest") for r in group}) == 1 for group in shared
+    ) if shared else None
+    if part["survivors_agree"] is False:
         problems.append("survivors of one position hold different final parameters")
     part["joins"] = [[e["replicas"], e["ranks"], e["after_iteration"]] for r in run["records"]
                      for e in r["events"] if e["event"] == "join"]

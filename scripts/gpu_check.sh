@@ -60,8 +60,8 @@
 #      same model, bf16, --overlap-grad-reduce; replica 1's second rank killed inside a bucket
 #      all-reduce of iteration 3 (its TP peer must leave with it). Judged as (b). With 1-3 GPUs it
 #      is "skipped" with the reason: a TP=2 job that survives a kill needs 2 replicas x 2 ranks,
-#      and NCCL refuses two ranks of one group on a device. With one surviving replica, each
-#      survivor is a position of its own (no two survivors need to agree bitwise).
+#      and NCCL refuses two ranks of one group on a device. With one surviving replica each
+#      survivor is a position of its own: "survivors_agree" is null (nothing to compare).
 #  (d) With 4 or more GPUs: 2 replicas x PP 2 with 2 virtual stages per rank (the interleaved
 #      schedule, its sends and receives on NCCL, overlapped; 4 layers), one rank per GPU, bf16,
 #      --overlap-grad-reduce; replica 1's second stage killed inside a bucket all-reduce of

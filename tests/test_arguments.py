@@ -491,6 +491,17 @@ def test_the_interleaved_schedule_is_configured_as_megatron_lm_configures_it():
         cuda_available=False))
     assert plain.virtual_pipeline_model_parallel_size is None
     assert not plain.overlap_p2p_comm and plain.batch_p2p_comm
+    # One virtual stage per rank is the plain schedule, as in Megatron-LM (and the PP=2 refusal
+    # of batched sends does not apply to it).
+    for one in (["--num-virtual-stages-per-pipeline-rank", "1"],
+                ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "2"]):
+        cfg = parse_args(_small_argv([*one, "--pipeline-model-parallel-size", "2",
+                                      "--no-overlap-p2p-communication"]),
+                         world_size=4, cuda_available=False)
+        assert cfg.parallel.virtual_pipeline_stages is None and cfg.parallel.model_chunks == 1
+        tconfig = to_transformer_config(cfg)
+        assert tconfig.virtual_pipeline_model_parallel_size is None
+        assert not tconfig.overlap_p2p_comm and tconfig.batch_p2p_comm
 
 
 @pytest.mark.parametrize("extra, expected", [

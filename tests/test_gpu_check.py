@@ -198,7 +198,8 @@ def test_the_four_gpu_parts_pass_their_own_judges_on_the_cpu(tmp_path, name, mon
     driver = driver_module()
     part = getattr(driver, f"part_{name}")(tmp_path / name, time.monotonic() + 500, {})
     assert part["verdict"] == "pass", part.get("problems")
-    assert part["exact"] and part["survivors_agree"] and part["extension_pass_iterations"] == [3]
+    assert part["exact"] and part["extension_pass_iterations"] == [3]
+    assert part["survivors_agree"] is None  # one replica survives: each survivor its position
 
 
 def write_allreduce_results(out: Path, victim: int, survivors: list[int]) -> None:

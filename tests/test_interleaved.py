@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_recover.launch import LaunchConfig, launch
-from megatron_recover.testing.compare import param_rdiff
+from megatron_recover.testing.compare import EXACT_RTOL, loss_rdiff, param_rdiff
 from tests.mpirun_harness import ENTRY
 from tests.training_harness import (
     STABLE_LR,
@@ -133,3 +133,34 @@ def test_a_failure_inside_a_blocking_restore_stays_exact(tmp_path):
     assert_ledger_held(run.records, 12)
     assert run.completed() == [2, 3, 4, 8, 9, 10]
     assert_exact(run, reference, "interleaved, a failure inside a blocking restore")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_a_standby_joins_with_the_distributed_optimizer(tmp_path):
+    """3 replicas and a standby replica, each of PP=2 ranks with 2 model chunks, the
+    distributed optimizer (one instance per replica): replica 2 dies in iteration 2 and the
+    standby takes its id after it, its state (both chunks, and each chunk's optimizer shard
+    under names of its own chunk) sent by a live replica's ranks."""
+    job = [*JOB, "--global-batch-size", "6", "--use-distributed-optimizer", "--train-iters", "5",
+           "--recover-standby-replicas", "1"]
+    schedule = "entries:\n  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}\n"
+    reference = run_training(tmp_path / "reference", 8, job, timeout_s=TIMEOUT_S)
+    run = run_training(tmp_path / "failures", 8, job, schedule, TIMEOUT_S)
+    joins = [(r["iteration"], e["replicas"], e["ranks"]) for r in run.records
+             for e in r["events"] if e["event"] == "join"]
+    assert joins == [(3, [2], [6])], joins  # as the log writer's position (stage 0) saw it
+    for rank in (6, 7):  # the standby's two stages hold their donors' state bitwise
+        joined = run.result.statuses[rank]["joined"]
+        assert joined["digests"] == joined["donor_digests"], (rank, joined)
+    assert_ledger_held(run.records, 6)
+    assert run.completed() == [0, 1, 3, 4, 6, 7]
+    loss = loss_rdiff(run.records, reference.records)
+    # Every survivor against the reference's rank 0 or 3, of its stage (the standby idled
+    # there; its ranks 6 and 7 are stages 0 and 1).
+    stage = {rank: rank // 3 if rank < 6 else rank - 6 for rank in run.completed()}
+    params = max(param_rdiff(run.params(rank), reference.params(3 * stage[rank]))
+                 for rank in run.completed())
+    print(f"interleaved, a standby joins with the distributed optimizer: loss {loss:.2e}, "
+          f"final parameters {params:.2e}")
+    assert loss <= EXACT_RTOL and params <= EXACT_RTOL, (loss, params)

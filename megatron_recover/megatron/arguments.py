@@ -563,11 +563,14 @@ def _parallel_layout(ns, world_size: int) -> list[str]:
 
 def virtual_stages(ns) -> int | None:
     """The model chunks per pipeline rank of the interleaved schedule (Megatron-LM's
-    virtual_pipeline_model_parallel_size), or None for the plain 1F1B schedule."""
+    virtual_pipeline_model_parallel_size), or None for the plain 1F1B schedule, which one
+    virtual stage per rank is (as Megatron-LM treats it)."""
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = ns.num_layers // ns.pipeline_model_parallel_size
-        return per_stage // ns.num_layers_per_virtual_pipeline_stage
-    return ns.num_virtual_stages_per_pipeline_rank
+        stages = per_stage // ns.num_layers_per_virtual_pipeline_stage
+    else:
+        stages = ns.num_virtual_stages_per_pipeline_rank
+    return None if stages == 1 else stages
 
 
 def _virtual_pipeline(ns, world_size: int) -> list[str]:
@@ -596,6 +599,20 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
         return [f"{given[0]} needs pipeline parallelism (the interleaved schedule splits each "
                 "pipeline rank's layers into model chunks): add --pipeline-model-parallel-size "
                 "2 or more, or drop it"]
+    per_stage = ns.num_layers // pp
+    if per_vstage is not None and per_stage % per_vstage:
+        return [f"number of layers per pipeline stage ({per_stage}) must be divisible by "
+                f"--num-layers-per-virtual-pipeline-stage {per_vstage}: use a divisor of "
+                f"{per_stage}"]
+    chunks = virtual_stages(ns)
+    if chunks is None:  # one virtual stage per rank: the plain 1F1B schedule
+        return [f"{flag} applies to the interleaved schedule, and {given[0]} gives each "
+                "pipeline rank one virtual stage (the plain schedule): drop it"
+                for flag, value in (("--microbatch-group-size-per-virtual-pipeline-stage",
+                                     ns.microbatch_group_size_per_virtual_pipeline_stage),
+                                    ("--overlap-p2p-communication-warmup-flush",
+                                     ns.overlap_p2p_communication_warmup_flush))
+                if value]
     if pp == 2 and not ns.overlap_p2p_comm:
         return ["--no-overlap-p2p-communication with --pipeline-model-parallel-size 2 and "
                 "virtual stages: each stage is then both the other's previous and next stage, "
@@ -603,12 +620,6 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
                 "activation with a backward gradient (measured: the first iteration's loss "
                 "changes with the data-parallel size); drop --no-overlap-p2p-communication "
                 "(Megatron-LM's default overlaps them) or use more pipeline stages"]
-    per_stage = ns.num_layers // pp
-    if per_vstage is not None and per_stage % per_vstage:
-        return [f"number of layers per pipeline stage ({per_stage}) must be divisible by "
-                f"--num-layers-per-virtual-pipeline-stage {per_vstage}: use a divisor of "
-                f"{per_stage}"]
-    chunks = virtual_stages(ns)
     if ns.num_layers % (pp * chunks):
         return [f"--num-layers {ns.num_layers} does not split into {pp} pipeline stages x "
                 f"{chunks} virtual stages of equal size: use a multiple of {pp * chunks} layers"]

@@ -49,6 +49,7 @@ def megatron_common(cfg, iteration: int, padded_vocab_size: int) -> dict:
         vocab_file=cfg.data.vocab_file,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_stages,
         data_parallel_size=cfg.data_parallel_size, world_size=parallel.world_size,
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         consumed_train_samples=samples, skipped_train_samples=0,

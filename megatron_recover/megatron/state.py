@@ -51,10 +51,23 @@ def distributed_optimizers(optimizer) -> list:
     return [opt for opt in chained if isinstance(opt, DistributedOptimizer)]
 
 
+def _param_names(opt) -> dict:
+    """Parameter -> its name in the distributed optimizer's model chunks, prefixed by the
+    chunk's index when there are several (megatron-core's own `_param_name` refuses chunks
+    whose names repeat, and every virtual stage's layers are numbered from 0)."""
+    names = getattr(opt, "_recover_param_names", None)
+    if names is None:
+        chunks = opt.model_chunks
+        names = {param: (name if len(chunks) == 1 else f"{index}.{name}")
+                 for index, chunk in enumerate(chunks) for name, param in chunk.named_parameters()}
+        opt._recover_param_names = names
+    return names
+
+
 def parameter_state(optimizer) -> list[dict]:
     """Per distributed optimizer, this shard's main parameters and Adam moments, by parameter."""
-    return [{opt._param_name(param): {k: v.detach().clone() for k, v in
-                                      opt._get_main_param_and_optimizer_states(param).items()}
+    return [{_param_names(opt)[param]: {k: v.detach().clone() for k, v in
+                                        opt._get_main_param_and_optimizer_states(param).items()}
              for param in opt.model_param_group_index_map}
             for opt in distributed_optimizers(optimizer)]
 
@@ -107,7 +120,7 @@ def load_parameter_state(optimizer, saved: list[dict]) -> None:
     with torch.no_grad():  # the main parameters are leaves that require grad
         for opt, state in zip(optimizers, saved):
             for param in opt.model_param_group_index_map:
-                opt._set_main_param_and_optimizer_states(param, state[opt._param_name(param)])
+                opt._set_main_param_and_optimizer_states(param, state[_param_names(opt)[param]])
 
 
 def model_keys(chunks) -> list[str]:
