@@ -573,6 +573,16 @@ def virtual_stages(ns) -> int | None:
     return None if stages == 1 else stages
 
 
+def _interleaved_only(ns, instead: str) -> list[str]:
+    """The flags given that only the interleaved schedule reads, refused with `instead`."""
+    return [f"{flag} applies to the interleaved schedule: {instead}"
+            for flag, value in (("--microbatch-group-size-per-virtual-pipeline-stage",
+                                 ns.microbatch_group_size_per_virtual_pipeline_stage),
+                                ("--overlap-p2p-communication-warmup-flush",
+                                 ns.overlap_p2p_communication_warmup_flush))
+            if value]
+
+
 def _virtual_pipeline(ns, world_size: int) -> list[str]:
     """Megatron-LM's rules for virtual pipeline stages, and megatron-core's interleaved
     schedule's for the microbatches of a full pass (every global batch of a ramp-up)."""
@@ -582,13 +592,7 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
              if getattr(ns, f[2:].replace("-", "_")) is not None]
     pp = ns.pipeline_model_parallel_size
     if not given:
-        return [f"{flag} applies to the interleaved schedule: add "
-                "--num-virtual-stages-per-pipeline-rank or drop it"
-                for flag, value in (("--microbatch-group-size-per-virtual-pipeline-stage",
-                                     ns.microbatch_group_size_per_virtual_pipeline_stage),
-                                    ("--overlap-p2p-communication-warmup-flush",
-                                     ns.overlap_p2p_communication_warmup_flush))
-                if value]
+        return _interleaved_only(ns, "add --num-virtual-stages-per-pipeline-rank or drop it")
     if ns.overlap_p2p_communication_warmup_flush and not ns.overlap_p2p_comm:
         return ["--overlap-p2p-communication-warmup-flush overlaps the pipeline's sends and "
                 "receives, which --no-overlap-p2p-communication batches instead: drop one"]
@@ -606,13 +610,8 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
                 f"{per_stage}"]
     chunks = virtual_stages(ns)
     if chunks is None:  # one virtual stage per rank: the plain 1F1B schedule
-        return [f"{flag} applies to the interleaved schedule, and {given[0]} gives each "
-                "pipeline rank one virtual stage (the plain schedule): drop it"
-                for flag, value in (("--microbatch-group-size-per-virtual-pipeline-stage",
-                                     ns.microbatch_group_size_per_virtual_pipeline_stage),
-                                    ("--overlap-p2p-communication-warmup-flush",
-                                     ns.overlap_p2p_communication_warmup_flush))
-                if value]
+        return _interleaved_only(ns, f"{given[0]} gives each pipeline rank one virtual stage "
+                                     "(the plain schedule): drop it")
     if pp == 2 and not ns.overlap_p2p_comm:
         return ["--no-overlap-p2p-communication with --pipeline-model-parallel-size 2 and "
                 "virtual stages: each stage is then both the other's previous and next stage, "
