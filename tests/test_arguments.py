@@ -477,6 +477,16 @@ def test_the_interleaved_schedule_refuses_what_megatron_refuses(extra, expected)
         assert text in message, (text, message)
 
 
+def test_every_global_batch_of_a_ramp_up_must_fit_the_interleaved_schedule():
+    interleaved = ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+                   "--pipeline-model-parallel-size", "2", "--train-samples", "2000"]
+    # The ramp-up's first global batch (4) gives each data-parallel rank 1 microbatch (< PP).
+    message = refused(*interleaved, "--rampup-batch-size", "4", "4", "200",
+                      drop=("--train-iters",))
+    assert "refuses a global batch of 4 samples (1 micro-batches per data-parallel rank)" in message
+    small(*interleaved, "--rampup-batch-size", "8", "8", "200", drop=("--train-iters",))
+
+
 def test_the_interleaved_schedule_is_configured_as_megatron_lm_configures_it():
     cfg = parse_args(_small_argv(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
                                   "--num-layers-per-virtual-pipeline-stage", "2"]),

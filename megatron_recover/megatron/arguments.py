@@ -624,11 +624,8 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
                 f"{chunks} virtual stages of equal size: use a multiple of {pp * chunks} layers"]
     group = ns.microbatch_group_size_per_virtual_pipeline_stage or pp
     (dp, gbs), mbs = _sizes(ns, world_size), ns.micro_batch_size
-    sizes = [gbs]
-    if ns.rampup_batch_size:
-        start, increment, _ = (int(v) for v in ns.rampup_batch_size)
-        sizes = sorted(set(range(start, gbs, increment)) | {gbs})
-    for size in sizes:
+    ramp = GlobalBatches.of(gbs, ns.rampup_batch_size).ramp if ns.rampup_batch_size else ()
+    for size in sorted({*ramp, gbs}):
         problem = interleaving.problem(size // (mbs * dp), group, pp)
         if problem:
             return [f"the interleaved schedule refuses a global batch of {size} samples "
