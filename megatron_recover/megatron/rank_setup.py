@@ -43,14 +43,6 @@ class RankSetup:
     position: tuple[int, int]  # (tensor, pipeline) parallel rank
 
     @property
-    def ddp_model(self):
-        """The DDP model of a rank with one model chunk (not the interleaved schedule)."""
-        if len(self.chunks) != 1:
-            raise TypeError(f"this rank holds {len(self.chunks)} model chunks (virtual pipeline "
-                            "stages): use `chunks`")
-        return self.chunks[0]
-
-    @property
     def checkpoint_position(self) -> tuple[int, ...]:
         """Which file of a checkpoint is this rank's: its (tensor, pipeline) position and, with
         distributed-optimizer shards, its shard (each holds its own optimizer state)."""

@@ -58,7 +58,8 @@ def places():
         try:
             ctx = runtime.DistributedContext(rank=0, world_size=1, status_path=None)
             setup = run.build(cfg, ctx, vocab_size)
-            for name, param in setup.ddp_model.named_parameters():
+            (ddp_model,) = setup.chunks  # one model chunk (no virtual stages)
+            for name, param in ddp_model.named_parameters():
                 found[f"parameter {name}"] = on_device(param)
             model = setup.unwrapped_model()
 
