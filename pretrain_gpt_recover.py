@@ -50,6 +50,7 @@ def main() -> None:
             te_available=_imports("transformer_engine"),
             fusion_kernel_available=(torch.cuda.is_available()
                                      and _imports("fused_weight_gradient_mlp_cuda")),
+            grouped_gemm_available=torch.cuda.is_available() and _imports("grouped_gemm"),
             run_id=os.environ.get("MEGATRON_RECOVER_RUN_ID"))
     except (ValueError, SystemExit) as error:
         runtime.stop_at_startup(str(error) if isinstance(error, ValueError) else None)

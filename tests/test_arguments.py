@@ -516,8 +516,10 @@ def test_the_interleaved_schedule_is_configured_as_megatron_lm_configures_it():
 
 @pytest.mark.parametrize("extra, expected", [
     (["--context-parallel-size", "2"], ["--context-parallel-size", "CP = 1"]),
-    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "1, the default"]),
-    (["--num-experts", "8"], ["--num-experts", "dense model"]),
+    (["--expert-model-parallel-size", "2"],
+     ["--expert-model-parallel-size configure mixture-of-experts layers", "add --num-experts"]),
+    (["--num-experts", "8", "--moe-grouped-gemm"],
+     ["--moe-grouped-gemm", "CUDA kernel", "drop it"]),
     (["--rampup-batch-size", "16", "16", "5859375"],
      ["--rampup-batch-size with --train-iters",
       "expected no batch-size rampup for iteration-based training", "give --train-samples"]),

@@ -27,7 +27,8 @@ Locations, in the order an iteration reaches them:
   after-post        right after the first ulfm all-reduce of a pass was posted (with
                     --overlap-grad-reduce, inside the first pass's backward)
   during-reduce     inside the ulfm all-reduce of a bucket, after it was posted (the second
-                    bucket posted; with --overlap-grad-reduce the first, during backward)
+                    bucket posted; with --overlap-grad-reduce the first, during backward; an
+                    optional `bucket: N` names the N-th, from 1, of the iteration)
   during-consensus  inside the commit consensus, after the agreement was posted
   during-restore    after a failure, while stale buckets are rewound and reduced again
   during-extension  inside an extension pass, before its first backward
@@ -130,6 +131,7 @@ class ScheduleEntry:
     bit: int | None = None  # bitflip only: which bit of the element (None: the default)
     factor: float = 0.0  # slow only: how many times as long every pass takes
     until: int | None = None  # slow only: the last slowed iteration (None: to the end)
+    bucket: int | None = None  # during-reduce only: the N-th bucket all-reduce, from 1
 
 
 def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
@@ -142,7 +144,7 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
     entries = []
     for i, raw in enumerate(data["entries"]):
         keys = {"iteration", "replica", "local_rank", "location"}
-        optional = {"action", "seconds", "bit", "factor", "until"}
+        optional = {"action", "seconds", "bit", "factor", "until", "bucket"}
         if not isinstance(raw, dict) or not keys <= set(raw) <= keys | optional:
             raise ValueError(f"{path}: entry {i} must have the keys {sorted(keys)} "
                              f"(and optionally {', '.join(sorted(optional))})")
@@ -151,7 +153,8 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
                               float(raw.get("seconds", 0.0)),
                               None if raw.get("bit") is None else int(raw["bit"]),
                               float(raw.get("factor", 0.0)),
-                              None if raw.get("until") is None else int(raw["until"]))
+                              None if raw.get("until") is None else int(raw["until"]),
+                              None if raw.get("bucket") is None else int(raw["bucket"]))
         if entry.action not in ACTIONS:
             raise ValueError(f"{path}: entry {i}: action '{entry.action}' is not one of "
                              f"{', '.join(ACTIONS)}")
@@ -180,6 +183,10 @@ def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
         if entry.bit is not None and (entry.action != "bitflip" or not 0 <= entry.bit < 64):
             raise ValueError(f"{path}: entry {i}: 'bit' goes with action bitflip (and only), "
                              "between 0 and 63")
+        if entry.bucket is not None and (entry.location != "during-reduce"
+                                         or entry.bucket < 1):
+            raise ValueError(f"{path}: entry {i}: 'bucket' names the N-th bucket all-reduce "
+                             "(from 1) of location during-reduce (and only)")
         if entry.location not in LOCATIONS:
             raise ValueError(f"{path}: entry {i}: location '{entry.location}' is not one of "
                              f"{', '.join(LOCATIONS)}")
@@ -456,11 +463,12 @@ class ScheduledFaults:
             if entry is None:
                 continue
             self._group = group  # armed: its marker reports the phase
-            nth = bucket_index if point == "reduce" else 1
+            nth = (entry.bucket or bucket_index) if point == "reduce" else 1
+            fields = {"iteration": iteration, "location": location, "action": entry.action}
+            if point == "reduce":
+                fields["bucket"] = nth
             group.arm_fault(point, group.fault_hits(point) + nth, entry.action, 0.0,
-                            str(self.marker_path),
-                            {"iteration": iteration, "location": location,
-                             "action": entry.action})
+                            str(self.marker_path), fields)
 
 
 def _arm_transfer(group, marker_path: Path, fields: dict) -> None:

@@ -29,8 +29,9 @@ class DDPBuffers:
         self.chunks = list(chunks)
         self.overlap_grad_reduce = overlap_grad_reduce
         # In the order megatron completes them: the last model chunk's backward ends first.
+        # A chunk's expert buckets (mixture-of-experts layers) are megatron's separate buffer.
         self._buckets = [bucket for chunk in reversed(self.chunks)
-                         for group in chunk.bucket_groups for bucket in group.buckets]
+                         for group in _bucket_groups(chunk) for bucket in group.buckets]
         self._synced = [bucket.grad_data for bucket in self._buckets
                         if bucket.params & synced_inside_replica]
         # megatron's flag for a parameter all-gather dispatched by the optimizer step: the
@@ -47,8 +48,17 @@ class DDPBuffers:
         """Each model chunk's buckets, or None with one chunk (every bucket)."""
         if len(self.chunks) == 1:
             return None
-        return [[bucket.grad_data for group in chunk.bucket_groups for bucket in group.buckets]
+        return [[bucket.grad_data for group in _bucket_groups(chunk) for bucket in group.buckets]
                 for chunk in self.chunks]
+
+    def expert_shard_groups(self) -> dict:
+        """With distributed-optimizer instances, each expert bucket's shard group by data_ptr:
+        the instance's ranks that hold the same experts (megatron's intra-instance expert
+        data-parallel group), not the dense buckets' shard group."""
+        return {bucket.grad_data.data_ptr(): group.intra_distributed_optimizer_instance_group
+                for chunk in self.chunks for group in chunk.expert_parallel_bucket_groups
+                for bucket in group.buckets
+                if hasattr(group, "intra_distributed_optimizer_instance_group")}
 
     def synced(self) -> list[torch.Tensor]:
         return list(self._synced)
@@ -69,7 +79,7 @@ class DDPBuffers:
             # megatron counts each parameter's gradient-ready hooks per pass to know when a
             # bucket is complete; start this pass's count from zero (posting stays ours).
             for chunk in self.chunks:
-                for bucket_group in chunk.bucket_groups:
+                for bucket_group in _bucket_groups(chunk):
                     bucket_group.reset()
 
     def dispatch_param_gather(self) -> None:
@@ -81,10 +91,15 @@ class DDPBuffers:
         if not self.overlap_param_gather:
             return
         for chunk in self.chunks:
-            for bucket_group in chunk.bucket_groups:
+            for bucket_group in _bucket_groups(chunk):
                 if bucket_group.param_gather_handle is not None:
                     bucket_group.param_gather_handle.wait()
                     bucket_group.param_gather_handle = None
+
+
+def _bucket_groups(chunk) -> list:
+    """A DDP chunk's bucket groups: the dense ones, then the expert ones."""
+    return list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups)
 
 
 class MegatronOptimizer:
@@ -133,10 +148,10 @@ class SchedulePass:
     def __init__(self, run):
         self._run = run
 
-    def __call__(self, iteration, ids, divisor, losses, tokens) -> None:
+    def __call__(self, iteration, ids, divisor, losses, tokens, padding=0) -> None:
         hooks.set_loss_divisor(divisor)
         failures.note(iteration)  # the forward step notes each microbatch it consumes
-        self._run(iteration, ids, losses, tokens)
+        self._run(iteration, ids, losses, tokens, padding)
         failures.note(iteration)
 
 
@@ -155,6 +170,7 @@ def build_trainer(*, chunks, optimizer, scheduler, micro_batch_size: int, run_pa
         replica_control=None if replica_group is None else TorchControl(replica_group),
         shard_group=shard_group,
         shard_control=None if shard_group is None else TorchControl(shard_control_group),
+        bucket_shard_groups=buffers.expert_shard_groups() if shard_group is not None else None,
         overlap_grad_reduce=overlap_grad_reduce, **parts))
     hooks.install(trainer.p.group.process_group, trainer.recovery, buffers.chunk_buckets())
     buffers.dispatch_param_gather()  # the first forward's pre-hooks wait for it

@@ -108,25 +108,27 @@ _NO_EFFECT_GROUPS = (
 
 _GPU = "needs a CUDA device"
 _REFUSED_GROUPS = (
-    ("mixture-of-experts is not supported: expert parallelism spreads a layer over ranks of "
-     "several replicas, and a failure would cut it apart; train a dense model",
-     "--num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-router-topk "
-     "--moe-router-load-balancing-type --moe-aux-loss-coeff --moe-z-loss-coeff "
-     "--moe-input-jitter-eps --moe-token-dispatcher-type --moe-grouped-gemm "
-     "--moe-use-legacy-grouped-gemm --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity "
-     "--moe-token-drop-policy --moe-layer-recompute --moe-extended-tp --moe-use-upcycling "
-     "--moe-upcycling-granularity --moe-permute-fusion --moe-router-dtype --moe-router-fusion "
-     "--moe-router-pre-softmax --moe-router-score-function --moe-router-topk-scaling-factor "
-     "--moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-num-groups "
-     "--moe-router-group-topk --moe-router-force-load-balancing --moe-router-padding-for-fp8 "
-     "--moe-router-padding-for-quantization --moe-shared-expert-intermediate-size "
-     "--moe-shared-expert-gate --moe-shared-expert-overlap --moe-per-layer-logging "
-     "--moe-apply-probs-on-input --moe-enable-deepep --moe-deepep-num-sms --moe-hybridep-num-sms "
-     "--moe-flex-dispatcher-backend --moe-latent-size --moe-enable-routing-replay "
-     "--moe-pad-experts-for-cuda-graph-inference --overlap-moe-expert-parallel-comm "
+    ("activation recomputation of MoE layers alone is not supported: use "
+     "--recompute-activations (selective) or drop it", "--moe-layer-recompute"),
+    ("the router's expert bias is updated from the token counts of the ranks that ran each "
+     "microbatch, which a failure changes; use --moe-aux-loss-coeff for load balancing",
+     "--moe-router-enable-expert-bias --moe-router-bias-update-rate"),
+    ("the input jitter is not supported; drop it", "--moe-input-jitter-eps"),
+    ("DeepEP and HybridEP (the flex dispatcher's kernels) are not supported: use "
+     "--moe-token-dispatcher-type alltoall", "--moe-enable-deepep --moe-deepep-num-sms "
+     "--moe-hybridep-num-sms --moe-flex-dispatcher-backend --overlap-moe-expert-parallel-comm "
      "--ep-overlap-early-attn-memory-release"),
-    ("expert parallelism (mixture-of-experts) is not supported; 1, the default, is accepted",
-     "--expert-model-parallel-size=1 --expert-tensor-parallel-size=1"),
+    ("the shared expert's gate and its overlap with the dispatch are not supported: drop them "
+     "(a shared expert runs without a gate, after the dispatch)",
+     "--moe-shared-expert-gate --moe-shared-expert-overlap"),
+    ("upcycling a dense checkpoint into experts is not supported: train the MoE model from "
+     "scratch or --load an MoE checkpoint", "--moe-use-upcycling --moe-upcycling-granularity"),
+    ("only with fp8 or fp4, which are refused", "--moe-router-padding-for-fp8 "
+     "--moe-router-padding-for-quantization"),
+    ("benchmark-only routing, latent experts, routing replay, the legacy grouped GEMM and CUDA "
+     "graphs for inference are not supported; drop them", "--moe-router-force-load-balancing "
+     "--moe-latent-size --moe-enable-routing-replay --moe-use-legacy-grouped-gemm "
+     "--moe-extended-tp --moe-pad-experts-for-cuda-graph-inference --moe-apply-probs-on-input"),
     ("context parallelism splits a microbatch's sequence over ranks that a replica failure "
      "would cut apart, and megatron-core's local attention needs CP = 1; use "
      "--context-parallel-size 1 (the default, accepted)", "--context-parallel-size=1 "
@@ -361,6 +363,22 @@ IMPLEMENTED_NOTES = {
     "CPU, and at start-up unless MPIX_Query_cuda_support() says the MPI has CUDA "
     "(docs/devices.md)",
     "--no-gradient-accumulation-fusion": "",
+    "--expert-model-parallel-size": "under --recover each expert-parallel group lies inside one "
+    "replica: a distributed-optimizer instance whose data-parallel ranks are a multiple of it "
+    "(refused otherwise, with the layout to use; docs/training.md)",
+    "--expert-tensor-parallel-size": "only the default, --tensor-model-parallel-size",
+    "--moe-router-load-balancing-type": "one of aux_loss (default), seq_aux_loss, none; "
+    "global_aux_loss, sinkhorn and several types at once are refused",
+    "--moe-aux-loss-coeff": "one coefficient; under --recover its gradient is divided by the "
+    "iteration's B, as the language-model loss is",
+    "--moe-token-dispatcher-type": "allgather (default) or alltoall; flex is refused (DeepEP, "
+    "HybridEP)",
+    "--moe-grouped-gemm": "refused unless CUDA and Transformer Engine (or grouped_gemm with "
+    "--transformer-impl local) import",
+    "--moe-permute-fusion": "refused unless CUDA and Transformer Engine import",
+    "--moe-router-fusion": "refused unless CUDA and Transformer Engine import",
+    "--moe-expert-capacity-factor": "tokens are dropped per forward of one microbatch, so a "
+    "microbatch drops the same tokens on whichever replica runs it (exact under --recover)",
     "--no-load-optim": "Megatron-LM's meaning: neither the optimizer nor the scheduler is "
     "loaded (docs/checkpoints.md)",
     "--no-load-rng": "Megatron-LM's meaning: the generators are not loaded",

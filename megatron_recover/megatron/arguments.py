@@ -19,7 +19,7 @@ import json
 import signal
 from pathlib import Path
 
-from megatron_recover.megatron import argument_table, interleaving
+from megatron_recover.megatron import argument_table, interleaving, moe_arguments
 from megatron_recover.megatron.config import (
     CheckpointConfig,
     DataConfig,
@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain_gpt_recover.py", allow_abbrev=False,
                                      description="Megatron GPT pre-training that survives "
                                      "replica failures (megatron-recover).")
-    for add in (_add_model_args, _add_training_args, _add_precision_args, _add_parallel_args,
-                _add_data_args, _add_checkpoint_args, _add_logging_args, _add_recover_args,
+    for add in (_add_model_args, moe_arguments.add_moe_args, _add_training_args,
+                _add_precision_args, _add_parallel_args, _add_data_args, _add_checkpoint_args, _add_logging_args, _add_recover_args,
                 argument_table.add_no_effect_args):
         add(parser)
     return parser
@@ -1124,7 +1124,8 @@ def training_world_size(argv: list[str], world_size: int) -> int:
 
 def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
               refused: list[str], wandb_available: bool = False,
-              fusion_kernel_available: bool = False) -> None:
+              fusion_kernel_available: bool = False,
+              grouped_gemm_available: bool = False) -> None:
     """Raise one ValueError listing every problem found (`refused`: the refused flags' lines
     first), or return."""
     problems = _required(ns)
@@ -1134,11 +1135,14 @@ def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
         problems = (_model_shape(ns) + _parallel_layout(ns, world_size)
                     + _schedule(ns, world_size) + _recompute(ns))
         if not problems:
-            problems = _virtual_pipeline(ns, world_size)
+            problems = _virtual_pipeline(ns, world_size) + moe_arguments.problems(ns, world_size)
         if ns.recover:
             problems += _verification(ns, world_size)
     problems += (_device_refusals(ns, world_size, cuda_available, te_available,
-                                 fusion_kernel_available) + _precision(ns)
+                                 fusion_kernel_available)
+                 + moe_arguments.device_problems(ns, cuda_available, te_available,
+                                                 grouped_gemm_available)
+                 + _precision(ns)
                  + _weight_decay_and_decoupled_lr(ns) + _data(ns) + _tokenizer(ns)
                  + _checkpointing(ns) + _logging(ns, wandb_available) + _recover(ns))
     problems = refused + problems
@@ -1210,6 +1214,8 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
                      "is replicated, not sharded: to shard it within replicas, pass "
                      f"--num-distributed-optimizer-instances K, a divisor of {dp} (K replicas of "
                      f"{dp}/K data-parallel ranks)")
+    if ns.num_experts is not None:
+        lines.append(moe_arguments.layout_line(ns, world_size, _optimizer_instances(ns, dp)))
     if ns.split is None and (ns.data_path is not None or ns.data_args_path is not None):
         lines.append(f"megatron-recover: --split not given: Megatron-LM's legacy default "
                      f"{LEGACY_DEFAULT_SPLIT!r} (it asks for --split with --data-path too)")
@@ -1238,6 +1244,7 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
 
 def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
                te_available: bool = False, fusion_kernel_available: bool = False,
+               grouped_gemm_available: bool = False,
                run_id: str | None = None) -> TrainConfig:
     """Parse a Megatron GPT command line into a validated TrainConfig.
 
@@ -1246,6 +1253,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
     te_available: whether Transformer Engine imports; without it its layers are refused.
     fusion_kernel_available: whether Apex's fused_weight_gradient_mlp_cuda imports; without it
     gradient accumulation fusion is refused on CUDA.
+    grouped_gemm_available: whether the grouped_gemm package imports on CUDA (--moe-grouped-gemm
+    with the local layers; Transformer Engine's layers bring their own).
     run_id: the job's id under `megatron-recover launch` (it names the snapshot directory).
     Raises ValueError (one message, a line per problem, each saying what to change)
     for a bad combination; argparse exits with status 2 on unknown or malformed arguments.
@@ -1260,7 +1269,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
                          "replicas; start more ranks (mpirun -np) or fewer standbys")
     _validate(ns, world_size, cuda_available, te_available, refused,
               wandb_available=bool(ns.wandb_project) and _wandb_imports(),
-              fusion_kernel_available=fusion_kernel_available)
+              fusion_kernel_available=fusion_kernel_available,
+              grouped_gemm_available=grouped_gemm_available)
     tp = ns.tensor_model_parallel_size
     dp, gbs = _sizes(ns, world_size)
     fusion = ns.gradient_accumulation_fusion
@@ -1288,7 +1298,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             recompute_granularity=_recompute_granularity(ns),
             recompute_method=ns.recompute_method,
             recompute_num_layers=ns.recompute_num_layers,
-            calculate_per_token_loss=ns.calculate_per_token_loss),
+            calculate_per_token_loss=ns.calculate_per_token_loss,
+            moe=moe_arguments.moe_config(ns, _ffn_hidden_size(ns))),
         optim=OptimConfig(
             lr=ns.lr, min_lr=ns.min_lr, lr_decay_style=ns.lr_decay_style,
             **_schedule_in_samples(ns, gbs),
@@ -1325,7 +1336,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             microbatch_group_size=ns.microbatch_group_size_per_virtual_pipeline_stage,
             overlap_p2p_comm=ns.overlap_p2p_comm,
             overlap_p2p_comm_warmup_flush=ns.overlap_p2p_communication_warmup_flush,
-            align_param_gather=ns.align_param_gather),
+            align_param_gather=ns.align_param_gather,
+            expert_model_parallel_size=ns.expert_model_parallel_size),
         data=DataConfig(
             blend=blend, blend_per_split=blend_per_split, mock_data=ns.mock_data,
             split=(ns.split if ns.split is not None or ns.mock_data

@@ -15,6 +15,75 @@ from megatron_recover.policy.rampup import GlobalBatches
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Megatron's mixture-of-experts MLP (megatron-core's MoELayer), from the --moe-* flags with
+    Megatron-LM's defaults."""
+
+    num_experts: int
+    """Experts in each MoE layer (--num-experts)."""
+    layer_pattern: tuple[int, ...]
+    """Per layer 1 (MoE) or 0 (dense MLP) (--moe-layer-freq: an interval N, every N-th layer
+    from the first, or a list expression such as "[1,0]*2"; default 1, every layer)."""
+    ffn_hidden_size: int
+    """Each expert's hidden size (--moe-ffn-hidden-size; default --ffn-hidden-size)."""
+    router_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk)."""
+    load_balancing_type: str = "aux_loss"
+    """The router's balancing loss: aux_loss, seq_aux_loss or none
+    (--moe-router-load-balancing-type)."""
+    aux_loss_coeff: float = 0.0
+    """Its coefficient (--moe-aux-loss-coeff; 0: no loss)."""
+    z_loss_coeff: float | None = None
+    """The router's z-loss coefficient (--moe-z-loss-coeff; None: off)."""
+    token_dispatcher_type: str = "allgather"
+    """How tokens reach their experts over the expert-parallel group: allgather or alltoall
+    (--moe-token-dispatcher-type)."""
+    shared_expert_intermediate_size: int | None = None
+    """The shared expert's hidden size (--moe-shared-expert-intermediate-size); None: none."""
+    expert_capacity_factor: float | None = None
+    """Tokens an expert takes per forward, as a factor of an even split; the rest are dropped
+    (--moe-expert-capacity-factor; None: no dropping)."""
+    pad_expert_input_to_capacity: bool = False
+    """Pad each expert's input to its capacity (--moe-pad-expert-input-to-capacity)."""
+    token_drop_policy: str = "probs"
+    """Which tokens an expert over capacity drops: "probs" (lowest routing probability) or
+    "position" (latest in the sequence) (--moe-token-drop-policy)."""
+    router_pre_softmax: bool = False
+    """Softmax before the top-k selection (--moe-router-pre-softmax)."""
+    router_score_function: str = "softmax"
+    """softmax or sigmoid (--moe-router-score-function)."""
+    router_topk_scaling_factor: float | None = None
+    """Scales the routing probabilities (--moe-router-topk-scaling-factor)."""
+    router_dtype: str | None = None
+    """The router's compute dtype: fp32, fp64, or None: the model's (--moe-router-dtype)."""
+    router_num_groups: int | None = None
+    """Expert groups for group-limited routing (--moe-router-num-groups)."""
+    router_group_topk: int | None = None
+    """Groups each token may use (--moe-router-group-topk)."""
+    per_layer_logging: bool = False
+    """Log each layer's auxiliary losses too (--moe-per-layer-logging; TensorBoard)."""
+    grouped_gemm: bool = False
+    """One grouped GEMM over a rank's experts (--moe-grouped-gemm; a CUDA kernel)."""
+    permute_fusion: bool = False
+    """Fused token permutation (--moe-permute-fusion; Transformer Engine on CUDA)."""
+    router_fusion: bool = False
+    """Fused router top-k and aux-loss scores (--moe-router-fusion; Transformer Engine on
+    CUDA)."""
+
+    @property
+    def loss_names(self) -> tuple[str, ...]:
+        """The auxiliary losses the router saves, under megatron-core's tracker names."""
+        names = []
+        if self.load_balancing_type == "aux_loss" and self.aux_loss_coeff > 0:
+            names.append("load_balancing_loss")
+        if self.load_balancing_type == "seq_aux_loss" and self.aux_loss_coeff > 0:
+            names.append("seq_load_balancing_loss")
+        if self.z_loss_coeff is not None:
+            names.append("z_loss")
+        return tuple(names)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The GPT model (megatron-core GPTModel + TransformerConfig)."""
 
@@ -86,6 +155,8 @@ class ModelConfig:
     calculate_per_token_loss: bool = False
     """The loss and gradient of an iteration are divided by its loss tokens (all of the global
     batch's unmasked tokens), not averaged per microbatch (--calculate-per-token-loss)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts layers (--num-experts and the --moe-* flags); None: a dense model."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +329,9 @@ class ParallelConfig:
     later chunk's parameter all-gathers itself (Megatron-LM's default; --no-align-param-gather:
     each chunk's forward pre-hook does). Under --recover every chunk's are dispatched after
     the optimizer step instead."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split each MoE layer's experts (--expert-model-parallel-size); under
+    --recover they lie inside one replica."""
 
     @property
     def model_chunks(self) -> int:

@@ -99,12 +99,14 @@ class EvalPass:
         return [name for name in ("valid", "test") if name in self.source.eval_datasets]
 
     def values(self, split: str, evaluation: int, iteration: int, ids: list[int],
-               reports_loss: bool) -> torch.Tensor:
+               reports_loss: bool, padding: int = 0) -> torch.Tensor:
         """The slot vector of `ids` (see the module docstring); zeros where `reports_loss` is
-        False (pipeline stages before the last, and TP ranks other than the one that reports)."""
+        False (pipeline stages before the last, and TP ranks other than the one that reports).
+        `padding` more microbatches run after them and count nothing (expert-parallel ranks
+        run passes of one length)."""
         values = torch.zeros(2 * self.count, dtype=torch.float64)
         self.faults.at("evaluation", iteration)
-        if not ids:
+        if not ids and not padding:
             return values
         from megatron.core import parallel_state
 
@@ -112,16 +114,18 @@ class EvalPass:
             for j in ids:
                 yield self.source.eval_microbatch(split, evaluation, j)
             for _ in range(padding):  # reported under no index, so never counted
-                yield {**self.source.eval_microbatch(split, evaluation, ids[0]), "index": None}
+                yield {**self.source.eval_microbatch(split, evaluation, ids[0] if ids else 0),
+                       "index": None}
 
         hooks.set_loss_divisor(None)  # megatron's own divisor for the forward-only pass
         for chunk in self.chunks:
             chunk.eval()
         try:
             with interleaving.shaped_pass(  # a pass of any length (interleaving.py)
-                    self.chunks[0].config, len(ids),
+                    self.chunks[0].config, len(ids) + padding,
                     parallel_state.get_pipeline_model_parallel_world_size(),
-                    len(self.chunks)) as padding:
+                    len(self.chunks)) as shaping:
+                padding += shaping
                 outputs = self.forward_backward(
                     forward_step_func=self._forward_step,
                     data_iterator=[batches(padding) for _ in self.chunks], model=self.chunks,

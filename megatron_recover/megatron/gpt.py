@@ -35,8 +35,22 @@ def layer_specs(transformer_config, transformer_impl: str, vp_stage: int | None 
     """The transformer block of this pipeline stage (of its virtual stage `vp_stage` with the
     interleaved schedule): Transformer Engine's layer spec, or
     megatron-core's local spec with our `Norm` in every norm position (megatron-core's torch
-    norm refuses zero-centred gamma and sequence parallelism)."""
-    if transformer_impl == "transformer_engine":
+    norm refuses zero-centred gamma and sequence parallelism). With mixture-of-experts layers,
+    megatron-core's decoder block spec (as Megatron-LM's GPT builder takes it), which places
+    MoE and dense layers by --moe-layer-freq."""
+    te = transformer_impl == "transformer_engine"
+    if transformer_config.num_moe_experts is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        block = get_gpt_decoder_block_spec(transformer_config, use_transformer_engine=te,
+                                           normalization=transformer_config.normalization,
+                                           vp_stage=vp_stage)
+        if not te:
+            for spec in block.layer_specs:  # fresh specs per call: ours to change
+                _local_norms(spec.submodules, transformer_config.qk_layernorm)
+            block.layer_norm = Norm
+        return block
+    if te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -45,14 +59,18 @@ def layer_specs(transformer_config, transformer_impl: str, vp_stage: int | None 
             qk_layernorm=transformer_config.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=transformer_config.qk_layernorm,
                                     normalization=transformer_config.normalization)
-    layer = spec.submodules  # a fresh spec per call: ours to change
-    layer.input_layernorm = layer.pre_mlp_layernorm = Norm
-    if transformer_config.qk_layernorm:
-        attention = layer.self_attention.submodules
-        attention.q_layernorm = attention.k_layernorm = Norm
+    _local_norms(spec.submodules, transformer_config.qk_layernorm)
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(transformer_config, vp_stage=vp_stage),
         layer_norm=Norm)
+
+
+def _local_norms(layer, qk_layernorm: bool) -> None:
+    """Our `Norm` in every norm position of a local layer spec's submodules."""
+    layer.input_layernorm = layer.pre_mlp_layernorm = Norm
+    if qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = Norm
 
 
 def build_gpt(transformer_config, vocab_size: int, model, vp_stage: int | None = None) -> GPTModel:
@@ -85,11 +103,16 @@ def process_groups(cross_replica_group, across_instances=False):
         return None
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     if across_instances:
+        # Dense and expert buckets alike: the ranks of this position in the other instances.
         pg_collection.inter_dist_opt = cross_replica_group
     else:
         pg_collection.dp = cross_replica_group
         pg_collection.dp_cp = cross_replica_group
         pg_collection.intra_dp_cp = cross_replica_group
+        # Experts on every data-parallel rank (no expert parallelism without instances): the
+        # expert buckets reduce across the same replicas.
+        pg_collection.expt_dp = cross_replica_group
+        pg_collection.intra_expt_dp = cross_replica_group
     return pg_collection
 
 
@@ -254,7 +277,7 @@ class MicrobatchPass:
         for index in range(padding):
             if self.reseed:  # apart from every id's seeds
                 seed_microbatch(self.seed, iteration, _SEED_STRIDE - 1 - index, chunk)
-            yield padding_batch(self.microbatch(iteration, ids[0]))
+            yield padding_batch(self.microbatch(iteration, ids[0] if ids else 0))
 
     def _forward_step(self, iteration, data_iterator, model):
         batch = next(data_iterator)
@@ -269,8 +292,9 @@ class MicrobatchPass:
                 batch["tokens"], batch["labels"], batch["loss_mask"]),  # on the host
                 chunk=self._chunk_of[id(model)])
         batch = devices.batch_to_device(batch)
-        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                       labels=batch["labels"])
+        with hooks.padding_forward(padding):  # its MoE auxiliary losses get no gradient
+            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                           labels=batch["labels"])
         hooks.forward_done()  # the restore's copies overlapped this forward; backward waits
 
         def on_first_loss() -> bool:
@@ -289,11 +313,14 @@ class MicrobatchPass:
                                                       microbatch_id))
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float],
-            tokens: dict[int, int]) -> None:
+            tokens: dict[int, int], padding: int = 0) -> None:
+        """`padding`: microbatches that train on nothing, after `ids` (expert-parallel shards
+        run passes of one length); the interleaved schedule may add more."""
         self.faults.phase("schedule")
-        with interleaving.shaped_pass(self.config, len(ids),
+        with interleaving.shaped_pass(self.config, len(ids) + padding,
                                       parallel_state.get_pipeline_model_parallel_world_size(),
-                                      len(self.chunks)) as padding:
+                                      len(self.chunks)) as shaping:
+            padding += shaping
             outputs = self.forward_backward(
                 forward_step_func=partial(self._forward_step, iteration),
                 data_iterator=[self._batches(iteration, ids, padding, chunk)

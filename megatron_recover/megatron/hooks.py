@@ -13,9 +13,12 @@ backward (`GradientRecovery.bucket_ready`). With distributed-optimizer instances
 intra-instance reduce-scatter is the trainer's too (layer 2 snapshots the bucket before it).
 """
 
+from contextlib import contextmanager
+
 _recoveries = {}  # id(data-parallel process group) -> GradientRecovery
 _chunk_buckets = {}  # id(data-parallel process group) -> each model chunk's gradient buckets
 _loss_divisor = None
+_padding = False  # the forward running now is a padding microbatch's
 
 
 def install(process_group, recovery, chunk_buckets=None) -> None:
@@ -82,3 +85,26 @@ def forward_done() -> None:
 
 def loss_divisor(num_microbatches: int) -> int:
     return num_microbatches if _loss_divisor is None else _loss_divisor
+
+
+@contextmanager
+def padding_forward(padding: bool):
+    """Around a microbatch's forward: whether it is padding (it trains on nothing: its loss
+    mask is empty, and the MoE auxiliary losses attached in it get a zero gradient)."""
+    global _padding
+    _padding = padding
+    try:
+        yield
+    finally:
+        _padding = False
+
+
+def in_padding() -> bool:
+    """Read by megatron's MoE auxiliary-loss scaler when it attaches a loss in a forward."""
+    return _padding
+
+
+def aux_loss_backward_scale(scale, padding: bool):
+    """The gradient megatron's MoE auxiliary-loss scaler gives a loss attached in a forward
+    (`padding`: in a padding microbatch's): its scale, or zero for padding."""
+    return scale * 0 if padding else scale

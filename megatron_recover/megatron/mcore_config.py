@@ -71,6 +71,32 @@ def to_transformer_config(cfg: TrainConfig):
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
         calculate_per_token_loss=m.calculate_per_token_loss,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        **_moe_fields(m.moe),
+    )
+
+
+def _moe_fields(moe) -> dict:
+    """TransformerConfig's mixture-of-experts fields (none for a dense model)."""
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts, moe_layer_freq=list(moe.layer_pattern),
+        moe_ffn_hidden_size=moe.ffn_hidden_size, moe_router_topk=moe.router_topk,
+        moe_router_load_balancing_type=moe.load_balancing_type,
+        moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_token_dispatcher_type=moe.token_dispatcher_type,
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        moe_expert_capacity_factor=moe.expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=moe.pad_expert_input_to_capacity,
+        moe_token_drop_policy=moe.token_drop_policy,
+        moe_router_pre_softmax=moe.router_pre_softmax,
+        moe_router_score_function=moe.router_score_function,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor,
+        moe_router_dtype=moe.router_dtype, moe_router_num_groups=moe.router_num_groups,
+        moe_router_group_topk=moe.router_group_topk,
+        moe_per_layer_logging=moe.per_layer_logging, moe_grouped_gemm=moe.grouped_gemm,
+        moe_permute_fusion=moe.permute_fusion, moe_router_fusion=moe.router_fusion,
     )
 
 

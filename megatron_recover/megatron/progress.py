@@ -178,15 +178,19 @@ class Progress:
             if self.trainer is None:
                 dp = cfg.data_parallel_size
                 ids = list(range(self.setup.dp_rank, self.eval_pass.count, dp))
+                # Expert-parallel ranks exchange tokens in every forward: equal passes.
+                padding = (-(-self.eval_pass.count // dp) - len(ids)
+                           if cfg.parallel.expert_model_parallel_size > 1 else 0)
                 values = self.eval_pass.values(split, evaluation, iteration, ids,
-                                               self.last_stage and self.tp_rank == 0)
+                                               self.last_stage and self.tp_rank == 0, padding)
                 # each id's slot from exactly one rank
                 dist.all_reduce(values, group=groups.world_control())
                 events = []
             else:
                 values, events = self.trainer.evaluate(
-                    lambda ids: self.eval_pass.values(split, evaluation, iteration, ids,
-                                                      self.last_stage), self.eval_pass.count)
+                    lambda ids, padding: self.eval_pass.values(
+                        split, evaluation, iteration, ids, self.last_stage, padding),
+                    self.eval_pass.count)
         finally:
             if hooked:
                 for chunk in chunks:

@@ -151,6 +151,18 @@ def _cross_replica_groups(replica_group_ranks: list[int],
     return mine, replica_of_rank
 
 
+def _check_experts_inside(replica_group) -> None:
+    """Every expert-parallel group megatron made lies inside this rank's replica (arguments.py
+    chose the layout so; a failure must take a layer's experts down together)."""
+    from megatron.core import parallel_state
+
+    replica = set(dist.get_process_group_ranks(replica_group))
+    experts = set(dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()))
+    if not experts <= replica:
+        raise RuntimeError(f"expert-parallel group {sorted(experts)} spans replicas (this "
+                           f"replica: {sorted(replica)})")
+
+
 def _agreed_start(start, finalize: bool = False):
     """Run `start()` (the checkpoint load) on every rank, then agree on the outcome: when it
     raised ValueError (what --load names is missing or does not fit) on any rank, every rank
@@ -269,6 +281,7 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_stages,
         num_distributed_optimizer_instances=(1 if standby_instance else
                                              par.num_distributed_optimizer_instances),
@@ -299,6 +312,8 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         dp_group_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
         replica_group = parallel_state.get_model_parallel_group()
         shard_group = None
+    if cfg.recover.enabled and par.expert_model_parallel_size > 1:
+        _check_experts_inside(replica_group)
     group = replica_of_rank = saving_group = None
     if cfg.recover.cross_replica_backend == "ulfm":
         if (cfg.recover.enabled and cfg.checkpoint.save
@@ -323,6 +338,12 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
             runtime.start_replica_gate(replica_ranks, hang_s / 4)
     pg_collection = process_groups(group.process_group if group else None, instances)
     ddp_chunks = wrap_ddp(chunks, tconfig, mcore_config.to_ddp_config(cfg), pg_collection)
+    if cfg.model.moe is not None and dist.get_rank() == 0:
+        count = [sum(len(g.buckets) for chunk in ddp_chunks for g in getattr(chunk, groups_))
+                 for groups_ in ("bucket_groups", "expert_parallel_bucket_groups")]
+        print(f"megatron-recover: rank 0's gradient buckets: {count[0]} dense, then {count[1]} "
+              "expert (megatron's separate buffer; reduced in that order unless "
+              "--overlap-grad-reduce posts them as backward completes them)", flush=True)
     # With instances the optimizer takes the same groups (a standby instance's megatron state
     # has no group across instances); without, megatron's own, as Megatron-LM builds it.
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_chunks,
@@ -443,6 +464,8 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
         replica_group=setup.control_group, shard_group=setup.shard_group,
         shard_control_group=setup.shard_control_group,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        # Expert-parallel shards exchange tokens in every forward (all-to-all or all-gather).
+        shards_in_step=cfg.parallel.expert_model_parallel_size > 1,
         synced_inside_replica=frozenset(synced_inside_replica(setup.chunks)),
         group=setup.group, policy=policy, per_token_loss=cfg.model.calculate_per_token_loss,
         check_finite=cfg.precision.check_for_nan_in_loss_and_grad,

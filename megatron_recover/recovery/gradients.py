@@ -55,6 +55,7 @@ class _Bucket:
     grad: torch.Tensor
     snapshot: torch.Tensor
     shard: torch.Tensor  # what the ulfm all-reduce sums: the whole bucket, or this rank's shard
+    shard_group: object | None = None  # the torch group of the bucket's other shards
     reduced_epoch: int | None = None  # epoch of the last successful reduction, None: not reduced
     work: ULFMWork | None = None
     ledger: Ledger = field(default_factory=Ledger)  # what `grad` holds now
@@ -72,14 +73,16 @@ class GradientRecovery:
     def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
                  shard_group=None, deferred: list[torch.Tensor] = (), after_first_post=None,
                  check_finite: bool = False, restore_stream=None,
-                 synced: list[torch.Tensor] = ()):
+                 synced: list[torch.Tensor] = (), shard_groups: dict | None = None):
         """`grads`: the gradient buckets, in the order every member reduces them (`deferred`
         ones, synced inside the replica after backward, moved to the end).
         `before_first_reduce()` runs before the first reduction of each pass is posted,
         `after_first_post()` right after its first ulfm all-reduce was (fault points).
         `shard_group`: with a distributed optimizer in the replica, the torch group of the ranks
         holding the other shards of these buckets (Megatron's intra-instance data-parallel
-        group); None without one. `check_finite`: Megatron's check_for_nan_in_grad, before
+        group); None without one. `shard_groups`: the buckets sharded over another group, by
+        data_ptr (expert buckets: Megatron's intra-instance expert data-parallel group); a
+        group of one rank means no reduction inside the replica. `check_finite`: Megatron's check_for_nan_in_grad, before
         every reduction (`reduce_bucket`). `restore_stream`: a side CUDA stream for the
         non-blocking restore (`rewind_under_pass`), None on the CPU. `synced`: the buckets
         megatron syncs in place inside the replica after backward, in any mode (the
@@ -89,6 +92,7 @@ class GradientRecovery:
         self._restore_event = None  # the side-stream rewind's end, until the compute stream waits
         self.check_finite = check_finite
         self.shard_group = shard_group
+        self.shard_groups = dict(shard_groups or {})
         self.contributing = True
         self.before_first_reduce = before_first_reduce
         self.after_first_post = after_first_post
@@ -119,20 +123,25 @@ class GradientRecovery:
     def _state(self, grad: torch.Tensor) -> _Bucket:
         key = grad.data_ptr()
         if key not in self._buckets:
+            group = self.shard_groups.get(key, self.shard_group)
+            if key in self.shard_groups and dist.get_world_size(group) == 1:
+                group = None  # its own shard: nothing to reduce inside the replica
             self._buckets[key] = _Bucket(grad=grad, snapshot=torch.empty_like(grad),
-                                         shard=self._shard(grad), index=len(self._buckets))
+                                         shard=self._shard(grad, group), shard_group=group,
+                                         index=len(self._buckets))
         return self._buckets[key]
 
-    def _shard(self, grad: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _shard(grad: torch.Tensor, group) -> torch.Tensor:
         """This rank's contiguous 1/S of the bucket, as Megatron's distributed optimizer owns it."""
-        if self.shard_group is None:
+        if group is None:
             return grad
-        shards = dist.get_world_size(self.shard_group)
+        shards = dist.get_world_size(group)
         if grad.numel() % shards:
             raise ValueError(f"a gradient bucket of {grad.numel()} elements does not split into "
                              f"{shards} distributed-optimizer shards")
         size = grad.numel() // shards
-        return grad.view(-1).narrow(0, dist.get_rank(self.shard_group) * size, size)
+        return grad.view(-1).narrow(0, dist.get_rank(group) * size, size)
 
     def begin_iteration(self) -> None:
         """The gradient buffers were just zeroed for a new iteration: every ledger is empty."""
@@ -180,12 +189,12 @@ class GradientRecovery:
 
     def _scatter_async(self, bucket: _Bucket):
         """Post the bucket's reduce-scatter inside the replica; returns its torch Work."""
-        if dist.get_backend(self.shard_group) == "gloo":
+        if dist.get_backend(bucket.shard_group) == "gloo":
             # Gloo's asynchronous reduce-scatter makes progress only inside wait(); its
             # all-reduce runs on gloo's own threads. This rank's shard receives the same sum
             # (the rest of the bucket too, which the distributed optimizer does not read).
-            return dist.all_reduce(bucket.grad, group=self.shard_group, async_op=True)
-        return dist.reduce_scatter_tensor(bucket.shard, bucket.grad, group=self.shard_group,
+            return dist.all_reduce(bucket.grad, group=bucket.shard_group, async_op=True)
+        return dist.reduce_scatter_tensor(bucket.shard, bucket.grad, group=bucket.shard_group,
                                           async_op=True)
 
     def _post_scattered(self) -> None:
@@ -253,13 +262,13 @@ class GradientRecovery:
 
     def _post(self, bucket: _Bucket) -> None:
         grad = bucket.grad
-        if self.shard_group is None:
+        if bucket.shard_group is None:
             self._allreduce(bucket)
         elif self._overlapped:
             self._scattering.append((bucket, self._scatter_async(bucket)))
         else:
             # Intra-replica: a dead peer makes this raise and the rank leaves with its replica.
-            dist.reduce_scatter_tensor(bucket.shard, grad, group=self.shard_group)
+            dist.reduce_scatter_tensor(bucket.shard, grad, group=bucket.shard_group)
             self._allreduce(bucket)
 
     def _allreduce(self, bucket: _Bucket) -> None:

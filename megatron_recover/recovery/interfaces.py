@@ -51,8 +51,10 @@ class GradientBuffers(Protocol):
 
 class PassRunner(Protocol):
     def __call__(self, iteration: int, ids: list[int], divisor: int,
-                 losses: dict[int, float], tokens: dict[int, int]) -> None:
-        """Forward and backward of microbatches `ids` (not empty) of `iteration`, each loss
+                 losses: dict[int, float], tokens: dict[int, int], padding: int = 0) -> None:
+        """Forward and backward of microbatches `ids` of `iteration`, then of `padding`
+        microbatches that train on nothing (exactly zero gradient, never registered; the pass
+        is not empty: ids or padding), each loss
         divided by `divisor` (the iteration's B), accumulated into the buckets; registers each
         consumed microbatch in the recovery's ledger; adds each id's loss summed over its loss
         tokens to `losses` and their count to `tokens` where this rank sees losses (the logged

@@ -164,6 +164,12 @@ class TrainerParts:
     # control group of the same ranks.
     shard_group: object | None = None
     shard_control: ControlGroup | None = None
+    # Buckets sharded over another group than `shard_group`, by data_ptr (expert buckets).
+    bucket_shard_groups: dict | None = None
+    # The shards exchange activations in every forward (expert parallelism inside the replica):
+    # every shard then runs passes of one length, the longest share, its shorter shares padded
+    # with microbatches that train on nothing (the pass runner's `padding`).
+    shards_in_step: bool = False
     restore: bool = True  # False: the --recover-no-restore negative control
     per_token_loss: bool = False  # --calculate-per-token-loss
     overlap_grad_reduce: bool = False  # post first-pass buckets during backward
@@ -253,6 +259,7 @@ class ResilientTrainer:
                                          before_first_reduce=self._before_reduce,
                                          after_first_post=self._after_post,
                                          shard_group=parts.shard_group,
+                                         shard_groups=parts.bucket_shard_groups,
                                          deferred=parts.buffers.deferred(),
                                          synced=parts.buffers.synced(),
                                          check_finite=parts.check_finite,
@@ -305,7 +312,7 @@ class ResilientTrainer:
         self.recovery.begin_pass()
         self.recovery.contributing = work.contributes_first_pass
         p.faults.at("pre-forward", iteration)
-        self._run(iteration, self._mine(work.first_pass), losses, tokens,
+        self._run(iteration, *self._share(work.first_pass), losses, tokens,
                   overlap=p.overlap_grad_reduce, first=True)
         if self.recovery.fingerprint is not None:  # every bucket went out: each fingerprinted
             self._fingerprints["own"] = {p.replica: sum_fingerprints(self.recovery.fingerprints)}
@@ -436,10 +443,10 @@ class ResilientTrainer:
         (the caller empties, rewinds or keeps them). Losses are not reported: the replica
         whose ids they are reports its own."""
         self.recovery.zero()
-        mine = self._mine(ids)
-        if mine:
+        mine, padding = self._share(ids)
+        if mine or padding:
             self.p.buffers.new_pass()
-            self._pass(iteration, mine, {}, {})
+            self._pass(iteration, mine, {}, {}, padding)
         if self._fingerprint is None:
             return None
         return self._fingerprint.buckets(self.recovery.grads)
@@ -630,11 +637,12 @@ class ResilientTrainer:
         return {"event": "failure", "replicas": dead, "ranks": ranks,
                 "epoch": self.p.group.epoch, "detected": time.time(), "during": "join"}
 
-    def evaluate(self, run_ids: Callable[[list[int]], torch.Tensor],
+    def evaluate(self, run_ids: Callable[[list[int], int], torch.Tensor],
                  count: int) -> tuple[torch.Tensor, list[dict]]:
         """An evaluation between iterations: the live replicas split the ids 0..count-1
         (replica i of W runs i, i + W, ...; a replica's shards every S-th of those), and
-        `run_ids(ids)` returns this rank's float64 slot vector. The vectors are summed over the
+        `run_ids(ids, padding)` returns this rank's float64 slot vector (with shards in step,
+        `padding` microbatches that count nothing follow the ids). The vectors are summed over the
         replicas' ulfm group; a failure anywhere makes every survivor drop the dead replicas
         from the policy's layout (as an iteration boundary would) and evaluate again on the new
         split. Returns the summed vector, on every rank of every live replica, and the failure
@@ -644,7 +652,7 @@ class ResilientTrainer:
         nothing = LaneHead(0.0, 0, False)
         while True:
             live = sorted(p.policy.layout.replicas)
-            values = run_ids(self._mine(range(live.index(p.replica), count, len(live))))
+            values = run_ids(*self._share(range(live.index(p.replica), count, len(live))))
             if p.shard_control is not None:
                 p.shard_control.sum(values)  # the shards split the replica's ids
             record = p.group.allreduce(values).wait()
@@ -684,9 +692,14 @@ class ResilientTrainer:
                 "snapshot_bytes": self.recovery.snapshot_bytes,
                 "grad_bytes": sum(g.numel() * g.element_size() for g in grads)}
 
-    def _mine(self, ids) -> list[int]:
-        """The ids of the replica's `ids` this rank runs: all, or every S-th with S shards."""
-        return list(ids)[self._shard::self._shards]
+    def _share(self, ids) -> tuple[list[int], int]:
+        """The ids of the replica's `ids` this rank runs (all, or every S-th with S shards), and
+        the padding microbatches it appends: with shards in step, up to the longest share."""
+        ids = list(ids)
+        mine = ids[self._shard::self._shards]
+        if not self.p.shards_in_step:
+            return mine, 0
+        return mine, -(-len(ids) // self._shards) - len(mine)
 
     def _divisor(self) -> int:
         """What the iteration's loss and gradient are divided by if it commits now."""
@@ -754,16 +767,17 @@ class ResilientTrainer:
         return self.verdicts.decode(vector)
 
     def _pass(self, iteration: int, ids: list[int], losses: dict[int, float],
-              tokens: dict[int, int]) -> "PassTimer":
-        """The pass runner on `ids` (and a slowdown the failure schedule asks for), timed."""
+              tokens: dict[int, int], padding: int = 0) -> "PassTimer":
+        """The pass runner on `ids` and `padding` (and a slowdown the failure schedule asks
+        for), timed."""
         timer = PassTimer()
-        self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens)
+        self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens, padding)
         timer.stop()
         self.p.faults.slow_down(iteration, len(ids), timer.seconds)
         timer.stop()  # the slowdown is part of the pass
         return timer
 
-    def _run(self, iteration: int, ids: list[int], losses: dict[int, float],
+    def _run(self, iteration: int, ids: list[int], padding: int, losses: dict[int, float],
              tokens: dict[int, int], overlap: bool = False, first: bool = False) -> None:
         """Run `ids` (possibly none: every rank still joins the reductions) through the pass
         runner, then post every bucket's reduction not posted during its backward (`overlap`).
@@ -771,14 +785,14 @@ class ResilientTrainer:
         replica's compute, without any wait on other replicas (none happens inside a pass)."""
         if first:
             self._speed = None
-        if ids:
+        if ids or padding:
             if overlap:
                 self.recovery.start_overlap()
             try:
-                timer = self._pass(iteration, ids, losses, tokens)
+                timer = self._pass(iteration, ids, losses, tokens, padding)
             finally:
                 self.recovery.stop_overlap()
-            if first:
+            if first and ids:
                 self._speed = (timer, len(ids))
         self._schedule_end = time.time()  # what reduce_all posts now was not under backward
         self.recovery.reduce_all()
@@ -819,11 +833,12 @@ class ResilientTrainer:
         self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
         # A shard may get none of its instance's extension ids: a pass cannot run zero
-        # microbatches, and the shard has nothing to add but still joins the reductions.
-        mine = self._mine(extension)
-        if mine:
+        # microbatches, and the shard has nothing to add but still joins the reductions (and,
+        # with shards in step, runs padding).
+        mine, padding = self._share(extension)
+        if mine or padding:
             self.p.buffers.new_pass()
-            self._pass(iteration, mine, losses, tokens)
+            self._pass(iteration, mine, losses, tokens, padding)
         self.recovery.restored()  # a shard that ran nothing still reduces the rewound buckets
         if self.p.restore and counted_before > 0:
             self.recovery.add_synced_snapshots()

@@ -23,6 +23,11 @@ Contract:
 - `torch.cuda` stand-ins: see `_cuda_standins`, whose docstring says why each one is safe. Other
   CUDA APIs keep failing (those in `torch.cuda` itself with a RuntimeError naming the function),
   instead of pretending to run on a device that is not there.
+- megatron-core's MoE token dispatcher moves its split sizes to the host with
+  `maybe_move_tensor_to_cpu`, which tests `tensor.is_cuda`: False for the host storage that
+  stands for device memory, so the sizes would stay tensors, which `all_to_all_single` refuses.
+  Those sizes are computed on the device on a GPU (here, from placed tensors, into storages
+  not marked placed): the stand-in gives their numpy copy, as the GPU path does.
 - Threads: the patches are module attributes, so they hold for every thread.
 
 Emulation may be enabled before or after megatron-core is imported: it patches names that are
@@ -161,7 +166,16 @@ class _Emulation:
             (torch.Tensor, "clone", _placed_like_source(torch.Tensor.clone, placements)),
             (torch.Tensor, "type", _report_cuda_type(torch.Tensor.type)),
         ]
-        return patches + self._cuda_module_patches()
+        return patches + self._cuda_module_patches() + self._megatron_patches()
+
+    def _megatron_patches(self):
+        """The device-to-host move of megatron-core's MoE dispatcher (module docstring)."""
+        try:
+            from megatron.core.transformer.moe import token_dispatcher
+        except ImportError:
+            return []
+        return [(token_dispatcher, "maybe_move_tensor_to_cpu",
+                 _splits_to_host(token_dispatcher.maybe_move_tensor_to_cpu))]
 
     def _cuda_module_patches(self):
         devices, streams = self.devices, self.streams
@@ -320,6 +334,19 @@ def _report_cuda_type(original_type):
         return original_type(self, dtype, non_blocking, **kwargs)
 
     return type_
+
+
+def _splits_to_host(original):
+    """megatron-core's maybe_move_tensor_to_cpu, converting to numpy where the GPU path does."""
+
+    @functools.wraps(original)
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):  # computed on the device on a GPU
+            return tensor.detach().numpy().copy()
+        # Otherwise the tensor stays: `.cpu()` of a placed tensor returns it (module docstring).
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
 
 
 def _refuse_unemulated_call(*args, **kwargs):

@@ -133,9 +133,11 @@ class FakePass:
         self.replica = replica
         self.divisors: list[int] = []
         self.ran: list[tuple[int, int]] = []  # (iteration, id) in the order run
+        self.padding: list[int] = []  # each pass's padding microbatches (they add nothing)
 
-    def __call__(self, iteration, ids, divisor, losses, tokens):
+    def __call__(self, iteration, ids, divisor, losses, tokens, padding=0):
         replica = self.replica
+        self.padding.append(padding)
         recovery = replica.trainer.recovery
         self.divisors.append(divisor)
         for k in ids:

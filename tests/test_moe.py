@@ -1,0 +1,102 @@
+"""Mixture-of-experts under --recover: expert parallelism inside a replica.
+
+Run: `make test`. CPU only; 6 oversubscribed ranks per run, each under a hard timeout.
+
+The job: 4 experts (top-2, all-to-all dispatch, load-balancing and z losses) in every layer,
+expert-parallel size 2, the distributed optimizer with 3 instances of 2 data-parallel ranks: a
+replica is an instance, its expert-parallel group inside it, so a replica holds every expert.
+B = 12: each shard runs 2 microbatches, and an extension pass of 2 ids per replica gives each
+shard 1 (an extension of 1 id gives one shard 1 and the other a padding microbatch: the shards
+exchange tokens in every forward and must run passes of one length).
+
+- Without --overlap-grad-reduce a rank posts its dense bucket, then its expert bucket (the
+  start-up line says so). Iteration 2: replica 2 dies inside the dense bucket's reduction;
+  iteration 3: replica 1 dies inside the expert bucket's reduction.
+- With --overlap-grad-reduce and --overlap-param-gather: replica 2 dies inside the first bucket
+  posted in iteration 2, and replica 1 inside the extension pass that follows; replica 0 then
+  runs every lost id.
+
+Every loss and final parameter equals the failure-free run within the exact tolerance (the
+expert gradients sum tokens of both shards' microbatches, so their sums round differently when
+the microbatches run elsewhere); the ledger holds every iteration; both ranks of a dead replica
+leave; survivors are bitwise equal per position.
+"""
+
+import pytest
+
+from tests.training_harness import (
+    STABLE_LR,
+    TrainingRun,
+    assert_exact,
+    assert_ledger_held,
+    printed_values,
+    run_training,
+)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
+TIMEOUT_S = 240
+RANKS = 6
+B = 12
+ITERATIONS = 4
+JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--eval-iters", "0", "--seq-length", "32", "--max-position-embeddings", "32",
+       "--micro-batch-size", "1", "--global-batch-size", str(B),
+       "--train-iters", str(ITERATIONS), *STABLE_LR, "--mock-data",
+       "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1",
+       "--disable-bias-linear",
+       "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+       "--expert-model-parallel-size", "2",
+       "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+# Megatron's rank order: instance r is world ranks 2r and 2r + 1.
+BUCKETS_LINE = "rank 0's gradient buckets: 1 dense, then 1 expert"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> TrainingRun:
+    return run_training(tmp_path_factory.mktemp("moe") / "reference", RANKS, JOB,
+                        timeout_s=TIMEOUT_S)
+
+
+def check_failure_run(run: TrainingRun, reference: TrainingRun, victims: dict, label: str):
+    """`victims`: replica -> (killed rank, its peer). The markers fired, the peers left, the
+    ledger held, survivors agree bitwise per position and the run is exact."""
+    statuses = run.result.statuses
+    assert sorted(m["rank"] for m in run.markers) == sorted(v[0] for v in victims.values())
+    for killed, peer in victims.values():
+        assert statuses[peer]["state"] == "left", statuses[peer]
+    dead = {rank for pair in victims.values() for rank in pair}
+    assert run.completed() == [r for r in range(RANKS) if r not in dead]
+    assert_ledger_held(run.records, B)
+    for position in (0, 1):  # the expert-parallel rank (it holds experts 2p, 2p + 1)
+        digests = {statuses[r]["param_digest"] for r in run.completed() if r % 2 == position}
+        assert len(digests) == 1, (position, digests)
+    assert_exact(run, reference, label)
+
+
+def test_failures_in_a_dense_and_an_expert_reduction_stay_exact(tmp_path, reference):
+    schedule = ("entries:\n"
+                "  - {iteration: 2, replica: 2, local_rank: 1, location: during-reduce, "
+                "bucket: 1}\n"
+                "  - {iteration: 3, replica: 1, local_rank: 0, location: during-reduce, "
+                "bucket: 2}\n")
+    run = run_training(tmp_path / "reductions", RANKS, JOB, schedule, TIMEOUT_S)
+    assert BUCKETS_LINE in run.result.output
+    assert sorted((m["iteration"], m["bucket"], m["rank"]) for m in run.markers) == [
+        (2, 1, 5), (3, 2, 2)]
+    check_failure_run(run, reference, {2: (5, 4), 1: (2, 3)}, "MoE, dense and expert reductions")
+    losses = printed_values(run.result.output, "lm loss")
+    assert len(losses) == ITERATIONS
+
+
+def test_failures_with_overlap_and_in_an_extension_pass_stay_exact(tmp_path, reference):
+    schedule = ("entries:\n"
+                "  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}\n"
+                "  - {iteration: 2, replica: 1, local_rank: 1, location: during-extension}\n")
+    run = run_training(tmp_path / "overlap", RANKS, [*JOB, *OVERLAP], schedule, TIMEOUT_S)
+    assert [(m["location"], m["rank"]) for m in sorted(run.markers, key=lambda m: m["time"])] \
+        == [("during-reduce", 4), ("during-extension", 3)]
+    failures = [e for r in run.records for e in r["events"] if e["event"] == "failure"]
+    assert [e["replicas"] for e in failures] == [[2], [1]]
+    check_failure_run(run, reference, {2: (4, 5), 1: (3, 2)}, "MoE, overlapped, extension")
