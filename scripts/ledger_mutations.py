@@ -76,8 +76,8 @@ MUTATIONS = [
     Mutation("snapshots added on top of the rewind", GRADIENTS, SYNCED_ONLY,
              "            if False:\n                continue\n", 3, 6, BOUNDARY),
     Mutation("_share drops one id", TRAINER,
-             "mine = ids[self._shard::self._shards]",
-             "mine = ids[self._shard::self._shards][1:]", 3, 6, None),
+             "mine = ids[shard::shards]",
+             "mine = ids[shard::shards][1:]", 3, 6, None),
     Mutation("rank 1 fed the wrong sample for iteration 2, id 2", DATA,
              "samples = [self.dataset[index] for index in self.sample_range(iteration, "
              "microbatch_id)]",

@@ -5,9 +5,10 @@ Run: `make test`. CPU only; 6 oversubscribed ranks per run, each under a hard ti
 The job: 4 experts (top-2, all-to-all dispatch, load-balancing and z losses) in every layer,
 expert-parallel size 2, the distributed optimizer with 3 instances of 2 data-parallel ranks: a
 replica is an instance, its expert-parallel group inside it, so a replica holds every expert.
-B = 12: each shard runs 2 microbatches, and an extension pass of 2 ids per replica gives each
-shard 1 (an extension of 1 id gives one shard 1 and the other a padding microbatch: the shards
-exchange tokens in every forward and must run passes of one length).
+B = 18: each shard runs 3 microbatches. A dead replica's 6 ids give each survivor an
+extension pass of 3, so one shard runs 2 and the other 1 and a padding microbatch (the shards
+exchange tokens in every forward and must run passes of one length; unpadded, the run hangs in
+the all-to-all); two survivors then run 9 ids each, 5 and 4 + 1 per shard.
 
 - Without --overlap-grad-reduce a rank posts its dense bucket, then its expert bucket (the
   start-up line says so). Iteration 2: replica 2 dies inside the dense bucket's reduction;
@@ -16,14 +17,26 @@ exchange tokens in every forward and must run passes of one length).
   posted in iteration 2, and replica 1 inside the extension pass that follows; replica 0 then
   runs every lost id.
 
-Every loss and final parameter equals the failure-free run within the exact tolerance (the
-expert gradients sum tokens of both shards' microbatches, so their sums round differently when
-the microbatches run elsewhere); the ledger holds every iteration; both ranks of a dead replica
-leave; survivors are bitwise equal per position.
+Every loss, auxiliary loss (the iteration line's load_balancing_loss and z_loss) and final
+parameter equals the failure-free run within the exact tolerance (the expert gradients sum
+tokens of both shards' microbatches, so their sums round differently when the microbatches run
+elsewhere); the ledger holds every iteration; both ranks of a dead replica leave; survivors are
+bitwise equal per position.
+
+A mutation: megatron-core's schedule left to divide the auxiliary-loss gradient by the pass's
+microbatches (megatron's own divisor) instead of the iteration's B. An extension pass is shorter
+than a first pass, so its microbatches' router gradients get another weight than in the
+failure-free run: the failure run leaves the failure-free trajectory (both runs mutated), and
+the exactness check fails.
 """
 
+import shutil
+from pathlib import Path
+
+import megatron.core
 import pytest
 
+from megatron_recover.testing.compare import EXACT_RTOL, param_rdiff
 from tests.training_harness import (
     STABLE_LR,
     TrainingRun,
@@ -36,8 +49,8 @@ from tests.training_harness import (
 pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
 TIMEOUT_S = 240
 RANKS = 6
-B = 12
-ITERATIONS = 4
+B = 18
+ITERATIONS = 3
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--eval-iters", "0", "--seq-length", "32", "--max-position-embeddings", "32",
        "--micro-batch-size", "1", "--global-batch-size", str(B),
@@ -73,6 +86,11 @@ def check_failure_run(run: TrainingRun, reference: TrainingRun, victims: dict, l
         digests = {statuses[r]["param_digest"] for r in run.completed() if r % 2 == position}
         assert len(digests) == 1, (position, digests)
     assert_exact(run, reference, label)
+    for name in ("load_balancing_loss", "z_loss"):
+        values, expected = (printed_values(r.result.output, name) for r in (run, reference))
+        assert len(values) == len(expected) == ITERATIONS, (name, values)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(values, expected))
+        assert worst <= EXACT_RTOL, (name, values, expected)
 
 
 def test_failures_in_a_dense_and_an_expert_reduction_stay_exact(tmp_path, reference):
@@ -100,3 +118,34 @@ def test_failures_with_overlap_and_in_an_extension_pass_stay_exact(tmp_path, ref
     failures = [e for r in run.records for e in r["events"] if e["event"] == "failure"]
     assert [e["replicas"] for e in failures] == [[2], [1]]
     check_failure_run(run, reference, {2: (4, 5), 1: (3, 2)}, "MoE, overlapped, extension")
+
+
+AUX_SCALE = "loss_scale * cp_group_size / recover_hooks.loss_divisor(num_microbatches)"
+
+
+def megatron_with_aux_scale_per_pass(where: Path) -> Path:
+    """A copy of the installed (patched) megatron-core whose schedule scales the MoE
+    auxiliary-loss gradient by megatron's own divisor, the pass's microbatch count."""
+    source = Path(megatron.core.__file__).parent
+    copy = where / "megatron" / "core"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (where / "megatron" / "__init__.py").write_text("")
+    schedules = copy / "pipeline_parallel" / "schedules.py"
+    text = schedules.read_text()
+    assert text.count(AUX_SCALE) == 1
+    schedules.write_text(text.replace(AUX_SCALE, "loss_scale * cp_group_size / num_microbatches"))
+    return where
+
+
+def test_the_aux_loss_scale_left_per_pass_leaves_the_failure_free_trajectory(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(megatron_with_aux_scale_per_pass(tmp_path / "mutant")))
+    reference = run_training(tmp_path / "reference", RANKS, JOB, timeout_s=TIMEOUT_S)
+    schedule = ("entries:\n"
+                "  - {iteration: 2, replica: 2, local_rank: 1, location: during-reduce}\n")
+    run = run_training(tmp_path / "failure", RANKS, JOB, schedule, TIMEOUT_S)
+    assert [m["rank"] for m in run.markers] == [5]
+    assert_ledger_held(run.records, B)  # the ledger cannot see a weight: only the trajectory
+    params = max(param_rdiff(run.params(r), reference.params(r)) for r in run.completed())
+    print(f"aux-loss scale per pass: final parameters {params:.2e} from the failure-free run")
+    assert params > 100 * EXACT_RTOL

@@ -255,7 +255,8 @@ class MicrobatchPass:
     """
 
     def __init__(self, chunks, microbatch, seq_length: int, micro_batch_size: int, seed: int,
-                 faults, reseed_per_microbatch: bool, check_finite: bool = False):
+                 faults, reseed_per_microbatch: bool, check_finite: bool = False,
+                 aux_losses=None):
         self.chunks = list(chunks)
         self.microbatch = microbatch
         self.seq_length = seq_length
@@ -264,6 +265,7 @@ class MicrobatchPass:
         self.faults = faults
         self.reseed = reseed_per_microbatch
         self.check_finite = check_finite
+        self.aux_losses = aux_losses  # moe_losses.AuxLossRecorder, with MoE auxiliary losses
         self.forward_backward = get_forward_backward_func()
         self._fired_backward_for = None
         self._chunk_of = {id(chunk): index for index, chunk in enumerate(self.chunks)}
@@ -292,9 +294,14 @@ class MicrobatchPass:
                 batch["tokens"], batch["labels"], batch["loss_mask"]),  # on the host
                 chunk=self._chunk_of[id(model)])
         batch = devices.batch_to_device(batch)
+        recorded = self.aux_losses is not None and not padding
+        if recorded:
+            self.aux_losses.before_forward()
         with hooks.padding_forward(padding):  # its MoE auxiliary losses get no gradient
             output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                            labels=batch["labels"])
+        if recorded:
+            self.aux_losses.after_forward(batch["iteration"], microbatch_id)
         hooks.forward_done()  # the restore's copies overlapped this forward; backward waits
 
         def on_first_loss() -> bool:
@@ -332,6 +339,8 @@ class MicrobatchPass:
                 forward_only=False,
             )
         self.faults.phase("after-schedule")
+        if self.aux_losses is not None:
+            self.aux_losses.pass_done()
         outputs = [out for out in outputs if out["id"] is not None]  # padding's are not losses
         if outputs:  # only the last pipeline stage has losses; one host sync for the pass
             values = torch.stack([torch.stack([out["lm loss"].double(), out["tokens"].double()])

@@ -22,6 +22,7 @@ from megatron_recover.megatron import (
     dist_checkpoint,
     groups,
     loading,
+    moe_losses,
 )
 from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.progress import ExitRequests, Progress
@@ -46,6 +47,8 @@ class StepResult:
     events: list = field(default_factory=list)  # failures and joins (--recover)
     recover: dict | None = None  # the recovery columns of the iteration line (--recover)
     exit_requested: bool = False  # every live rank agreed, in the step, to stop after it
+    # The MoE auxiliary losses: name -> (value, per-layer values) (moe_losses.py)
+    aux_losses: dict = field(default_factory=dict)
 
 
 def run_loop(cfg, progress: Progress, stepper) -> list[int]:
@@ -62,7 +65,7 @@ def run_loop(cfg, progress: Progress, stepper) -> list[int]:
                                  iteration_ms=result.iteration_ms,
                                  global_batch_size=result.global_batch_size,
                                  grad_norm=result.grad_norm, events=result.events,
-                                 recover=result.recover,
+                                 recover=result.recover, aux_losses=result.aux_losses,
                                  first=iteration == stepper.first_iteration)
         if cfg.evaluation.due(iteration):
             progress.evaluate(iteration)
@@ -134,12 +137,19 @@ class StockStepper:
         update_successful, grad_norm, _ = setup.optimizer.step()
         if update_successful:  # as Megatron-LM: a step skipped by the fp16 loss scaler keeps lr
             setup.scheduler.step(increment=global_batch_size)
-        total = torch.tensor([sum(losses.values()), sum(tokens.values())], dtype=torch.float64)
+        aux = self.micro_pass.aux_losses
+        side = [] if aux is None else aux.sums(iteration, dict.fromkeys(ids, 1))
+        total = torch.tensor([sum(losses.values()), sum(tokens.values()), *side],
+                             dtype=torch.float64)
+        # Over the world: TP ranks' auxiliary-loss pieces, stages' layers, ranks' microbatches.
         dist.all_reduce(total, group=groups.world_control())
         self.consumed += global_batch_size
         return StepResult(loss=total[0].item() / max(total[1].item(), 1), grad_norm=grad_norm,
                           iteration_ms=(time.perf_counter() - start) * 1e3,
-                          skipped=not update_successful, global_batch_size=global_batch_size)
+                          skipped=not update_successful, global_batch_size=global_batch_size,
+                          aux_losses=moe_losses.iteration_values(
+                              cfg.model.moe, cfg.model.num_layers, total[2:].tolist(),
+                              global_batch_size // cfg.micro_batch_size))
 
     def save(self, iteration: int) -> None:
         gather_parameters(self.setup.chunks)
@@ -215,6 +225,8 @@ class ResilientStepper:
             loss=report.loss, grad_norm=report.grad_norm, iteration_ms=report.iteration_ms,
             skipped=report.skipped, global_batch_size=report.B * cfg.micro_batch_size,
             events=report.events, exit_requested=report.exit_requested,
+            aux_losses=moe_losses.iteration_values(cfg.model.moe, cfg.model.num_layers,
+                                                   report.side_sums, report.contributions),
             recover={"live replicas": report.live_replicas, "contributions": report.contributions,
                      "B": report.B, "recovery seconds": recovery_s,
                      **({"verified microbatches": report.verified}

@@ -16,7 +16,12 @@ from megatron_recover import runtime
 from megatron_recover.megatron import groups, mcore_config
 from megatron_recover.megatron.evaluation import EvalPass, result_of
 from megatron_recover.megatron.report import IntervalStats, failure_lines, model_flops
-from megatron_recover.megatron.writers import MetricWriters, training_scalars, validation_scalars
+from megatron_recover.megatron.writers import (
+    MetricWriters,
+    moe_scalars,
+    training_scalars,
+    validation_scalars,
+)
 
 if TYPE_CHECKING:
     from megatron_recover.megatron.gpt import MicrobatchPass
@@ -105,16 +110,19 @@ class Progress:
 
     def after_iteration(self, iteration: int, *, loss: float, skipped: bool, iteration_ms: float,
                         global_batch_size: int, grad_norm, recover: dict | None = None,
-                        events=(), first: bool = False) -> None:
+                        events=(), first: bool = False, aux_losses: dict | None = None) -> None:
         """The iteration line, the failure lines and the TensorBoard values. `first`: this
         launch's first iteration, whose line Megatron-LM prints whatever --log-interval says
         (to show the start-up overhead), without starting a new interval unless that
-        iteration ends one: the next line covers it again."""
+        iteration ends one: the next line covers it again. `aux_losses`: the MoE router's
+        auxiliary losses (moe_losses.py), on the line and, as Megatron-LM writes them, on
+        TensorBoard at every iteration."""
         cfg, log = self.cfg, self.cfg.logging
         # A straggler's eviction is a replica lost as a failure is (fail-slow made fail-stop).
         evicted_slow = sum(len(e["evicted"]) for e in events if e["event"] == "straggler")
         lost = sum(len(e["replicas"]) for e in events if e["event"] == "failure") + evicted_slow
-        self.stats.add(loss, skipped, iteration_ms, lost)
+        self.stats.add(loss, skipped, iteration_ms, lost,
+                       {name: value for name, (value, _) in (aux_losses or {}).items()})
         self.stats.evicted += sum(len(e["evicted"]) for e in events if e["event"] == "corruption")
         self.stats.evicted_nonfinite += sum(len(e["evicted"]) for e in events
                                             if e["event"] == "rerun")
@@ -147,6 +155,8 @@ class Progress:
                                   recover=recover, restart=ends_interval), flush=True)
         elif ends_interval:
             self.stats.restart()  # the interval restarts on every rank: a new writer goes on
+        if self.writers.enabled and aux_losses:
+            self.writers.add(moe_scalars(cfg, iteration, aux_losses))
         if self.writers.enabled and iteration % log.tensorboard_log_interval == 0:
             seconds = iteration_ms / 1e3
             throughput = None if flops is None else flops / (seconds * 1e12 * self.live_ranks())

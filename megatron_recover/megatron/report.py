@@ -51,16 +51,22 @@ class IntervalStats:
         self.iterations = 0
         self.elapsed_ms = 0.0
         self.loss_sum = 0.0
+        self.aux_sums: dict[str, float] = {}  # MoE auxiliary losses, in the order first seen
         self.advanced = 0
         self.skipped = 0
         self.nan = 0
 
-    def add(self, loss: float, skipped: bool, iteration_ms: float, lost_replicas: int = 0) -> None:
+    def add(self, loss: float, skipped: bool, iteration_ms: float, lost_replicas: int = 0,
+            aux_losses: dict[str, float] | None = None) -> None:
         """One iteration. As Megatron-LM, the loss of a skipped step is not averaged; a skipped
-        step whose loss is inf or NaN also counts as a NaN iteration."""
+        step whose loss is inf or NaN also counts as a NaN iteration. The MoE auxiliary losses
+        are summed over every iteration (Megatron-LM's track_moe_metrics) and divided by the
+        advanced ones."""
         self.iterations += 1
         self.elapsed_ms += iteration_ms
         self.failures += lost_replicas
+        for name, value in (aux_losses or {}).items():
+            self.aux_sums[name] = self.aux_sums.get(name, 0.0) + value
         if skipped:
             self.skipped += 1
             self.nan += int(not math.isfinite(loss))
@@ -88,6 +94,9 @@ class IntervalStats:
         line += f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |"
         if self.advanced:
             line += f" lm loss: {self.loss_sum / self.advanced:.6E} |"
+        for name, total in self.aux_sums.items():
+            if total / max(self.advanced, 1) > 0.0:  # as Megatron-LM: only positive averages
+                line += f" {name}: {total / max(self.advanced, 1):.6E} |"
         line += f" loss scale: {loss_scale:.1f} |"
         if grad_norm is not None:
             line += f" grad norm: {grad_norm:.3f} |"

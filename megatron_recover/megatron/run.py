@@ -38,6 +38,7 @@ from megatron_recover.megatron import (
     groups,
     joins,
     mcore_config,
+    moe_losses,
     resume,
     snapshot,
 )
@@ -384,9 +385,12 @@ def _micro_pass(cfg, ctx, setup: RankSetup, microbatch) -> MicrobatchPass:
     # Exact mode reseeds dropout per microbatch id; stock Megatron draws in sequence, and so does
     # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
     reseed = cfg.recover.enabled and cfg.recover.mode == EXACT
+    names = moe_losses.names(cfg.model.moe)
     return MicrobatchPass(setup.chunks, microbatch, cfg.model.seq_length,
                           cfg.micro_batch_size, cfg.seed, faults, reseed_per_microbatch=reseed,
-                          check_finite=cfg.precision.check_for_nan_in_loss_and_grad)
+                          check_finite=cfg.precision.check_for_nan_in_loss_and_grad,
+                          aux_losses=(moe_losses.AuxLossRecorder(names, cfg.model.num_layers)
+                                      if names else None))
 
 
 def _optimizer_fault_points(faults, optimizer, chunks) -> None:
@@ -481,6 +485,8 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
                                    cfg.recover.sdc_tolerance)
                       if cfg.recover.sdc_check_rate > 0 else None),
         nonfinite_rerun=cfg.recover.nonfinite_rerun, samples_of=source.sample_range,
+        side_size=0 if micro_pass.aux_losses is None else micro_pass.aux_losses.size,
+        side_sums=None if micro_pass.aux_losses is None else micro_pass.aux_losses.sums,
         dead_replicas=frozenset(continued.get("dead_replicas", ())))
     _install_calculator(cfg, trainer)
     return trainer

@@ -52,6 +52,18 @@ def training_scalars(cfg, *, iteration: int, consumed_samples: int, lr: float,
     return scalars
 
 
+def moe_scalars(cfg, iteration: int, aux_losses: dict) -> list[tuple[str, float, int]]:
+    """Megatron-LM's track_moe_metrics tags: each auxiliary loss under its name and, with
+    --moe-per-layer-logging, each layer's under "moe/NAME_layer_I" (0-based, every layer)."""
+    scalars = []
+    for name, (value, layers) in aux_losses.items():
+        scalars.append((name, float(value), iteration))
+        if cfg.model.moe.per_layer_logging:
+            scalars += [(f"moe/{name}_layer_{i}", float(v), iteration)
+                        for i, v in enumerate(layers)]
+    return scalars
+
+
 def validation_scalars(cfg, result, consumed_samples: int) -> list[tuple[str, float, int]]:
     """Megatron-LM's evaluate_and_print_results tags for one evaluation."""
     values = [("lm loss validation", result.loss)]

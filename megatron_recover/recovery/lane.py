@@ -88,13 +88,14 @@ class CommitLane:
     with sampled verification, the fingerprint slots (`verification.Slots`), then, with
     non-finite reruns, their flags (`rerun.RerunSlots`), then, with straggler handling, the
     replicas' times per microbatch (`SpeedSlots`), then, with a shared audit, its expected side
-    (`ExpectedSlots`)."""
+    (`ExpectedSlots`), then `side` values summed over the sent ledger's microbatches as the loss
+    is (the MoE auxiliary losses, per name and layer)."""
 
     HEAD = 3
 
     def __init__(self, layout: LaneLayout, slots: Slots | None = None,
                  reruns: RerunSlots | None = None, speeds: SpeedSlots | None = None,
-                 expected: ExpectedSlots | None = None):
+                 expected: ExpectedSlots | None = None, side: int = 0):
         self.layout = layout
         self.slots = slots
         self.reruns = reruns
@@ -103,18 +104,21 @@ class CommitLane:
         self._reruns_at = self.HEAD + layout.size + (0 if slots is None else slots.size)
         self._speeds_at = self._reruns_at + (0 if reruns is None else reruns.size)
         self._expected_at = self._speeds_at + (0 if speeds is None else speeds.size)
-        self.size = self._expected_at + (0 if expected is None else expected.size)
+        self._side_at = self._expected_at + (0 if expected is None else expected.size)
+        self.side = side
+        self.size = self._side_at + side
 
     def encode(self, head: LaneHead, sent: Ledger | None, iteration: int,
                poison: int = 0, fingerprints: dict | None = None,
                reruns: RerunView | None = None,
                speed: tuple[int, float | None] | None = None,
-               expected: dict[int, tuple[int, int]] | None = None) -> torch.Tensor:
+               expected: dict[int, tuple[int, int]] | None = None,
+               side: list[float] | None = None) -> torch.Tensor:
         """The lane vector of this rank; `sent` is None when its buckets sent nothing;
         `fingerprints` (kind -> replica id -> fingerprint) is what this rank computed, `reruns`
         what it found non-finite, `speed` (its replica, its first pass's seconds per microbatch
         or None) what it measured, `expected` its share of the audit's expected side (id ->
-        (checksum, tokens))."""
+        (checksum, tokens)), `side` its side values (zeros when None)."""
         values = torch.tensor([head.loss_sum, head.tokens, float(head.exit_requested)],
                               dtype=torch.float64)
         parts = [values, self.layout.encode(sent, iteration, poison=poison)]
@@ -126,6 +130,9 @@ class CommitLane:
             parts.append(self.speeds.encode(*(speed or (0, None))))
         if self.expected is not None:
             parts.append(self.expected.encode(expected or {}))
+        if self.side:
+            parts.append(torch.zeros(self.side, dtype=torch.float64) if side is None
+                         else torch.tensor(side, dtype=torch.float64))
         return torch.cat(parts)
 
     def decode_head(self, lane: torch.Tensor) -> LaneHead:
@@ -157,7 +164,11 @@ class CommitLane:
         that computed it (None without a shared audit)."""
         if self.expected is None:
             return None
-        return self.expected.decode(lane[self._expected_at:])
+        return self.expected.decode(lane[self._expected_at:self._side_at])
+
+    def decode_side(self, lane: torch.Tensor) -> list[float]:
+        """The summed lane's side values (empty without side slots)."""
+        return lane[self._side_at:].tolist()
 
     def empty(self) -> torch.Tensor:
         """A lane that sent nothing and asks nothing (an evaluation round)."""

@@ -140,6 +140,7 @@ class StepReport:
     speeds: dict = field(default_factory=dict)
     slow: list = field(default_factory=list)
     evicted: list = field(default_factory=list)
+    side_sums: list = field(default_factory=list)  # `TrainerParts.side_sums` committed, replica-wide
 
 
 @dataclass
@@ -188,6 +189,21 @@ class TrainerParts:
     # The samples of microbatch id k of iteration t, for the message that ends a job on data
     # that gives a non-finite gradient anywhere; None: the message gives the ids alone.
     samples_of: Callable[[int, int], range] | None = None
+    # Side values of each microbatch, summed like its loss over the committed ledger and then
+    # over the replica's ranks (the MoE auxiliary losses): `side_sums(iteration, id -> count)`
+    # gives `side_size` values.
+    side_size: int = 0
+    side_sums: Callable[[int, dict[int, int]], list[float]] | None = None
+
+
+def share(ids, shard: int, shards: int, in_step: bool) -> tuple[list[int], int]:
+    """The ids of a replica's `ids` that its shard `shard` of `shards` runs (every S-th), and
+    the padding microbatches it appends: with shards in step, up to the longest share."""
+    ids = list(ids)
+    mine = ids[shard::shards]
+    if not in_step:
+        return mine, 0
+    return mine, -(-len(ids) // shards) - len(mine)
 
 
 class PassTimer:
@@ -240,7 +256,7 @@ class ResilientTrainer:
                                None if parts.nonfinite_rerun == OFF
                                else RerunSlots(config.w_init),
                                SpeedSlots(config.w_init) if config.straggler.enabled else None,
-                               ExpectedSlots(config.b))
+                               ExpectedSlots(config.b), side=parts.side_size)
         # This rank's first pass: (its timer, microbatches), then its seconds per microbatch.
         self._speed: tuple | float | None = None
         self._fingerprint = None if verify is None else Fingerprint(verify.seed)
@@ -328,12 +344,13 @@ class ResilientTrainer:
             ok = int(not failed_locally and not lane_record.has_failure
                      and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
             agreed = p.group.consensus([ok]).wait()
-            totals, problems, judgement = None, [], None
+            totals, problems, judgement, side = None, [], None, []
             round_ok = not agreed.failed_ranks and agreed.census[0] == agreed.size
             summed = self.lane.decode_head(lane)
             if round_ok:
                 # This position's round succeeded everywhere: its lane is the committed ledger.
                 totals = self.lane.decode_ledger(lane)
+                side = self.lane.decode_side(lane)
                 # Only the last pipeline stage saw the loss tokens.
                 counted = summed.tokens if p.per_token_loss and p.computes_loss else None
                 problems = p.audit.problems(iteration, totals, self._divisor(), counted,
@@ -396,12 +413,23 @@ class ResilientTrainer:
 
         p.audit.committed(totals)
         report = self._commit(iteration, totals, problems, verdict, agreed, start, events)
+        report.side_sums = self._replica_side(side)
         report.reduction = reduction
         report.g_cur = state.layout.g_cur
         report.verified = self._verified(judgement)
         report.quotas = {r: len(w.first_pass) for r, w in state.work.items()
                          if w.contributes_first_pass}
         return report
+
+    def _replica_side(self, side: list[float]) -> list[float]:
+        """The committed side sums of this position, summed over the replica's positions (TP
+        pieces and pipeline stages; the shards' lanes were summed already: shard 0 counts)."""
+        if not side:
+            return []
+        vector = torch.tensor(side, dtype=torch.float64) * float(self._shard == 0)
+        if self.p.replica_control is not None:
+            self.p.replica_control.sum(vector)  # a dead peer raises: the rank leaves
+        return vector.tolist()
 
     def _verified(self, judgement: Judgement | None) -> int:
         """Microbatches of the committed round whose owner's and checker's fingerprints
@@ -693,13 +721,7 @@ class ResilientTrainer:
                 "grad_bytes": sum(g.numel() * g.element_size() for g in grads)}
 
     def _share(self, ids) -> tuple[list[int], int]:
-        """The ids of the replica's `ids` this rank runs (all, or every S-th with S shards), and
-        the padding microbatches it appends: with shards in step, up to the longest share."""
-        ids = list(ids)
-        mine = ids[self._shard::self._shards]
-        if not self.p.shards_in_step:
-            return mine, 0
-        return mine, -(-len(ids) // self._shards) - len(mine)
+        return share(ids, self._shard, self._shards, self.p.shards_in_step)
 
     def _divisor(self) -> int:
         """What the iteration's loss and gradient are divided by if it commits now."""
@@ -720,13 +742,20 @@ class ResilientTrainer:
             loss_sum = sum(n * losses.get(k, float("nan")) for (_, k, _), n in sent.entries.items())
             token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
         head = LaneHead(loss_sum, token_sum, self.p.wants_exit())
+        side = None
+        if self.p.side_size and sent is not None:
+            counts: dict[int, int] = {}
+            for (_, k, _), n in sent.entries.items():
+                counts[k] = counts.get(k, 0) + n
+            side = self.p.side_sums(iteration, counts)
         reruns = replace(
             self._rerun_bad,
             nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else []))
         lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
                                 fingerprints=self._fingerprints, reruns=reruns,
                                 speed=(self.p.replica, self._seconds_per_microbatch()),
-                                expected=self.p.audit.share(iteration, *self._audit_share()))
+                                expected=self.p.audit.share(iteration, *self._audit_share()),
+                                side=side)
         if self.p.shard_control is not None:
             self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane

@@ -1,0 +1,91 @@
+"""The MoE router's auxiliary losses, per microbatch and per iteration, as Megatron-LM logs them.
+
+megatron-core's router adds each layer's auxiliary losses (the coefficient divided out) to a
+tracker during forward (`save_to_aux_losses_tracker`): name -> one value per layer.
+Megatron-LM's training_log then averages them: the sum over the iteration's microbatches and
+the tracker's layers, over the MoE layers, divided by the microbatches of a data-parallel rank
+and averaged over the data-parallel ranks: the global batch's mean.
+
+Here a microbatch's values are read from the tracker around its own forward (`AuxLossRecorder`)
+and kept by microbatch id, so an iteration's value is the mean over the microbatches it
+committed, whichever replica ran them, and a replica that died takes nothing with it: under
+--recover the sums travel in the commit lane with the ledger (`ResilientTrainer`'s side sums),
+without it they are summed over the world. One difference from Megatron-LM: its z_loss is the
+writing rank's own microbatches' mean (no data-parallel average), here the global batch's.
+"""
+
+import torch
+
+def tracker():
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    return get_moe_layer_wise_logging_tracker()
+
+
+class AuxLossRecorder:
+    """Each microbatch's auxiliary losses, per name and layer, read around its forward."""
+
+    def __init__(self, names: tuple[str, ...], num_layers: int):
+        self.names = names
+        self.num_layers = num_layers
+        self.size = len(names) * num_layers
+        self._device: dict[tuple[int, int], torch.Tensor] = {}  # (iteration, id) -> values
+        self.values: dict[tuple[int, int], list[float]] = {}
+
+    def before_forward(self) -> None:
+        """Empty the tracker: what it holds after the forward is that microbatch's."""
+        for name in self.names:
+            entry = tracker().get(name)
+            if entry is not None:
+                entry["values"].zero_()
+
+    def after_forward(self, iteration: int, microbatch_id: int) -> None:
+        """Keep the microbatch's values where they are (with model chunks, summed over its
+        forwards); no host sync until the pass returned."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        parts = []
+        for name in self.names:
+            entry = tracker().get(name)
+            parts.append(torch.zeros(self.num_layers, dtype=torch.float64, device=device)
+                         if entry is None else entry["values"].detach().double().clone())
+        values = torch.cat(parts)
+        key = (iteration, microbatch_id)
+        self._device[key] = values + self._device[key] if key in self._device else values
+
+    def pass_done(self) -> None:
+        """The pass returned: its values to the host, in one copy."""
+        if self._device:
+            rows = torch.stack(list(self._device.values())).cpu().tolist()
+            self.values.update(zip(self._device, rows))
+        self._device.clear()
+
+    def sums(self, iteration: int, counts: dict[int, int]) -> list[float]:
+        """The values of `counts` (id -> times counted) of `iteration`, summed (those of earlier
+        iterations are dropped)."""
+        self.values = {key: v for key, v in self.values.items() if key[0] >= iteration}
+        total = [0.0] * self.size
+        for microbatch_id, count in counts.items():
+            for index, value in enumerate(self.values.get((iteration, microbatch_id), ())):
+                total[index] += count * value
+        return total
+
+
+def iteration_values(moe, num_layers: int, sums: list[float], microbatches: int,
+                     ) -> dict[str, tuple[float, list[float]]]:
+    """name -> (its value, its per-layer values) from the sums over `microbatches` committed
+    microbatches and all ranks (`AuxLossRecorder.sums` over the world): Megatron-LM's average
+    over the MoE layers and the global batch (nothing for a dense model)."""
+    if moe is None or not sums:
+        return {}
+    moe_layers = max(sum(moe.layer_pattern), 1)
+    result = {}
+    for index, name in enumerate(names(moe)):
+        layers = [value / max(microbatches, 1)
+                  for value in sums[index * num_layers:(index + 1) * num_layers]]
+        result[name] = (sum(layers) / moe_layers, layers)
+    return result
+
+
+def names(moe) -> tuple[str, ...]:
+    """The tracker names this model's routers save."""
+    return moe.loss_names if moe is not None else ()
