@@ -28,9 +28,15 @@ microbatches (megatron's own divisor) instead of the iteration's B. An extension
 than a first pass, so its microbatches' router gradients get another weight than in the
 failure-free run: the failure run leaves the failure-free trajectory (both runs mutated), and
 the exactness check fails.
+
+configs/mixtral_recover.sh, Megatron-LM's Mixtral example launched the megatron-recover way, runs
+with its two failures (inside the first bucket reduction, and inside the extension pass that
+follows) at smaller sizes, and matches its failure-free run.
 """
 
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import megatron.core
@@ -47,6 +53,7 @@ from tests.training_harness import (
 )
 
 pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
+ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
 RANKS = 6
 B = 18
@@ -108,6 +115,7 @@ def test_failures_in_a_dense_and_an_expert_reduction_stay_exact(tmp_path, refere
     assert len(losses) == ITERATIONS
 
 
+@pytest.mark.long  # make test runs the Mixtral list: overlapped, a failure in its extension
 def test_failures_with_overlap_and_in_an_extension_pass_stay_exact(tmp_path, reference):
     schedule = ("entries:\n"
                 "  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}\n"
@@ -140,12 +148,51 @@ def megatron_with_aux_scale_per_pass(where: Path) -> Path:
 def test_the_aux_loss_scale_left_per_pass_leaves_the_failure_free_trajectory(tmp_path,
                                                                              monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(megatron_with_aux_scale_per_pass(tmp_path / "mutant")))
-    reference = run_training(tmp_path / "reference", RANKS, JOB, timeout_s=TIMEOUT_S)
+    job = [*JOB, "--train-iters", "2"]  # the failure's iteration is the last
+    reference = run_training(tmp_path / "reference", RANKS, job, timeout_s=TIMEOUT_S)
     schedule = ("entries:\n"
                 "  - {iteration: 2, replica: 2, local_rank: 1, location: during-reduce}\n")
-    run = run_training(tmp_path / "failure", RANKS, JOB, schedule, TIMEOUT_S)
+    run = run_training(tmp_path / "failure", RANKS, job, schedule, TIMEOUT_S)
     assert [m["rank"] for m in run.markers] == [5]
+    assert len(run.records) == 2
     assert_ledger_held(run.records, B)  # the ledger cannot see a weight: only the trajectory
     params = max(param_rdiff(run.params(r), reference.params(r)) for r in run.completed())
     print(f"aux-loss scale per pass: final parameters {params:.2e} from the failure-free run")
     assert params > 100 * EXACT_RTOL
+
+
+# configs/mixtral_recover.sh: Megatron-LM's Mixtral example list, its sizes scaled down further
+# (later flags win) so that two runs fit `make test`.
+MIXTRAL_SCALE = ["--seq-length", "64", "--hidden-size", "64", "--ffn-hidden-size", "224",
+                 "--vocab-size", "1024", "--train-iters", "5", "--eval-iters", "2"]
+
+
+def mixtral_argv(tmp: Path, schedule: str) -> list[str]:
+    lines = subprocess.run(["bash", str(ROOT / "configs/mixtral_recover.sh"), str(tmp / "ckpt"),
+                            str(tmp / "tb"), "MOCK", schedule], check=True, capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, DRY_RUN="1")).stdout
+    lines = lines.splitlines()
+    assert int(lines[lines.index("-np") + 1]) == RANKS
+    return [*lines[lines.index(str(ROOT / "pretrain_gpt_recover.py")) + 1:], *MIXTRAL_SCALE]
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_the_mixtral_example_list_trains_under_recover_with_failures(tmp_path):
+    reference = run_training(tmp_path / "reference", RANKS,
+                             mixtral_argv(tmp_path / "reference", "none"), timeout_s=TIMEOUT_S)
+    run = run_training(tmp_path / "failure", RANKS, mixtral_argv(
+        tmp_path / "failure", str(ROOT / "configs/failures/mixtral_two_failures.yaml")),
+        timeout_s=TIMEOUT_S)
+    output = run.result.output
+    print("\n".join(line for line in output.splitlines()
+                    if line.startswith("megatron-recover: mixture") or "iteration " in line
+                    or "validation" in line))
+    assert "2 experts in 2 of 2 layers, top-2 routing, alltoall dispatch" in output
+    assert sorted((m["location"], m["rank"]) for m in run.markers) == [
+        ("during-extension", 2), ("during-reduce", 5)]
+    assert run.completed() == [0, 1]
+    assert_ledger_held(run.records, 12)
+    assert (tmp_path / "failure/ckpt/iter_0000004/metadata.json").is_file()
+    assert len(printed_values(output, "load_balancing_loss")) == 5
+    assert len(printed_values(output, "lm loss value")) == 3  # iteration 4, then valid and test
+    assert_exact(run, reference, "the Mixtral list, two failures")

@@ -3,10 +3,14 @@
 Run: `make test`. CPU only. The unpatched copy is megatron-core's verified source distribution
 (downloaded by `make setup`) extracted without our patches and put first on PYTHONPATH; both runs
 are the same 4-rank job on the same data, and must end with bitwise-equal parameters, in fp32,
-bf16 and fp16 (Float16Module and megatron's mixed-precision optimizer).
+bf16 and fp16 (Float16Module and megatron's mixed-precision optimizer). The same for a
+mixture-of-experts job (expert-parallel size 2, all-to-all dispatch, load-balancing and z
+losses): there the unpatched copy carries patches/0003 alone, the fix without which
+megatron-core's router cannot run without Transformer Engine.
 """
 
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -65,3 +69,33 @@ def test_patched_without_recover_equals_unpatched(tmp_path, monkeypatch, precisi
     assert f"from {source}/megatron/core" in output, output[-2000:]
     assert len(patched_losses) == 4 and patched_losses == unpatched_losses
     assert len(patched_digests) == 1 and patched_digests == unpatched_digests
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+       "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+       "--disable-bias-linear"]
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S + 60)
+def test_moe_without_recover_equals_unpatched(tmp_path, monkeypatch):
+    patched = launch(LaunchConfig(4, [*ENTRY, *JOB, *MOE], tmp_path / "patched",
+                                  timeout_s=TIMEOUT_S))
+    assert patched.succeeded, patched.output[-4000:]
+    source = unpatched_megatron(tmp_path)
+    subprocess.run(["patch", "-p1", "--batch", "--silent", "-d", str(source),
+                    "-i", str(ROOT / "patches/0003-moe-router-without-transformer-engine.patch")],
+                   check=True, timeout=60)
+    monkeypatch.setenv("PYTHONPATH", str(source))
+    unpatched = launch(LaunchConfig(4, [*ENTRY, *JOB, *MOE], tmp_path / "unpatched",
+                                    timeout_s=TIMEOUT_S))
+    assert unpatched.succeeded, unpatched.output[-4000:]
+    assert f"from {source}/megatron/core" in unpatched.output
+    lines = [[line.split("lm loss:")[1].split("|")[0] + line.split("z_loss:")[1].split("|")[0]
+              for line in run.output.splitlines() if "lm loss:" in line]
+             for run in (patched, unpatched)]
+    assert len(lines[0]) == 4 and lines[0] == lines[1]
+    digests = [{rank: status["param_digest"] for rank, status in run.statuses.items()}
+               for run in (patched, unpatched)]
+    assert len(set(digests[0].values())) == 2  # the two expert-parallel ranks' parameters
+    assert digests[0] == digests[1]

@@ -98,6 +98,9 @@ _NO_EFFECT_GROUPS = (
     ("a CUDA matmul setting; with bf16 on CPU there is no reduced-precision reduction to turn off",
      "--disable-bf16-reduced-precision-matmul"),
     ("the multi-storage client is not used: every path is a local file", "--disable-msc"),
+    ("deprecated in Megatron-LM: megatron-core's GPT model takes its positions from "
+     "--position-embedding-type, and only Megatron-LM's legacy models read this flag",
+     "--no-position-embedding"),
     ("checkpoint reads and writes are spread over the ranks already (each rank its own shard)",
      "--ckpt-fully-parallel-load --ckpt-fully-parallel-save"),
 )
@@ -238,7 +241,7 @@ _REFUSED_GROUPS = (
      "--glu-linear-offset --activation-func-clamp-value --use-fused-weighted-squared-relu "
      "--use-te-activation-func --squared-relu --openai-gelu --quick-geglu --onnx-safe "
      "--apply-residual-connection-post-layernorm --fp32-residual-connection "
-     "--apply-query-key-layer-scaling --add-qkv-bias --rotary-interleaved --no-position-embedding "
+     "--apply-query-key-layer-scaling --add-qkv-bias --rotary-interleaved "
      "--no-rope-freq --use-rope-scaling --rope-scaling-factor --rope-type "
      "--rotary-seq-len-interpolation-factor --embedding-init-method-std "
      "--init-method-xavier-uniform --no-initialization --distribute-saved-activations "

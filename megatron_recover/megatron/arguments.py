@@ -937,8 +937,8 @@ def _checkpointing(ns) -> list[str]:
     if ns.exit_on_missing_checkpoint and ns.load is None:
         problems.append("--exit-on-missing-checkpoint applies to --load, which is not given: "
                         "add --load DIR or drop it")
+    # (--no-load-optim and --no-load-rng without a load are said at start-up: _notices.)
     loads = [flag for flag, given in (
-        ("--no-load-optim", ns.no_load_optim), ("--no-load-rng", ns.no_load_rng),
         ("--finetune", ns.finetune), ("--ckpt-step", ns.ckpt_step is not None)) if given]
     if loads and ns.load is None and ns.pretrained_checkpoint is None:
         problems.append(f"{', '.join(loads)} says what to load, and nothing is loaded: add "
@@ -1216,6 +1216,12 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
                      f"{dp}/K data-parallel ranks)")
     if ns.num_experts is not None:
         lines.append(moe_arguments.layout_line(ns, world_size, _optimizer_instances(ns, dp)))
+    unloaded = [flag for flag, given in (("--no-load-optim", ns.no_load_optim),
+                                         ("--no-load-rng", ns.no_load_rng)) if given]
+    if unloaded and ns.load is None and ns.pretrained_checkpoint is None:
+        lines.append(f"megatron-recover: {' and '.join(unloaded)} "
+                     f"{'have' if len(unloaded) > 1 else 'has'} no effect: nothing is "
+                     "loaded (no --load or --pretrained-checkpoint), as in Megatron-LM")
     if ns.split is None and (ns.data_path is not None or ns.data_args_path is not None):
         lines.append(f"megatron-recover: --split not given: Megatron-LM's legacy default "
                      f"{LEGACY_DEFAULT_SPLIT!r} (it asks for --split with --data-path too)")

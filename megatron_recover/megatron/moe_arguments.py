@@ -200,7 +200,8 @@ def layout_line(ns, world_size: int, instances: int) -> str:
     head = (f"megatron-recover: mixture of experts: {ns.num_experts} experts in {moe_layers} of "
             f"{ns.num_layers} layers, top-{ns.moe_router_topk} routing, "
             f"{ns.moe_token_dispatcher_type} dispatch, expert-parallel size {ep} "
-            f"({ns.num_experts // ep} experts per rank)")
+            f"({ns.num_experts // ep} expert{'s' if ns.num_experts // ep > 1 else ''} per "
+            "rank)")
     if not ns.recover:
         return f"{head}, expert data-parallel size {dp // ep}"
     if not ns.use_distributed_optimizer:
