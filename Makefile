@@ -44,7 +44,7 @@ $(BACKEND): $(VENV)/.package-stamp build/mpicc-path $(wildcard csrc/ulfm_backend
 
 build: $(BACKEND)
 
-# The checks to run first on a GPU machine (scripts/gpu_check.sh: at most 8 minutes, no network;
+# The checks to run first on a GPU machine (scripts/gpu_check.sh: at most 9.5 minutes, no network;
 # docs/install-gpu.md).
 gpu-check: build
 	scripts/gpu_check.sh

@@ -2,9 +2,9 @@
 and how to bring the wheels onto an offline GPU machine).
 
 Usage: .venv/bin/python scripts/gpu_check.py [--emulate] [--out runs/gpu-check]
-                                             [--budget-s 450] [--parts abcd] [--cleanup]
+                                             [--budget-s 540] [--parts abcde] [--cleanup]
 
-Runs parts a, b, c and d in order, each job under mpirun --with-ft ulfm in its own process group,
+Runs parts a to e in order, each job under mpirun --with-ft ulfm in its own process group,
 bounded by what is left of the budget, then prints ONE JSON line on stdout:
 
     {"gpu_check": "pass"|"fail", "emulated": false, "device": "<torch.cuda.get_device_name>",
@@ -40,11 +40,11 @@ ENTRY = ROOT / "pretrain_gpt_recover.py"
 BACKEND = ROOT / "megatron_recover" / "collective" / "_ulfm_backend.so"
 MPICC_RECORD = ROOT / "build" / "mpicc-path"  # which MPI `make build` compiled against
 
-DEFAULT_BUDGET_S = 450.0  # the driver's; scripts/gpu_check.sh bounds the whole at 8 minutes
+DEFAULT_BUDGET_S = 540.0  # the driver's; scripts/gpu_check.sh bounds the whole at 9.5 minutes
 # Nominal share of each part: a later part that will run keeps it whatever earlier parts use.
-# Parts c and d need 4 GPUs; a part may use what the parts before it left of their shares.
-SHARES_S = {"a": 100.0, "b": 170.0, "c": 90.0, "d": 90.0}
-PARTS = "abcd"
+# Parts c, d and e need 4 GPUs; a part may use what the parts before it left of their shares.
+SHARES_S = {"a": 100.0, "b": 170.0, "c": 90.0, "d": 90.0, "e": 90.0}
+PARTS = "abcde"
 MIN_JOB_S = 20.0  # a job given less than this is not started: its part fails for lack of time
 
 # Part (a): (size in MiB, victim rank, survivor held back before the hit all-reduce).
@@ -112,6 +112,22 @@ D_FAILURES = [(3, [1])]
 D_LIVE = C_LIVE
 D_SURVIVORS = [0, 2]
 D_LEFT = [1]
+
+# (e): mixture of experts, 4 experts over expert-parallel size 2 (all-to-all dispatch on NCCL)
+# inside each of 2 replicas, a replica a distributed-optimizer instance of 2 ranks (ranks 2, 3
+# are replica 1), one rank per GPU; replica 1's second rank dies inside a bucket all-reduce of
+# iteration 3, its expert-parallel peer must leave with it. The survivors hold different experts.
+E_RANKS = 4
+E_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+          "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
+          "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+          "--num-distributed-optimizer-instances", "2", "--disable-bias-linear"]
+E_SCHEDULE = C_SCHEDULE
+E_FIRED = [(3, 3, "during-reduce")]
+E_FAILURES = [(3, [1])]
+E_LIVE = C_LIVE
+E_SURVIVORS = [0, 1]
+E_LEFT = [2]
 
 
 class Interrupted(Exception):
@@ -566,9 +582,19 @@ def part_d(out: Path, deadline: float, part: dict) -> dict:
                          positions=[[rank] for rank in D_SURVIVORS])
 
 
+def part_e(out: Path, deadline: float, part: dict) -> dict:
+    part["layout"] = ("2 replicas x 2 ranks, expert-parallel size 2 inside each (all-to-all on "
+                      "NCCL), distributed-optimizer instances, one rank per GPU, bf16, "
+                      "overlapped grad reduce")
+    return training_part(out, deadline, E_RANKS, E_ARGS, E_SCHEDULE, E_FIRED, E_FAILURES,
+                         E_LIVE, E_SURVIVORS, E_LEFT, part=part,
+                         positions=[[rank] for rank in E_SURVIVORS])
+
+
 def part_skip(name: str, gpus: int, emulate: bool) -> str | None:
-    """Why part (c) or (d) does not run here, or None (parts a and b always run)."""
-    what = {"c": "TP=2", "d": "PP=2 with virtual stages"}.get(name)
+    """Why part (c), (d) or (e) does not run here, or None (parts a and b always run)."""
+    what = {"c": "TP=2", "d": "PP=2 with virtual stages",
+            "e": "expert parallelism inside replicas"}.get(name)
     if what is None:
         return None
     if emulate:
@@ -706,7 +732,8 @@ def main() -> int:
     runners = {"a": lambda d, p: part_a(out / "a", d, args.emulate, p),
                "b": lambda d, p: part_b(out / "b", d, p),
                "c": lambda d, p: part_c(out / "c", d, p),
-               "d": lambda d, p: part_d(out / "d", d, p)}
+               "d": lambda d, p: part_d(out / "d", d, p),
+               "e": lambda d, p: part_e(out / "e", d, p)}
     planned = [p for p in PARTS if p in args.parts and not skips[p]]
     packages = {}
     parts, partial = {}, {name: {} for name in PARTS}

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # `make gpu-check`: megatron-recover's checks on a machine with one or more NVIDIA GPUs, with no
-# network, using the machine's own (CUDA) torch. AT MOST 8 MINUTES in all: the driver
-# (scripts/gpu_check.py) shares a 450 s budget among the parts, every job under it runs under
+# network, using the machine's own (CUDA) torch. AT MOST 9.5 MINUTES in all: the driver
+# (scripts/gpu_check.py) shares a 540 s budget among the parts, every job under it runs under
 # mpirun --with-ft ulfm in its own process group and is stopped, with every rank it started, when
-# its share runs out; this script stops the driver at 460 s (it then stops its job and still
+# its share runs out; this script stops the driver at 550 s (it then stops its job and still
 # reports), kills it 10 s later if it has not exited, and then, by the PIDs the driver recorded,
-# the job it left (at most 5 s more): 475 s at worst.
+# the job it left (at most 5 s more): 565 s at worst. `--parts abc` runs a subset.
 #
 # Usage: scripts/gpu_check.sh [--emulate] [--out DIR]      (from a clone after `make build`)
 #        GPU_CHECK_PYTHON=/path/to/python scripts/gpu_check.sh   (default: .venv/bin/python)
@@ -67,14 +67,19 @@
 #      --overlap-grad-reduce; replica 1's second stage killed inside a bucket all-reduce of
 #      iteration 3 (its first stage must leave with it; the survivor's extension pass runs 8
 #      microbatches through the interleaved schedule). Judged as (c); skipped as (c).
-#  Parts c and d share what a and b leave of the budget; each keeps 90 s for itself.
+#  (e) With 4 or more GPUs: mixture of experts, 2 replicas x 2 ranks, each replica a
+#      distributed-optimizer instance holding an expert-parallel group of 2 (4 experts, top-2,
+#      the all-to-all dispatch on NCCL, load-balancing and z losses), bf16,
+#      --overlap-grad-reduce; replica 1's second rank killed inside a bucket all-reduce of
+#      iteration 3 (its expert-parallel peer must leave with it). Judged as (c); skipped as (c).
+#  Parts c, d and e share what a and b leave of the budget; each keeps 90 s for itself.
 #  The jobs run with CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS) unless it is set.
 #
 # Without a GPU (this is the CPU dry run) it stops at once: "no NVIDIA GPU visible: ...", exit 2.
 #
 # --emulate: for the script's own test on machines without a GPU: runs parts a and b on the CPU
 # emulation, verdicts marked emulated (megatron_recover.testing: tensors "on cuda" are host
-# tensors, gloo stands in for NCCL); parts c and d are skipped. tests/test_gpu_check.py runs it.
+# tensors, gloo stands in for NCCL); parts c, d and e are skipped. tests/test_gpu_check.py runs it.
 #
 # Bringing it onto an offline GPU machine (docs/install-gpu.md, "Offline", has the details; the
 # machine's own CUDA torch is used, e.g. NVIDIA's PyTorch container, Python 3.12). On a machine
@@ -102,7 +107,7 @@ set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${GPU_CHECK_PYTHON:-$ROOT/.venv/bin/python}"
-TOTAL_S=460   # the driver's budget (450 s) plus its start; `timeout` kills it 10 s after this
+TOTAL_S=550   # the driver's budget (540 s) plus its start; `timeout` kills it 10 s after this
 
 if [ ! -x "$PY" ]; then
     echo "gpu_check: $PY not found: run \`make build\` first (offline: see the header of $0)" >&2

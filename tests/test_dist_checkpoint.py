@@ -58,6 +58,7 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
     assert len(digests) == 1 and resumed_digests == digests  # bitwise-equal parameters
 
 
+@pytest.mark.long  # make test runs the same flags under --recover (tests/test_checkpoint.py)
 @pytest.mark.timeout(5 * TIMEOUT_S)
 def test_megatron_load_flags(tmp_path):
     """--ckpt-step, --no-load-rng, --no-load-optim and --pretrained-checkpoint (a fine-tune)

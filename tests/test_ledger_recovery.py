@@ -89,6 +89,7 @@ WRITER_SCHEDULE = """entries:
 """
 
 
+@pytest.mark.long  # make test kills the writer in tests/test_evaluation_logging.py
 @pytest.mark.timeout(3 * TIMEOUT_S)
 def test_one_record_per_iteration_when_the_writer_dies_after_a_commit(tmp_path):
     """Rank 0 writes the log; it dies at the optimizer step, after iteration 2 committed and

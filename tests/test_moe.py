@@ -23,8 +23,9 @@ tokens of both shards' microbatches, so their sums round differently when the mi
 elsewhere); the ledger holds every iteration; both ranks of a dead replica leave; survivors are
 bitwise equal per position.
 
-A mutation: megatron-core's schedule left to divide the auxiliary-loss gradient by the pass's
-microbatches (megatron's own divisor) instead of the iteration's B. An extension pass is shorter
+A mutation (3 one-rank replicas, every expert on each): megatron-core's schedule left to divide
+the auxiliary-loss gradient by the pass's microbatches (megatron's own divisor) instead of the
+iteration's B. An extension pass is shorter
 than a first pass, so its microbatches' router gradients get another weight than in the
 failure-free run: the failure run leaves the failure-free trajectory (both runs mutated), and
 the exactness check fails.
@@ -128,6 +129,13 @@ def test_failures_with_overlap_and_in_an_extension_pass_stay_exact(tmp_path, ref
     check_failure_run(run, reference, {2: (4, 5), 1: (3, 2)}, "MoE, overlapped, extension")
 
 
+# The mutation does not need expert parallelism: 3 one-rank replicas holding every expert, B = 6,
+# 2 microbatches per replica; a dead replica's 2 ids are extension passes of 1.
+MUTATION_JOB = [*JOB[:JOB.index("--global-batch-size")], "--global-batch-size", "6",
+                "--train-iters", "2", *STABLE_LR, "--mock-data", "--tokenizer-type",
+                "NullTokenizer", "--vocab-size", "128", "--log-interval", "1",
+                "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+                "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 AUX_SCALE = "loss_scale * cp_group_size / recover_hooks.loss_divisor(num_microbatches)"
 
 
@@ -148,14 +156,13 @@ def megatron_with_aux_scale_per_pass(where: Path) -> Path:
 def test_the_aux_loss_scale_left_per_pass_leaves_the_failure_free_trajectory(tmp_path,
                                                                              monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(megatron_with_aux_scale_per_pass(tmp_path / "mutant")))
-    job = [*JOB, "--train-iters", "2"]  # the failure's iteration is the last
-    reference = run_training(tmp_path / "reference", RANKS, job, timeout_s=TIMEOUT_S)
+    reference = run_training(tmp_path / "reference", 3, MUTATION_JOB, timeout_s=TIMEOUT_S)
     schedule = ("entries:\n"
-                "  - {iteration: 2, replica: 2, local_rank: 1, location: during-reduce}\n")
-    run = run_training(tmp_path / "failure", RANKS, job, schedule, TIMEOUT_S)
-    assert [m["rank"] for m in run.markers] == [5]
+                "  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}\n")
+    run = run_training(tmp_path / "failure", 3, MUTATION_JOB, schedule, TIMEOUT_S)
+    assert [m["rank"] for m in run.markers] == [2]
     assert len(run.records) == 2
-    assert_ledger_held(run.records, B)  # the ledger cannot see a weight: only the trajectory
+    assert_ledger_held(run.records, 6)  # the ledger cannot see a weight: only the trajectory
     params = max(param_rdiff(run.params(r), reference.params(r)) for r in run.completed())
     print(f"aux-loss scale per pass: final parameters {params:.2e} from the failure-free run")
     assert params > 100 * EXACT_RTOL

@@ -4,7 +4,7 @@ Run: `make test`. CPU only. The unpatched copy is megatron-core's verified sourc
 (downloaded by `make setup`) extracted without our patches and put first on PYTHONPATH; both runs
 are the same 4-rank job on the same data, and must end with bitwise-equal parameters, in fp32,
 bf16 and fp16 (Float16Module and megatron's mixed-precision optimizer). The same for a
-mixture-of-experts job (expert-parallel size 2, all-to-all dispatch, load-balancing and z
+mixture-of-experts job (2 ranks, expert-parallel size 2, all-to-all dispatch, load-balancing and z
 losses): there the unpatched copy carries patches/0003 alone, the fix without which
 megatron-core's router cannot run without Transformer Engine.
 """
@@ -57,7 +57,8 @@ def stock_run(tmp_path: Path, name: str, precision: list[str]):
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 # The hooks are the same in every precision: `make test` runs fp32, `make test-long` the others.
 @pytest.mark.parametrize("precision", [
-    pytest.param([], id="fp32"),
+    # make test: the MoE job below, through the same hooks (and the MoE ones).
+    pytest.param([], id="fp32", marks=pytest.mark.long),
     pytest.param(["--bf16"], id="bf16", marks=pytest.mark.long),
     pytest.param(["--fp16", "--initial-loss-scale", "4096"], id="fp16", marks=pytest.mark.long)])
 def test_patched_without_recover_equals_unpatched(tmp_path, monkeypatch, precision):
@@ -75,11 +76,12 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
        "--moe-z-loss-coeff", "1e-3", "--moe-token-dispatcher-type", "alltoall",
        "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
        "--disable-bias-linear"]
+MOE_RANKS = 2  # one expert-parallel group of 2, which is the data-parallel group
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 60)
 def test_moe_without_recover_equals_unpatched(tmp_path, monkeypatch):
-    patched = launch(LaunchConfig(4, [*ENTRY, *JOB, *MOE], tmp_path / "patched",
+    patched = launch(LaunchConfig(MOE_RANKS, [*ENTRY, *JOB, *MOE], tmp_path / "patched",
                                   timeout_s=TIMEOUT_S))
     assert patched.succeeded, patched.output[-4000:]
     source = unpatched_megatron(tmp_path)
@@ -87,7 +89,7 @@ def test_moe_without_recover_equals_unpatched(tmp_path, monkeypatch):
                     "-i", str(ROOT / "patches/0003-moe-router-without-transformer-engine.patch")],
                    check=True, timeout=60)
     monkeypatch.setenv("PYTHONPATH", str(source))
-    unpatched = launch(LaunchConfig(4, [*ENTRY, *JOB, *MOE], tmp_path / "unpatched",
+    unpatched = launch(LaunchConfig(MOE_RANKS, [*ENTRY, *JOB, *MOE], tmp_path / "unpatched",
                                     timeout_s=TIMEOUT_S))
     assert unpatched.succeeded, unpatched.output[-4000:]
     assert f"from {source}/megatron/core" in unpatched.output

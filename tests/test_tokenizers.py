@@ -297,14 +297,17 @@ def _e2e_cases(demo) -> dict:
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", [
-    # make test's budget: GPT-2 BPE is preprocessed and trained by every blend test too,
-    # GPTSentencePieceTokenizer is Llama2Tokenizer's class and SentencePieceTokenizer reads the
-    # same model (the unit tests check all three), and every other end-to-end run trains
-    # NullTokenizer on mock data.
+    # make test's budget: the Hugging Face one; the others in make test-long (Llama 2 and
+    # tiktoken moved there when mixture-of-experts came in). GPT-2 BPE is trained by every blend
+    # test too, GPTSentencePieceTokenizer is Llama2Tokenizer's class and SentencePieceTokenizer
+    # reads the same model (the unit tests check all three), and every other end-to-end run
+    # trains NullTokenizer on mock data.
     pytest.param("GPT2BPETokenizer", marks=pytest.mark.long), "HuggingFaceTokenizer",
     pytest.param("SentencePieceTokenizer", marks=pytest.mark.long),
     pytest.param("GPTSentencePieceTokenizer", marks=pytest.mark.long),
-    "Llama2Tokenizer", "TikTokenizer", pytest.param("NullTokenizer", marks=pytest.mark.long)])
+    pytest.param("Llama2Tokenizer", marks=pytest.mark.long),
+    pytest.param("TikTokenizer", marks=pytest.mark.long),
+    pytest.param("NullTokenizer", marks=pytest.mark.long)])
 def test_each_tokenizer_preprocesses_and_trains(demo, tmp_path, kind):
     tokenizer_args = ["--tokenizer-type", kind, *_e2e_cases(demo)[kind]]
     corpus = demo / "corpus.jsonl"

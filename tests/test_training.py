@@ -293,8 +293,8 @@ bad_samples:
 @pytest.mark.parametrize("schedule, error", [
     (PROGRAM_ERROR, "megatron_recover.faults.schedule.InjectedError: failure schedule: a program "
      "error at backward of iteration 4"),
-    (BAD_SAMPLE, "megatron_recover.failures.NonFiniteLoss: found NaN in local forward loss "
-     "calculation"),
+    pytest.param(BAD_SAMPLE, "megatron_recover.failures.NonFiniteLoss: found NaN in local "
+                 "forward loss calculation", marks=pytest.mark.long),
 ], ids=["raise", "bad-sample"])
 def test_a_program_error_ends_the_job_with_its_iteration_and_microbatch(tmp_path, schedule,
                                                                         error):

@@ -216,10 +216,18 @@ def layout_line(ns, world_size: int, instances: int) -> str:
 
 def device_problems(ns, cuda_available: bool, te_available: bool,
                     grouped_gemm_available: bool) -> list[str]:
-    """The MoE flags that need a CUDA kernel, refused where it does not import."""
+    """The MoE flags that need a CUDA kernel, refused where it does not import, and the
+    all-to-all dispatch with tensor parallelism, refused on gloo."""
     if ns.num_experts is None:
         return []
     found = []
+    gloo = not cuda_available or ns.distributed_backend == "gloo"
+    if gloo and ns.moe_token_dispatcher_type == "alltoall" and ns.tensor_model_parallel_size > 1:
+        found.append("--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size > 1 "
+                     "on gloo (the CPU, or --distributed-backend gloo): megatron-core gathers "
+                     "each rank's routed tokens over the tensor-parallel group in uneven parts, "
+                     "which gloo's all-gather refuses (NCCL's takes them); use "
+                     "--moe-token-dispatcher-type allgather here")
     if ns.moe_grouped_gemm and not (cuda_available and (te_available or grouped_gemm_available)):
         found.append("--moe-grouped-gemm runs the experts as one grouped GEMM, a CUDA kernel "
                      "(Transformer Engine's, or the grouped_gemm package's with the local "
