@@ -10,9 +10,10 @@ extension pass of 3, so one shard runs 2 and the other 1 and a padding microbatc
 exchange tokens in every forward and must run passes of one length; unpadded, the run hangs in
 the all-to-all); two survivors then run 9 ids each, 5 and 4 + 1 per shard.
 
-- Without --overlap-grad-reduce a rank posts its dense bucket, then its expert bucket (the
-  start-up line says so). Iteration 2: replica 2 dies inside the dense bucket's reduction;
-  iteration 3: replica 1 dies inside the expert bucket's reduction.
+- Without --overlap-grad-reduce a rank posts its buckets in the order backward completes them:
+  its expert bucket, then its dense bucket (which holds the embedding; the start-up line says
+  so). Iteration 2: replica 2 dies inside the dense bucket's reduction; iteration 3: replica 1
+  dies inside the expert bucket's reduction.
 - With --overlap-grad-reduce and --overlap-param-gather: replica 2 dies inside the first bucket
   posted in iteration 2, and replica 1 inside the extension pass that follows; replica 0 then
   runs every lost id.
@@ -71,7 +72,10 @@ JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 # Megatron's rank order: instance r is world ranks 2r and 2r + 1.
-BUCKETS_LINE = "rank 0's gradient buckets: 1 dense, then 1 expert"
+# The one expert bucket holds the layers' experts, the dense one the embedding too: backward
+# completes the expert bucket first.
+BUCKETS_LINE = ("gradient buckets in the order backward completes them, and they are reduced: "
+                "expert, dense")
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +108,13 @@ def check_failure_run(run: TrainingRun, reference: TrainingRun, victims: dict, l
 def test_failures_in_a_dense_and_an_expert_reduction_stay_exact(tmp_path, reference):
     schedule = ("entries:\n"
                 "  - {iteration: 2, replica: 2, local_rank: 1, location: during-reduce, "
-                "bucket: 1}\n"
+                "bucket: 2}\n"
                 "  - {iteration: 3, replica: 1, local_rank: 0, location: during-reduce, "
-                "bucket: 2}\n")
+                "bucket: 1}\n")
     run = run_training(tmp_path / "reductions", RANKS, JOB, schedule, TIMEOUT_S)
     assert BUCKETS_LINE in run.result.output
     assert sorted((m["iteration"], m["bucket"], m["rank"]) for m in run.markers) == [
-        (2, 1, 5), (3, 2, 2)]
+        (2, 2, 5), (3, 1, 2)]  # the dense bucket, then the expert one
     check_failure_run(run, reference, {2: (5, 4), 1: (2, 3)}, "MoE, dense and expert reductions")
     losses = printed_values(run.result.output, "lm loss")
     assert len(losses) == ITERATIONS
@@ -203,3 +207,25 @@ def test_the_mixtral_example_list_trains_under_recover_with_failures(tmp_path):
     assert len(printed_values(output, "load_balancing_loss")) == 5
     assert len(printed_values(output, "lm loss value")) == 3  # iteration 4, then valid and test
     assert_exact(run, reference, "the Mixtral list, two failures")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_a_save_after_the_lowest_replicas_died_resumes_exactly(tmp_path, reference):
+    """Replicas 0 and 2 die in iteration 1; replica 1, the lowest live one, saves (torch_dist)
+    after iteration 2. megatron counts an expert tensor's copies by expert data-parallel rank,
+    S / E per replica: unshifted, no copy of an expert would be the main one, and the save
+    hung (tried once). A relaunch resumes iteration 3 and ends as the failure-free run."""
+    schedule = ("entries:\n"
+                "  - {iteration: 1, replica: 0, local_rank: 0, location: during-reduce}\n"
+                "  - {iteration: 1, replica: 2, local_rank: 1, location: during-extension}\n")
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--exit-interval", "2"]
+    run = run_training(tmp_path / "failure", RANKS, [*JOB, *save], schedule, TIMEOUT_S)
+    assert run.completed() == [2, 3] and [r["iteration"] for r in run.records] == [1, 2]
+    resumed = run_training(tmp_path / "resumed", RANKS, [*JOB, "--load", str(tmp_path / "ckpt")],
+                           timeout_s=TIMEOUT_S)
+    assert [r["iteration"] for r in resumed.records] == [3]
+    loss = abs(resumed.records[0]["loss"] / reference.records[2]["loss"] - 1)
+    params = max(param_rdiff(resumed.params(r), reference.params(r)) for r in range(RANKS))
+    print(f"MoE, a save by replica 1, resumed: loss {loss:.2e}, final parameters {params:.2e}")
+    assert loss <= EXACT_RTOL and params <= EXACT_RTOL

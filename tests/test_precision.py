@@ -143,12 +143,12 @@ def test_failures_within_the_precisions_tolerance(tmp_path, measured, precision)
 
 
 @pytest.mark.timeout(6 * TIMEOUT_S)
-# `make test` runs bf16 here and fp16 in the overflow test below; the other layouts run in
-# `make test-long`.
+# `make test-long` runs these layouts (make test trains bf16 under --recover in
+# tests/test_checkpoint.py's fine-tune, and fp16 in the overflow test below).
 @pytest.mark.parametrize("layout,precision", [
     pytest.param("tp2xdp2", "bf16", marks=pytest.mark.long),
     pytest.param("tp2xdp2", "fp16", marks=pytest.mark.long),
-    ("do-2x2", "bf16-grad-reduce"),
+    pytest.param("do-2x2", "bf16-grad-reduce", marks=pytest.mark.long),
     pytest.param("do-2x2", "fp16", marks=pytest.mark.long)])
 def test_model_parallel_and_sharded_layouts(tmp_path, measured, layout, precision):
     m = measured(precision)

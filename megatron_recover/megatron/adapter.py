@@ -29,9 +29,8 @@ class DDPBuffers:
         self.chunks = list(chunks)
         self.overlap_grad_reduce = overlap_grad_reduce
         # In the order megatron completes them: the last model chunk's backward ends first.
-        # A chunk's expert buckets (mixture-of-experts layers) are megatron's separate buffer.
         self._buckets = [bucket for chunk in reversed(self.chunks)
-                         for group in _bucket_groups(chunk) for bucket in group.buckets]
+                         for bucket in _completion_order(chunk)]
         self._synced = [bucket.grad_data for bucket in self._buckets
                         if bucket.params & synced_inside_replica]
         # megatron's flag for a parameter all-gather dispatched by the optimizer step: the
@@ -100,6 +99,27 @@ class DDPBuffers:
 def _bucket_groups(chunk) -> list:
     """A DDP chunk's bucket groups: the dense ones, then the expert ones."""
     return list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups)
+
+
+def _completion_order(chunk) -> list:
+    """A DDP chunk's buckets in the order backward completes them, the same on every replica:
+    a bucket is complete once the gradient of its parameter used first in forward (the first
+    registered) arrived. Dense buckets are megatron's order already (a buffer holds the
+    parameters in reverse); the expert buckets (megatron's separate buffer, with
+    mixture-of-experts layers) fall in between, so that with --overlap-grad-reduce an expert
+    bucket is posted as soon as its layer's backward is done, not after every dense bucket."""
+    index = {id(param): i for i, param in enumerate(chunk.module.parameters())}
+    buckets = [bucket for group in _bucket_groups(chunk) for bucket in group.buckets]
+    return sorted(buckets, key=lambda bucket: -min(index[id(p)] for p in bucket.params))
+
+
+def bucket_kinds(chunks) -> list[str]:
+    """"dense" or "expert" for each bucket of `chunks` (megatron's DDP model chunks), in the
+    order `DDPBuffers` reduces them."""
+    expert = {id(bucket) for chunk in chunks for group in chunk.expert_parallel_bucket_groups
+              for bucket in group.buckets}
+    return ["expert" if id(bucket) in expert else "dense"
+            for chunk in reversed(list(chunks)) for bucket in _completion_order(chunk)]
 
 
 class MegatronOptimizer:

@@ -1141,7 +1141,8 @@ def _validate(ns, world_size: int, cuda_available: bool, te_available: bool,
     problems += (_device_refusals(ns, world_size, cuda_available, te_available,
                                  fusion_kernel_available)
                  + moe_arguments.device_problems(ns, cuda_available, te_available,
-                                                 grouped_gemm_available)
+                                                 grouped_gemm_available,
+                                                 _transformer_impl(ns, te_available))
                  + _precision(ns)
                  + _weight_decay_and_decoupled_lr(ns) + _data(ns) + _tokenizer(ns)
                  + _checkpointing(ns) + _logging(ns, wandb_available) + _recover(ns))

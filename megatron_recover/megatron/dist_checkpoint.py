@@ -137,6 +137,8 @@ class ReplicaWriters:
         distributed optimizer counts them by instance, the rest by data-parallel rank
         (`distance` x `shards` + shard).
     shards: distributed-optimizer shards per replica (1 without).
+    experts: the expert-parallel size: megatron counts an expert tensor's copies by expert
+        data-parallel rank, `shards` / `experts` of them per replica.
     spread: the group over which replicated tensors are spread for writing (this position's
         live copies, one per live replica), as megatron's fully parallel save spreads them
         over the data-parallel ranks; None when the lowest live replica writes alone.
@@ -147,6 +149,7 @@ class ReplicaWriters:
     offset: int
     distance: int = 0
     shards: int = 1
+    experts: int = 1
     spread: object = None
     agree: object = None
 
@@ -156,13 +159,16 @@ def _as_main_replica(state: dict, writers: ReplicaWriters) -> None:
     id 0 along the data-parallel axis): megatron writes each tensor once, from the rank whose
     copy has replica id 0, and counts copies by megatron's data-parallel rank, in which the
     lowest live replica is not necessarily the first. The distributed optimizer's state counts
-    its copies by instance (the first coordinate), the rest by data-parallel rank (the last; an
-    int for the RNG objects). megatron's own validation of the save checks that each tensor
-    then has exactly one main copy."""
+    its copies by instance (the first coordinate), an expert tensor by expert data-parallel rank
+    (the last), the rest by data-parallel rank (the last; an int for the RNG objects).
+    megatron's own validation of the save checks that each tensor then has exactly one main
+    copy."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
     shift = writers.distance * writers.shards - writers.offset
+    # An expert-parallel group of E ranks lies inside a replica: S / E expert copies per replica.
+    expert_shift = (writers.distance * writers.shards - writers.offset) // writers.experts
     for value in nested_values(state):
         if not isinstance(value, (ShardedBase, ShardedTensorFactory)):
             continue
@@ -171,6 +177,8 @@ def _as_main_replica(state: dict, writers: ReplicaWriters) -> None:
             value.replica_id = replica_id + shift
         elif "optimizer.distributed." in value.key:  # with a chained_N. prefix too
             value.replica_id = (writers.distance, *replica_id[1:])
+        elif ".experts." in value.key:  # not a shared expert's (".shared_experts.")
+            value.replica_id = (*replica_id[:-1], replica_id[-1] + expert_shift)
         else:
             value.replica_id = (*replica_id[:-1], replica_id[-1] + shift)
 

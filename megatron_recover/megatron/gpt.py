@@ -94,11 +94,12 @@ def build_gpt(transformer_config, vocab_size: int, model, vp_stage: int | None =
     )
 
 
-def process_groups(cross_replica_group, across_instances=False):
+def process_groups(cross_replica_group, across_instances=False, expert_parallel=False):
     """megatron's process groups with `cross_replica_group` (a ulfm torch group) as the
     data-parallel group or, `across_instances`, as the group between distributed-optimizer
     instances (the shards of an instance keep megatron's intra-instance group); None without
-    one (megatron's own groups throughout)."""
+    one (megatron's own groups throughout). Without instances the experts' data-parallel group
+    is the same ulfm group unless `expert_parallel` (a stock run over ulfm: megatron's own)."""
     if cross_replica_group is None:
         return None
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -109,10 +110,9 @@ def process_groups(cross_replica_group, across_instances=False):
         pg_collection.dp = cross_replica_group
         pg_collection.dp_cp = cross_replica_group
         pg_collection.intra_dp_cp = cross_replica_group
-        # Experts on every data-parallel rank (no expert parallelism without instances): the
-        # expert buckets reduce across the same replicas.
-        pg_collection.expt_dp = cross_replica_group
-        pg_collection.intra_expt_dp = cross_replica_group
+        if not expert_parallel:  # every expert on every data-parallel rank: the same replicas
+            pg_collection.expt_dp = cross_replica_group
+            pg_collection.intra_expt_dp = cross_replica_group
     return pg_collection
 
 

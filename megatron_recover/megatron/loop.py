@@ -149,7 +149,8 @@ class StockStepper:
                           skipped=not update_successful, global_batch_size=global_batch_size,
                           aux_losses=moe_losses.iteration_values(
                               cfg.model.moe, cfg.model.num_layers, total[2:].tolist(),
-                              global_batch_size // cfg.micro_batch_size))
+                              global_batch_size // cfg.micro_batch_size,
+                              cfg.parallel.tensor_model_parallel_size))
 
     def save(self, iteration: int) -> None:
         gather_parameters(self.setup.chunks)
@@ -226,7 +227,8 @@ class ResilientStepper:
             skipped=report.skipped, global_batch_size=report.B * cfg.micro_batch_size,
             events=report.events, exit_requested=report.exit_requested,
             aux_losses=moe_losses.iteration_values(cfg.model.moe, cfg.model.num_layers,
-                                                   report.side_sums, report.contributions),
+                                                   report.side_sums, report.contributions,
+                                                   cfg.parallel.tensor_model_parallel_size),
             recover={"live replicas": report.live_replicas, "contributions": report.contributions,
                      "B": report.B, "recovery seconds": recovery_s,
                      **({"verified microbatches": report.verified}

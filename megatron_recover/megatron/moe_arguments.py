@@ -117,9 +117,9 @@ def problems(ns, world_size: int) -> list[str]:
                      f"split over tensor-parallel ranks other than the dense layers' "
                      f"({tp}) are not supported; leave it out (Megatron-LM's default: "
                      "--tensor-model-parallel-size)")
-    if ep > 1 and tp > 1 and not ns.sequence_parallel:
-        found.append("expert parallelism with tensor parallelism needs --sequence-parallel "
-                     "(as in Megatron-LM): add it")
+    if tp > 1 and not ns.sequence_parallel:
+        found.append("mixture-of-experts layers with tensor parallelism need --sequence-parallel "
+                     "(as in Megatron-LM; megatron-core's MoE layer refuses it otherwise): add it")
     dp = world_size // (tp * pp)
     if ep > 1 and dp % ep:
         found.append(f"data-parallel size {dp} is not divisible by --expert-model-parallel-size "
@@ -146,9 +146,15 @@ def problems(ns, world_size: int) -> list[str]:
                      "which are not supported)")
     if ns.moe_pad_expert_input_to_capacity and ns.moe_expert_capacity_factor is None:
         found.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    if (ns.moe_router_group_topk is None) != (ns.moe_router_num_groups is None):
+    groups, group_topk = ns.moe_router_num_groups, ns.moe_router_group_topk
+    if (group_topk is None) != (groups is None):
         found.append("--moe-router-group-topk and --moe-router-num-groups go together: give "
                      "both or neither")
+    elif groups is not None and (groups < 1 or ns.num_experts % groups
+                                 or not 1 <= group_topk <= groups):
+        found.append(f"--moe-router-num-groups {groups} must divide --num-experts "
+                     f"{ns.num_experts}, and --moe-router-group-topk {group_topk} be between 1 "
+                     "and it")
     pattern = layer_pattern(ns.moe_layer_freq, ns.num_layers)
     if isinstance(pattern, str):
         found.append(pattern)
@@ -181,6 +187,11 @@ def _recover_layout(ns, dp: int) -> list[str]:
                 f"ranks of a replica (--num-distributed-optimizer-instances {k}): an "
                 "expert-parallel group would span two replicas, and a failure would cut it "
                 f"apart; choose K so that {dp}/K is a multiple of {ep}")
+    if ep > 1 and ns.ckpt_format == "torch":
+        found.append(f"--ckpt-format torch with --expert-model-parallel-size {ep}: that format "
+                     "writes one file per tensor and pipeline position, which holds the experts "
+                     "of one expert-parallel rank only; use --ckpt-format torch_dist (the "
+                     "default), which shards the experts")
     if ns.recompute_granularity == "full":
         found.append("--recompute-granularity full with mixture-of-experts layers under "
                      "--recover: a recomputed layer attaches its router's auxiliary loss again "
@@ -215,7 +226,7 @@ def layout_line(ns, world_size: int, instances: int) -> str:
 
 
 def device_problems(ns, cuda_available: bool, te_available: bool,
-                    grouped_gemm_available: bool) -> list[str]:
+                    grouped_gemm_available: bool, transformer_impl: str) -> list[str]:
     """The MoE flags that need a CUDA kernel, refused where it does not import, and the
     all-to-all dispatch with tensor parallelism, refused on gloo."""
     if ns.num_experts is None:
@@ -228,11 +239,13 @@ def device_problems(ns, cuda_available: bool, te_available: bool,
                      "each rank's routed tokens over the tensor-parallel group in uneven parts, "
                      "which gloo's all-gather refuses (NCCL's takes them); use "
                      "--moe-token-dispatcher-type allgather here")
-    if ns.moe_grouped_gemm and not (cuda_available and (te_available or grouped_gemm_available)):
-        found.append("--moe-grouped-gemm runs the experts as one grouped GEMM, a CUDA kernel "
-                     "(Transformer Engine's, or the grouped_gemm package's with the local "
-                     "layers), which does not import here: drop it (each expert then runs its "
-                     "own GEMM, the same sums)")
+    kernel = te_available if transformer_impl == "transformer_engine" else grouped_gemm_available
+    if ns.moe_grouped_gemm and not (cuda_available and kernel):
+        which = ("Transformer Engine's" if transformer_impl == "transformer_engine"
+                 else "the grouped_gemm package's, with --transformer-impl local")
+        found.append(f"--moe-grouped-gemm runs the experts as one grouped GEMM, a CUDA kernel "
+                     f"({which}), which does not import here: drop it (each expert then runs "
+                     "its own GEMM, the same sums)")
     for flag, given in (("--moe-permute-fusion", ns.moe_permute_fusion),
                         ("--moe-router-fusion", ns.moe_router_fusion)):
         if given and not (cuda_available and te_available):

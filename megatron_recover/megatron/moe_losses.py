@@ -12,6 +12,11 @@ committed, whichever replica ran them, and a replica that died takes nothing wit
 --recover the sums travel in the commit lane with the ledger (`ResilientTrainer`'s side sums),
 without it they are summed over the world. One difference from Megatron-LM: its z_loss is the
 writing rank's own microbatches' mean (no data-parallel average), here the global batch's.
+
+With tensor parallelism (sequence-parallel, as MoE requires) each TP rank's router sees its
+slice of a microbatch's tokens: the load-balancing losses it saves are parts of the
+microbatch's (megatron sums them over the TP group), its z_loss is the mean over its own slice
+(megatron does not reduce it), so summed over the replica's ranks z_loss is divided by TP.
 """
 
 import torch
@@ -30,6 +35,7 @@ class AuxLossRecorder:
         self.num_layers = num_layers
         self.size = len(names) * num_layers
         self._device: dict[tuple[int, int], torch.Tensor] = {}  # (iteration, id) -> values
+        self._pending: list[dict] = []  # finished passes' values, still on the device
         self.values: dict[tuple[int, int], list[float]] = {}
 
     def before_forward(self) -> None:
@@ -53,15 +59,23 @@ class AuxLossRecorder:
         self._device[key] = values + self._device[key] if key in self._device else values
 
     def pass_done(self) -> None:
-        """The pass returned: its values to the host, in one copy."""
-        if self._device:
-            rows = torch.stack(list(self._device.values())).cpu().tolist()
-            self.values.update(zip(self._device, rows))
+        """The pass returned: its values wait on the device until they are summed (`sums`,
+        after the reductions), so the pass's end costs no host sync."""
+        self._pending.append(dict(self._device))
         self._device.clear()
+
+    def _to_host(self) -> None:
+        """The finished passes' values to the host, in one copy."""
+        keys = [key for values in self._pending for key in values]
+        if keys:
+            rows = torch.stack([v for values in self._pending for v in values.values()])
+            self.values.update(zip(keys, rows.cpu().tolist()))
+        self._pending.clear()
 
     def sums(self, iteration: int, counts: dict[int, int]) -> list[float]:
         """The values of `counts` (id -> times counted) of `iteration`, summed (those of earlier
         iterations are dropped)."""
+        self._to_host()
         self.values = {key: v for key, v in self.values.items() if key[0] >= iteration}
         total = [0.0] * self.size
         for microbatch_id, count in counts.items():
@@ -71,16 +85,18 @@ class AuxLossRecorder:
 
 
 def iteration_values(moe, num_layers: int, sums: list[float], microbatches: int,
-                     ) -> dict[str, tuple[float, list[float]]]:
+                     tensor_parallel: int = 1) -> dict[str, tuple[float, list[float]]]:
     """name -> (its value, its per-layer values) from the sums over `microbatches` committed
     microbatches and all ranks (`AuxLossRecorder.sums` over the world): Megatron-LM's average
-    over the MoE layers and the global batch (nothing for a dense model)."""
+    over the MoE layers and the global batch (nothing for a dense model); `tensor_parallel`:
+    the TP size, whose ranks' z_loss values are each a slice's mean (module docstring)."""
     if moe is None or not sums:
         return {}
     moe_layers = max(sum(moe.layer_pattern), 1)
     result = {}
     for index, name in enumerate(names(moe)):
-        layers = [value / max(microbatches, 1)
+        per_rank = tensor_parallel if name == "z_loss" else 1
+        layers = [value / (max(microbatches, 1) * per_rank)
                   for value in sums[index * num_layers:(index + 1) * num_layers]]
         result[name] = (sum(layers) / moe_layers, layers)
     return result

@@ -61,6 +61,7 @@ class RankSetup:
         shard = 0 if self.shard_group is None else dist.get_rank(self.shard_group)
         shards = 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
         offset = self.dp_rank - shard
+        experts = _expert_parallel_size()
         if self.spreads_saves():
             parent = self.saving_group
             for _ in range(3):  # a failure found repairs it; one more shows it whole
@@ -74,11 +75,12 @@ class RankSetup:
             mine = tuple(r for r, p in zip(live, positions) if p == self.checkpoint_position)
             spread = _save_group(parent, mine, (live, self.checkpoint_position))
             return ReplicaWriters(savers.process_group, offset, distance=replica - lowest,
-                                  shards=shards, spread=spread.process_group,
+                                  shards=shards, experts=experts, spread=spread.process_group,
                                   agree=savers.process_group)
         if replica != lowest:
             return None
-        return ReplicaWriters(self.replica_group, offset, shards=shards, agree=self.control_group)
+        return ReplicaWriters(self.replica_group, offset, shards=shards, experts=experts,
+                              agree=self.control_group)
 
     def spreads_saves(self) -> bool:
         """Whether every live rank saves (`checkpoint_writers`): not when a standby joined (a
@@ -104,6 +106,12 @@ class RankSetup:
     def unwrapped_chunks(self) -> list:
         """Each model chunk's GPTModel (`unwrapped_model`)."""
         return [unwrap(chunk) for chunk in self.chunks]
+
+
+def _expert_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
 
 
 def unwrap(ddp_model):

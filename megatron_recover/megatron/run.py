@@ -44,7 +44,7 @@ from megatron_recover.megatron import (
 )
 from megatron_recover.megatron import standby
 from megatron_recover.megatron import state as training_state
-from megatron_recover.megatron.adapter import build_trainer
+from megatron_recover.megatron.adapter import bucket_kinds, build_trainer
 from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.gpt import (
     MicrobatchPass,
@@ -337,14 +337,13 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         runtime.set_replica_peers(replica_ranks)  # the exit hook asks MPI about them
         if hang_s:
             runtime.start_replica_gate(replica_ranks, hang_s / 4)
-    pg_collection = process_groups(group.process_group if group else None, instances)
+    pg_collection = process_groups(group.process_group if group else None, instances,
+                                   expert_parallel=par.expert_model_parallel_size > 1)
     ddp_chunks = wrap_ddp(chunks, tconfig, mcore_config.to_ddp_config(cfg), pg_collection)
     if cfg.model.moe is not None and dist.get_rank() == 0:
-        count = [sum(len(g.buckets) for chunk in ddp_chunks for g in getattr(chunk, groups_))
-                 for groups_ in ("bucket_groups", "expert_parallel_bucket_groups")]
-        print(f"megatron-recover: rank 0's gradient buckets: {count[0]} dense, then {count[1]} "
-              "expert (megatron's separate buffer; reduced in that order unless "
-              "--overlap-grad-reduce posts them as backward completes them)", flush=True)
+        print(f"megatron-recover: rank 0's gradient buckets in the order backward completes "
+              f"them, and they are reduced: {', '.join(bucket_kinds(ddp_chunks))} (expert: "
+              "megatron's separate buffer)", flush=True)
     # With instances the optimizer takes the same groups (a standby instance's megatron state
     # has no group across instances); without, megatron's own, as Megatron-LM builds it.
     optimizer, scheduler = _optimizer_and_scheduler(cfg, ddp_chunks,

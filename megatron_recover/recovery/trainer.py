@@ -821,8 +821,8 @@ class ResilientTrainer:
                 timer = self._pass(iteration, ids, losses, tokens, padding)
             finally:
                 self.recovery.stop_overlap()
-            if first and ids:
-                self._speed = (timer, len(ids))
+            if first and ids:  # per microbatch run, padding included (it costs the same)
+                self._speed = (timer, len(ids) + padding)
         self._schedule_end = time.time()  # what reduce_all posts now was not under backward
         self.recovery.reduce_all()
 

@@ -46,6 +46,7 @@ def _ns(**given):
     ns = parser.parse_args([])
     base = dict(num_layers=2, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                 sequence_parallel=False, recover=True, use_distributed_optimizer=True,
+                ckpt_format=None,
                 num_distributed_optimizer_instances=3, recompute_granularity=None)
     for key, value in {**base, **given}.items():
         setattr(ns, key, value)
@@ -69,6 +70,17 @@ def test_recover_keeps_expert_parallel_groups_inside_a_replica():
                                       num_distributed_optimizer_instances=None), 12) == []
     assert moe_arguments.problems(_ns(num_experts=4, use_distributed_optimizer=False,
                                       num_distributed_optimizer_instances=None), 12) == []
+    # --ckpt-format torch keeps one expert-parallel rank's experts per position: refused.
+    (problem,) = moe_arguments.problems(
+        _ns(num_experts=4, expert_model_parallel_size=2, ckpt_format="torch"), 12)
+    assert "use --ckpt-format torch_dist" in problem
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
+    (problem,) = moe_arguments.problems(_ns(num_experts=4, tensor_model_parallel_size=2), 24)
+    assert "--sequence-parallel" in problem
+    assert moe_arguments.problems(_ns(num_experts=4, tensor_model_parallel_size=2,
+                                      sequence_parallel=True), 24) == []
 
 
 def test_a_padding_forward_gives_its_aux_losses_no_gradient():
