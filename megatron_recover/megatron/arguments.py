@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Megatron GPT pre-training that survives "
                                      "replica failures (megatron-recover).")
     for add in (_add_model_args, moe_arguments.add_moe_args, _add_training_args,
-                _add_precision_args, _add_parallel_args, _add_data_args, _add_checkpoint_args, _add_logging_args, _add_recover_args,
+                _add_precision_args, _add_parallel_args, _add_data_args, _add_checkpoint_args,
+                _add_logging_args, _add_recover_args,
                 argument_table.add_no_effect_args):
         add(parser)
     return parser

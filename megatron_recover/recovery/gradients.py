@@ -82,11 +82,11 @@ class GradientRecovery:
         holding the other shards of these buckets (Megatron's intra-instance data-parallel
         group); None without one. `shard_groups`: the buckets sharded over another group, by
         data_ptr (expert buckets: Megatron's intra-instance expert data-parallel group); a
-        group of one rank means no reduction inside the replica. `check_finite`: Megatron's check_for_nan_in_grad, before
-        every reduction (`reduce_bucket`). `restore_stream`: a side CUDA stream for the
-        non-blocking restore (`rewind_under_pass`), None on the CPU. `synced`: the buckets
-        megatron syncs in place inside the replica after backward, in any mode (the
-        non-blocking restore empties them rather than rewinding them)."""
+        group of one rank means no reduction inside the replica. `check_finite`: Megatron's
+        check_for_nan_in_grad, before every reduction (`reduce_bucket`). `restore_stream`: a
+        side CUDA stream for the non-blocking restore (`rewind_under_pass`), None on the CPU.
+        `synced`: the buckets megatron syncs in place inside the replica after backward, in
+        any mode (the non-blocking restore empties them rather than rewinding them)."""
         self.group = group
         self.restore_stream = restore_stream
         self._restore_event = None  # the side-stream rewind's end, until the compute stream waits

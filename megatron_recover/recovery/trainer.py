@@ -140,7 +140,7 @@ class StepReport:
     speeds: dict = field(default_factory=dict)
     slow: list = field(default_factory=list)
     evicted: list = field(default_factory=list)
-    side_sums: list = field(default_factory=list)  # `TrainerParts.side_sums` committed, replica-wide
+    side_sums: list = field(default_factory=list)  # TrainerParts.side_sums: committed, replica-wide
 
 
 @dataclass
