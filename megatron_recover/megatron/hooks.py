@@ -11,6 +11,9 @@ gradients are complete (its start_grad_sync, from the backward of the last micro
 layer 2, which posts the bucket there unless megatron syncs it inside the replica after
 backward (`GradientRecovery.bucket_ready`). With distributed-optimizer instances the
 intra-instance reduce-scatter is the trainer's too (layer 2 snapshots the bucket before it).
+The schedules also divide megatron's MoE auxiliary-loss gradient scale by `loss_divisor`, and
+its auxiliary-loss scaler asks `in_padding` when a loss is attached: a padding microbatch's get
+a zero gradient (`aux_loss_backward_scale`).
 """
 
 from contextlib import contextmanager

@@ -35,7 +35,11 @@ The commit lane sums the loss sums and loss tokens of the microbatches in the se
 logged loss is their ratio, as Megatron-LM logs it. With per-token loss the pass runner also
 leaves each microbatch's gradient a sum over its loss tokens, and the committed gradient is
 divided once by the committed token count: all B microbatches' tokens under the static policy,
-the committed microbatches' under drop-and-go.
+the committed microbatches' under drop-and-go. Side values (the MoE auxiliary losses) are
+summed the same way, then over the replica's ranks after the commit.
+
+With shards in step (expert parallelism inside a replica: the shards exchange tokens in every
+forward) every shard runs passes of one length, the shorter shares padded (`share`).
 
 With overlapped parameter gathers (distributed-optimizer instances) every shard dispatches all of
 them right after the optimizer step, in the same order (`GradientBuffers.dispatch_param_gather`):
