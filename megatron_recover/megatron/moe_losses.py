@@ -21,6 +21,7 @@ microbatch's (megatron sums them over the TP group), its z_loss is the mean over
 
 import torch
 
+
 def tracker():
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
@@ -47,7 +48,7 @@ class AuxLossRecorder:
 
     def after_forward(self, iteration: int, microbatch_id: int) -> None:
         """Keep the microbatch's values where they are (with model chunks, summed over its
-        forwards); no host sync until the pass returned."""
+        forwards): no host sync until they are summed."""
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         parts = []
         for name in self.names:
