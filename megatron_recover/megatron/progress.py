@@ -187,12 +187,11 @@ class Progress:
         try:
             if self.trainer is None:
                 dp = cfg.data_parallel_size
+                # Every rank runs as many (the count is eval_iters x B, B a multiple of dp), as
+                # expert-parallel ranks must: they exchange tokens in every forward.
                 ids = list(range(self.setup.dp_rank, self.eval_pass.count, dp))
-                # Expert-parallel ranks exchange tokens in every forward: equal passes.
-                padding = (-(-self.eval_pass.count // dp) - len(ids)
-                           if cfg.parallel.expert_model_parallel_size > 1 else 0)
                 values = self.eval_pass.values(split, evaluation, iteration, ids,
-                                               self.last_stage and self.tp_rank == 0, padding)
+                                               self.last_stage and self.tp_rank == 0)
                 # each id's slot from exactly one rank
                 dist.all_reduce(values, group=groups.world_control())
                 events = []
