@@ -47,16 +47,11 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-tensor-parallel-size", type=int)
 
 
-# The flags that mean nothing without --num-experts, with their defaults.
-_MOE_ONLY = {
-    "--moe-ffn-hidden-size": None, "--moe-z-loss-coeff": None,
-    "--moe-shared-expert-intermediate-size": None, "--moe-expert-capacity-factor": None,
-    "--moe-pad-expert-input-to-capacity": False, "--moe-router-pre-softmax": False,
-    "--moe-router-topk-scaling-factor": None, "--moe-router-dtype": None,
-    "--moe-router-num-groups": None, "--moe-router-group-topk": None,
-    "--moe-per-layer-logging": False, "--moe-grouped-gemm": False,
-    "--moe-permute-fusion": False, "--moe-router-fusion": False,
-}
+def _defaults() -> dict:
+    """Each MoE flag's default (its dest -> value), read from `add_moe_args`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_moe_args(parser)
+    return vars(parser.parse_args([]))
 
 
 def _value(ns, flag: str):
@@ -94,15 +89,9 @@ def problems(ns, world_size: int) -> list[str]:
     ep = ns.expert_model_parallel_size
     tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     if ns.num_experts is None:
-        given = [flag for flag, default in _MOE_ONLY.items() if _value(ns, flag) != default]
-        given += [flag for flag, value, default in (
-            ("--moe-layer-freq", ns.moe_layer_freq, "1"),
-            ("--moe-router-topk", ns.moe_router_topk, 2),
-            ("--moe-aux-loss-coeff", ns.moe_aux_loss_coeff, [0.0]),
-            ("--moe-token-dispatcher-type", ns.moe_token_dispatcher_type, "allgather"),
-            ("--moe-router-load-balancing-type", ns.moe_router_load_balancing_type,
-             ["aux_loss"]),
-            ("--expert-model-parallel-size", ep, 1)) if value != default]
+        # Every MoE flag means nothing without --num-experts.
+        given = [f"--{dest.replace('_', '-')}" for dest, default in _defaults().items()
+                 if getattr(ns, dest) != default]
         return ([f"{', '.join(given)} configure mixture-of-experts layers: add --num-experts or "
                  "drop them"] if given else [])
     found = []
