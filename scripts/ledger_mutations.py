@@ -32,7 +32,7 @@ SPARE_THEN_BLOCKING = ("  - {iteration: 1, replica: 0, local_rank: 0, location: 
                        "  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}\n"
                        "  - {iteration: 2, replica: 5, local_rank: 0, "
                        "location: during-extension}\n")
-TRAINER = "megatron_recover/recovery/trainer.py"
+ROUND = "megatron_recover/recovery/round.py"
 DATA = "megatron_recover/megatron/data.py"
 GPT = "megatron_recover/megatron/gpt.py"
 # PP=2 with 2 virtual stages per rank: an extension pass of 1 microbatch is padded to 2.
@@ -68,14 +68,14 @@ REWIND = "            self.recovery.rewind_under_pass()\n"
 SYNCED_ONLY = "            if not bucket.synced:\n                continue\n"
 MUTATIONS = [
     Mutation("blocking restore zeroes a spare's extension ids (the old contributing line)",
-             TRAINER, "contributing = (work.contributes_first_pass or self._extended) and not held",
+             ROUND, "contributing = (work.contributes_first_pass or self.extended) and not held",
              "contributing = work.contributes_first_pass and not held", 7, 7,
              SPARE_THEN_BLOCKING),
-    Mutation("rewind before the extension pass skipped", TRAINER, REWIND,
+    Mutation("rewind before the extension pass skipped", ROUND, REWIND,
              "            self.recovery.zero()\n", 3, 6, BOUNDARY),
     Mutation("snapshots added on top of the rewind", GRADIENTS, SYNCED_ONLY,
              "            if False:\n                continue\n", 3, 6, BOUNDARY),
-    Mutation("_share drops one id", TRAINER,
+    Mutation("_share drops one id", ROUND,
              "mine = ids[shard::shards]",
              "mine = ids[shard::shards][1:]", 3, 6, None),
     Mutation("rank 1 fed the wrong sample for iteration 2, id 2", DATA,

@@ -271,6 +271,14 @@ class Setup:
     straggler: StragglerConfig = StragglerConfig()  # balancing and eviction (off)
     # (replica, first iteration, last iteration, seconds per microbatch): a slowed replica
     slow: tuple[tuple[int, int, int, float], ...] = ()
+    side: bool = False  # side values summed like the loss (`side_values`)
+
+
+def side_values(iteration: int, counts: dict[int, int]) -> list[float]:
+    """Microbatch id k of iteration t has the side values (1000 t + k + 1, 1): summed over a
+    ledger's `counts` (id -> how often it holds it)."""
+    return [float(sum(n * (1000 * iteration + k + 1) for k, n in counts.items())),
+            float(sum(counts.values()))]
 
 
 class Replica:
@@ -297,7 +305,8 @@ class Replica:
             faults=self.faults, audit=self.audit, overlap_grad_reduce=setup.overlap,
             restore=setup.restore, verification=verification, check_finite=True,
             nonfinite_rerun=setup.nonfinite_rerun,
-            samples_of=lambda iteration, k: sample_range(self.audit, iteration, k)))
+            samples_of=lambda iteration, k: sample_range(self.audit, iteration, k),
+            side_size=2 if setup.side else 0, side_sums=side_values if setup.side else None))
 
 
 @dataclass

@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_recover.recovery import CommitLane, Entry, LaneHead, LaneLayout, Ledger
-from megatron_recover.recovery.lane import SpeedSlots, VerdictCodec
+from megatron_recover.recovery.checks.ledger_audit import ExpectedSlots
+from megatron_recover.recovery.checks.stragglers import SpeedSlots, Stragglers
+from megatron_recover.recovery.lane import VerdictCodec
 
 pytestmark = pytest.mark.unit
 
@@ -62,7 +64,7 @@ def test_a_lane_of_nothing_sent_and_an_unknown_ledger():
 @settings(max_examples=200, deadline=None)
 @given(w_init=st.integers(1, 8), data=st.data())
 def test_positions_combined_by_max_decode_to_the_replica_verdict(w_init, data):
-    codec = VerdictCodec(w_init)
+    codec = VerdictCodec(w_init, [("flag", 1)])
     positions = data.draw(st.integers(1, 4))
     last = data.draw(st.integers(0, positions - 1))  # the position that sees the losses
     loss, tokens = data.draw(st.integers(0, 1000)) / 4, data.draw(st.integers(0, 500))
@@ -71,57 +73,63 @@ def test_positions_combined_by_max_decode_to_the_replica_verdict(w_init, data):
              for _ in range(positions)]
     vectors = [codec.encode(dead, failed,
                             LaneHead(loss if p == last else 0.0, tokens if p == last else 0,
-                                     stop), bad)
+                                     stop), {"flag": torch.tensor([float(bad)])})
                for p, (dead, failed, bad, stop) in enumerate(views)]
     verdict = codec.decode(torch.stack(vectors).max(dim=0).values)
     assert verdict.dead == frozenset().union(*(dead for dead, *_ in views))
     assert verdict.commit == (not any(failed for _, failed, _, _ in views))
-    assert verdict.invariant_ok == (not any(bad for _, _, bad, _ in views))
+    assert bool(verdict.parts["flag"][0]) == any(bad for _, _, bad, _ in views)
     assert verdict.exit_requested == any(stop for *_, stop in views)
     assert (verdict.loss_sum, verdict.tokens) == (loss, tokens)
 
 
 def test_a_replica_id_outside_the_launch_is_refused():
     with pytest.raises(ValueError, match="outside"):
-        VerdictCodec(2).encode({2}, False, LaneHead(0.0, 0, False), False)
+        VerdictCodec(2).encode({2}, False, LaneHead(0.0, 0, False))
+
+
+def test_segments_follow_the_registered_sizes_and_a_wrong_size_is_refused():
+    """The layouts come from the registered checks: each segment where the sizes put it, zeros
+    for a check that sends none, and a segment of the wrong size refused."""
+    lane = CommitLane(LaneLayout(B, reserve=False), [("a", 2), ("b", 3)])
+    assert lane.size == CommitLane.HEAD + LaneLayout(B, reserve=False).size + 5
+    vector = lane.encode(LaneHead(0.0, 0, False), None, 3, parts={"b": torch.tensor([1., 2, 3])})
+    parts = lane.decode_parts(vector)
+    assert parts["a"].tolist() == [0.0, 0.0] and parts["b"].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="segment 'a' holds 2"):
+        lane.encode(LaneHead(0.0, 0, False), None, 3, parts={"a": torch.zeros(3)})
+    with pytest.raises(ValueError, match="two segments"):
+        VerdictCodec(2, [("a", 1), ("a", 1)])
 
 
 def test_replica_times_sum_exactly_and_take_each_replicas_slowest_position():
     """The lane carries each replica's time per microbatch as whole microseconds, with the
     number of its shards that measured: summed over replicas and shards, it decodes to the
     mean over the measuring shards; the verdict keeps a replica's slowest position."""
-    lane = CommitLane(LaneLayout(B, reserve=False), speeds=SpeedSlots(3))
-    head = LaneHead(0.0, 0, False)
-    parts = [lane.encode(head, None, 3, speed=(0, 0.0123456)),  # replica 0, one shard
-             lane.encode(head, None, 3, speed=(2, 0.020)),  # replica 2, two shards
-             lane.encode(head, None, 3, speed=(2, 0.030)),
-             lane.encode(head, None, 3, speed=(1, None))]  # replica 1 ran no microbatch
+    slots = SpeedSlots(3)
+    parts = [slots.encode(0, 0.0123456),  # replica 0, one shard
+             slots.encode(2, 0.020),  # replica 2, two shards
+             slots.encode(2, 0.030),
+             slots.encode(1, None)]  # replica 1 ran no microbatch
     summed = sum(parts[1:], parts[0].clone())
-    assert lane.decode_speeds(summed) == {0: 0.012346, 2: 0.025}
-    assert lane.decode_ledger(summed).count == 0
-    codec = VerdictCodec(3, speeds=True)
-    views = [codec.encode(set(), False, head, False, speeds={0: 0.01, 2: 0.05}),
-             codec.encode(set(), False, head, False, speeds={0: 0.03, 2: 0.02})]
-    verdict = codec.decode(torch.maximum(*views))
-    assert verdict.speeds == {0: 0.03, 2: 0.05} and verdict.commit
-    assert VerdictCodec(3).decode(VerdictCodec(3).encode(set(), False, head, False)).speeds == {}
+    assert slots.decode(summed) == {0: 0.012346, 2: 0.025}
+    check = Stragglers(3, straggler=None)
+    views = [check.view(None, 3, slots.encode(0, 0.01) + slots.encode(2, 0.05), None, None),
+             check.view(None, 3, slots.encode(0, 0.03) + slots.encode(2, 0.02), None, None)]
+    assert check.speeds(torch.maximum(*views)) == {0: 0.03, 2: 0.05}
+    assert check.speeds(torch.zeros(3, dtype=torch.float64)) == {}
 
 
 def test_the_audits_shares_sum_to_every_id_once():
     """Each contributor fills its share of the expected side; summed, each id decodes from the
     one rank that computed it, and an id computed twice or never is left out."""
-    from megatron_recover.recovery.lane import ExpectedSlots
-
-    lane = CommitLane(LaneLayout(B, reserve=False), expected=ExpectedSlots(B))
-    head = LaneHead(0.0, 0, False)
+    slots = ExpectedSlots(B)
     values = {k: (1000 + 7 * k, 50 + k) for k in range(B)}
-    parts = [lane.encode(head, None, 3, expected={k: values[k] for k in range(i, B, 3)})
-             for i in range(3)]
-    assert lane.decode_expected(torch.stack(parts).sum(dim=0)) == values
+    parts = [slots.encode({k: values[k] for k in range(i, B, 3)}) for i in range(3)]
+    assert slots.decode(torch.stack(parts).sum(dim=0)) == values
     # A rank that computed every id (a wrong share) and one that computed none.
-    doubled = [*parts, lane.encode(head, None, 3, expected={0: values[0]})]
-    decoded = lane.decode_expected(torch.stack(doubled).sum(dim=0))
+    doubled = [*parts, slots.encode({0: values[0]})]
+    decoded = slots.decode(torch.stack(doubled).sum(dim=0))
     assert 0 not in decoded and decoded == {k: v for k, v in values.items() if k}
-    assert lane.decode_expected(torch.stack(parts[1:]).sum(dim=0)) == {
+    assert slots.decode(torch.stack(parts[1:]).sum(dim=0)) == {
         k: v for k, v in values.items() if k % 3}
-    assert CommitLane(LaneLayout(B, reserve=False)).decode_expected(parts[0]) is None

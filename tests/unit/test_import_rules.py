@@ -6,6 +6,10 @@
 2. `megatron_recover.policy` imports neither torch nor mpi4py: it stays pure Python, so it can be
    tested exhaustively without a process group.
 3. No import cycle among the package's modules.
+4. The round core and its checks: the registered checks (`recovery/checks/`) import neither the
+   round core (`recovery.round`) nor the trainer (the core hands itself to their hooks), and the
+   core imports no particular check, only their protocol (`checks.base`): a new check is a new
+   module and one line of the registry.
 
 Every import statement counts: at module level, inside functions, under `if TYPE_CHECKING:`, and
 relative ones. `from pkg import name` imports the module `pkg.name` when there is one, else `pkg`;
@@ -178,6 +182,26 @@ def test_no_import_cycle():
     report = ["import cycle: " + " -> ".join(cycle) + "".join(
         f"\n  {edges[a][b]}" for a, b in zip(cycle, cycle[1:])) for cycle in find_cycles(edges)]
     assert not report, "\n".join(report)
+
+
+CHECKS = ("megatron_recover.recovery.checks",)
+CORE = ("megatron_recover.recovery.round",)
+
+
+def test_checks_import_neither_the_core_nor_the_trainer():
+    bad = violations(CHECKS, CORE + ("megatron_recover.recovery.trainer",))
+    assert not bad, ("a registered check imports the round core or the trainer; the core hands "
+                     "itself to the check's hooks:\n" + "\n".join(bad))
+
+
+def test_the_core_knows_the_checks_protocol_only():
+    particular = {m for m in package_modules(REPO) if _within(m, CHECKS)} - {
+        "megatron_recover.recovery.checks", "megatron_recover.recovery.checks.base"}
+    assert particular, "no registered check found"
+    bad = [bad for bad in violations(CORE, tuple(particular))
+           if bad.split("(imports ")[1].rstrip(")") in particular]
+    assert not bad, ("the round core imports a particular check; it consults the registered "
+                     "ones through checks.base only:\n" + "\n".join(bad))
 
 
 def test_the_rules_see_every_kind_of_import(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_recover.megatron import hooks, moe_arguments
+from megatron_recover.recovery.checks.side_sums import SideSums
 from megatron_recover.recovery.lane import CommitLane, LaneHead
 from megatron_recover.recovery.ledger import Entry, LaneLayout, Ledger
 from megatron_recover.recovery.trainer import share
@@ -92,12 +93,19 @@ def test_a_padding_forward_gives_its_aux_losses_no_gradient():
     assert not hooks.in_padding()
 
 
-def test_side_sums_ride_the_lane_after_everything_else():
-    lane = CommitLane(LaneLayout(4, reserve=False), side=3)
+def test_side_sums_ride_the_lane_weighted_by_the_sent_ledger():
+    """The side-sums check's lane segment is its values for the sent ledger's microbatches
+    (each counted as often as the ledger holds it); a rank that sent nothing sends zeros."""
+    check = SideSums(3, lambda iteration, counts: [float(sum(n * (k + 1) for k, n in
+                                                             counts.items())), 2.0, 3.0])
+    lane = CommitLane(LaneLayout(4, reserve=False), [(check.name, check.lane_size)])
     ledger = Ledger()
     ledger.register(Entry(1, 2, 7))
-    one = lane.encode(LaneHead(1.5, 3, False), ledger, 1, side=[1.0, 2.0, 3.0])
+    ledger.register(Entry(1, 2, 7))
+    one = lane.encode(LaneHead(1.5, 3, False), ledger, 1,
+                      parts={check.name: check.lane(None, 1, ledger)})
     two = lane.encode(LaneHead(0.5, 1, False), None, 1)
-    assert lane.decode_side(one + two) == [1.0, 2.0, 3.0]
+    assert check.lane(None, 1, None) is None
+    assert lane.decode_parts(one + two)[check.name].tolist() == [6.0, 2.0, 3.0]
     assert lane.decode_head(one + two).loss_sum == 2.0
-    assert lane.decode_ledger(one + two).count == 1
+    assert lane.decode_ledger(one + two).count == 2

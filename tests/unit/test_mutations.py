@@ -38,12 +38,19 @@ SCHEDULES = {
 }
 # Where the mutated module's classes are looked up by the code under test.
 USERS = {
-    "megatron_recover/recovery/trainer.py": [(lockstep, "ResilientTrainer")],
+    "megatron_recover/recovery/round.py": [
+        (importlib.import_module("megatron_recover.recovery.trainer"), "Round")],
     "megatron_recover/recovery/gradients.py": [
-        (importlib.import_module("megatron_recover.recovery.trainer"), "GradientRecovery")],
+        (importlib.import_module("megatron_recover.recovery.round"), "GradientRecovery")],
     "megatron_recover/recovery/lane.py": [
-        (importlib.import_module("megatron_recover.recovery.trainer"), "CommitLane"),
-        (importlib.import_module("megatron_recover.recovery.trainer"), "VerdictCodec")],
+        (importlib.import_module("megatron_recover.recovery.round"), "CommitLane"),
+        (importlib.import_module("megatron_recover.recovery.round"), "VerdictCodec")],
+    # The registered checks, looked up where the registry builds them.
+    **{f"megatron_recover/recovery/checks/{module}.py": [
+        (importlib.import_module("megatron_recover.recovery.checks"), name)]
+       for module, name in (("nonfinite", "NonfiniteReruns"), ("sdc", "SampledVerification"),
+                            ("ledger_audit", "LedgerAudit"), ("stragglers", "Stragglers"),
+                            ("side_sums", "SideSums"))},
 }
 
 
@@ -90,8 +97,8 @@ CODEC_MUTATIONS = [
      "values = torch.tensor([head.tokens, head.loss_sum, float(head.exit_requested)],",
      Setup(w_init=3, g_init=2)),
     ("replica verdict: replica 0's death unseen", "megatron_recover/recovery/lane.py",
-     "return Verdict(dead=self._set(vector, 0),",
-     "return Verdict(dead=self._set(vector, 0) - {0},",
+     "return Verdict(dead=replica_set(vector, 0, w),",
+     "return Verdict(dead=replica_set(vector, 0, w) - {0},",
      Setup(w_init=4, g_init=2, failures=(Failure(0, 2, "during-reduce", 1),))),
 ]
 

@@ -156,14 +156,15 @@ MUTATIONS = [
      "        if not self.contributing or self.nonfinite:\n",
      "        if not self.contributing:\n", "megatron_recover/recovery/gradients.py", "keep"),
     ("the held-out first pass not said in the lane",
-     "nonfinite=frozenset([self.p.replica] if self.recovery.nonfinite else [])",
-     "nonfinite=frozenset()", "megatron_recover/recovery/trainer.py", "keep"),
+     "nonfinite=frozenset([core.p.replica] if core.recovery.nonfinite else [])",
+     "nonfinite=frozenset()", "megatron_recover/recovery/checks/nonfinite.py", "keep"),
     ("the suspect's rerun not kept in its buckets",
      "        if self.p.restore and not held:\n", "        if self.p.restore:\n",
-     "megatron_recover/recovery/trainer.py", "keep"),
+     "megatron_recover/recovery/round.py", "keep"),
     ("a transient fault kept when evicting was asked",
-     "(o in (TRANSIENT, CHECKER) and p.nonfinite_rerun != KEEP)}",
-     "(o in (TRANSIENT, CHECKER) and False)}", "megatron_recover/recovery/trainer.py", "evict"),
+     "(o in (TRANSIENT, CHECKER) and self.mode != KEEP)}",
+     "(o in (TRANSIENT, CHECKER) and False)}", "megatron_recover/recovery/checks/nonfinite.py",
+     "evict"),
 ]
 
 

@@ -66,9 +66,9 @@ def test_a_slow_replica_gets_fewer_microbatches_and_a_failure_stays_exact():
 def test_without_the_measured_time_in_the_lane_no_work_moves(monkeypatch):
     """A mutation: the trainer sends no time in the commit lane. The policy then never sees the
     slow replica, and the test above would fail on its quotas."""
-    mutate(monkeypatch, "megatron_recover/recovery/trainer.py",
-           "speed=(self.p.replica, self._seconds_per_microbatch()),",
-           "speed=(self.p.replica, None),")
+    mutate(monkeypatch, "megatron_recover/recovery/checks/stragglers.py",
+           "return self.slots.encode(core.p.replica, self._seconds_per_microbatch(core))",
+           "return self.slots.encode(core.p.replica, None)")
     case = setup(3 * BASE_S)
     runs, world = run_lockstep(case, timeout_s=60)
     check_run(case, runs, world)
@@ -102,7 +102,7 @@ def test_the_pass_timer_reads_cuda_events_where_cuda_is(monkeypatch):
 
     import torch
 
-    from megatron_recover.recovery.trainer import PassTimer
+    from megatron_recover.recovery.round import PassTimer
     from megatron_recover.testing import _cuda_standins
 
     synchronized = []

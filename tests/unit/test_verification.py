@@ -189,11 +189,10 @@ MUTATIONS = [
      "                p.buffers.zero()\n                p.optimizer.zero_grad()\n",
      "                p.optimizer.zero_grad()\n"),
     ("the fingerprints never judged",
-     "                if p.verification is not None:\n                    judgement = judge(",
-     "                if False:\n                    judgement = judge("),
+     "self._judgement = judge(", "self._judgement = Judgement() or judge("),
     ("the owner's fingerprint taken after its reduction",
-     "            self._fingerprints[\"own\"] = {p.replica: sum_fingerprints(self.recovery.fingerprints)}",
-     "            self._fingerprints[\"own\"] = {p.replica: self._fingerprint.buckets(self.recovery.grads)}"),
+     "                core.p.replica: sum_fingerprints(core.recovery.fingerprints)}",
+     "                core.p.replica: self.fingerprint.buckets(core.recovery.grads)}"),
 ]
 
 
@@ -201,7 +200,7 @@ MUTATIONS = [
 def test_a_verification_mutation_is_caught(monkeypatch, name, old, new):
     from tests.unit.test_mutations import mutate
 
-    mutate(monkeypatch, "megatron_recover/recovery/trainer.py", old, new)
+    mutate(monkeypatch, "megatron_recover/recovery/checks/sdc.py", old, new)
     setup = Setup(w_init=4, g_init=2, iterations=3, sdc_check_rate=1.0,
                   failures=(Failure(replica=1, iteration=2, location="bitflip"),))
     runs, _ = run_lockstep(setup, timeout_s=30)
