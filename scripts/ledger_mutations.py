@@ -42,7 +42,7 @@ PADDED = "  - {iteration: 2, replica: 2, local_rank: 0, location: during-reduce}
 GRADIENTS = "megatron_recover/recovery/gradients.py"
 SNAPSHOT = ("        bucket.snapshot.copy_(grad)\n"
             "        bucket.snapshot_ledger = bucket.ledger.copy()\n")
-POST = ("        if not self.contributing or self.nonfinite:\n"
+POST = ("        if not self.mode.contributing or self.nonfinite:\n"
         "            grad.zero_()\n"
         "            bucket.ledger.clear()\n"
         "        bucket.sent = bucket.ledger.copy()\n"

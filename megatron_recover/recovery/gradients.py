@@ -41,6 +41,7 @@ each pass). `wait()` never raises for a peer failure; failures come back as reco
 """
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,22 @@ import torch.distributed as dist
 from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
 from megatron_recover.failures import NonFiniteResult
 from megatron_recover.recovery.ledger import Entry, Ledger
+
+
+@dataclass(frozen=True)
+class PassMode:
+    """How one round of reductions (`GradientRecovery.begin_pass`) treats this rank's buckets,
+    fixed when the round starts."""
+
+    # False: each bucket is snapshotted, then zeros and an empty ledger are sent (a spare, a
+    # replica whose contribution is held out).
+    contributing: bool = True
+    # A bucket that fails the NaN/inf check is held out (zeros are sent from it on, and
+    # `nonfinite` says so) instead of raising (`rerun.py`).
+    hold_nonfinite: bool = False
+    # `fingerprint(index, grad)` of each bucket as it is handed to its reduction, kept in
+    # `fingerprints` (sampled verification); None: none taken.
+    fingerprint: Callable[[int, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -93,7 +110,7 @@ class GradientRecovery:
         self.check_finite = check_finite
         self.shard_group = shard_group
         self.shard_groups = dict(shard_groups or {})
-        self.contributing = True
+        self.mode = PassMode()
         self.before_first_reduce = before_first_reduce
         self.after_first_post = after_first_post
         self._buckets: dict[int, _Bucket] = {}  # data_ptr of the bucket -> state, in order
@@ -109,15 +126,11 @@ class GradientRecovery:
         self._overlapped = False  # this pass posted during backward
         # Shards, overlapped: (bucket, its reduce-scatter in flight), in posting order.
         self._scattering: list[tuple[_Bucket, object]] = []
-        # Sampled verification: `fingerprint(index, grad)` of each bucket as it is handed to
-        # its reduction, while set (the trainer sets it for a checked replica's first pass).
-        self.fingerprint = None
+        # This pass's bucket fingerprints, by bucket index (`PassMode.fingerprint`).
         self.fingerprints: dict[int, torch.Tensor] = {}
-        # Non-finite reruns (`rerun.py`): while `hold_nonfinite` is set, a bucket that fails
-        # the check does not raise; the rank holds its gradient out of the reduction from that
-        # bucket on (it sends zeros and an empty ledger, as a spare does), for this iteration,
-        # and `nonfinite` says so (until the trainer clears it).
-        self.hold_nonfinite = False
+        # A bucket failed the NaN/inf check in a pass that holds it out (`PassMode`): this rank
+        # sends zeros and an empty ledger from that bucket on, as a spare does, for the rest of
+        # the iteration (or until a kept rerun, `keep_rerun`).
         self.nonfinite = False
 
     def _state(self, grad: torch.Tensor) -> _Bucket:
@@ -150,8 +163,10 @@ class GradientRecovery:
             bucket.ledger.clear()
             bucket.snapshot_ledger.clear()
 
-    def begin_pass(self) -> None:
-        """A new round of reductions starts: nothing is posted or reduced in it yet."""
+    def begin_pass(self, mode: PassMode = PassMode()) -> None:
+        """A new round of reductions starts, in `mode`: nothing is posted or reduced in it yet."""
+        self.mode = mode
+        self.fingerprints = {}
         for bucket in self._buckets.values():
             assert bucket.work is None, "begin_pass with reductions in flight"
             bucket.reduced_epoch = None
@@ -230,21 +245,26 @@ class GradientRecovery:
         bucket = self._state(grad)
         if self.check_finite:
             found = self.nonfinite_norm(grad)
-            if found is not None and not self.hold_nonfinite:
+            if found is not None and not self.mode.hold_nonfinite:
                 raise NonFiniteResult(f"found {found} in local grad norm for bucket "
                                       f"#{bucket.index} before the cross-replica reduction")
             self.nonfinite = self.nonfinite or found is not None
-        if self.fingerprint is not None:
-            self.fingerprints[bucket.index] = self.fingerprint(bucket.index, grad)
+        if self.mode.fingerprint is not None:
+            self.fingerprints[bucket.index] = self.mode.fingerprint(bucket.index, grad)
         bucket.snapshot.copy_(grad)
         bucket.snapshot_ledger = bucket.ledger.copy()
-        if not self.contributing or self.nonfinite:
+        if not self.mode.contributing or self.nonfinite:
             grad.zero_()
             bucket.ledger.clear()
         bucket.sent = bucket.ledger.copy()
         # From here on `grad` holds the replica's (then the replicas') sum, not this rank's own.
         bucket.ledger = Ledger(known=False)
         self._post(bucket)
+
+    def keep_rerun(self) -> None:
+        """A non-finite first pass was rerun finite and is kept: its buckets' snapshots hold
+        the rerun's gradient, which this rank contributes from the next round on."""
+        self.nonfinite = False
 
     def any_nonfinite(self) -> bool:
         """Whether some bucket of this rank fails the check now (after a rerun's pass)."""

@@ -46,7 +46,7 @@ import torch
 
 from megatron_recover.policy import ADAPTIVE, RESERVE
 from megatron_recover.recovery.checks.base import HOLD, Check
-from megatron_recover.recovery.gradients import GradientRecovery
+from megatron_recover.recovery.gradients import GradientRecovery, PassMode
 from megatron_recover.recovery.lane import CommitLane, LaneHead, Verdict, VerdictCodec
 from megatron_recover.recovery.ledger import LaneLayout
 from megatron_recover.recovery.report import StepReport
@@ -150,8 +150,7 @@ class Round:
         self.extended = False
         for check in self.checks:
             check.begin(self, iteration)
-        self.recovery.begin_pass()
-        self.recovery.contributing = work.contributes_first_pass
+        self.recovery.begin_pass(self._mode(work.contributes_first_pass, first=True))
         p.faults.at("pre-forward", iteration)
         self._run(iteration, *self.share(work.first_pass), losses, tokens,
                   overlap=p.overlap_grad_reduce, first=True)
@@ -273,6 +272,14 @@ class Round:
     def _after_post(self) -> None:
         self.p.faults.at("after-post", self.iteration)
 
+    def _mode(self, contributing: bool, first: bool) -> PassMode:
+        """The mode of a round of reductions: whether this replica contributes, and what the
+        checks ask of it (`Check.pass_mode`; `first`: the iteration's first pass)."""
+        fields = {}
+        for check in self.checks:
+            fields.update(check.pass_mode(self, first))
+        return PassMode(contributing=contributing, **fields)
+
     def run_pass(self, iteration: int, ids: list[int], losses: dict[int, float],
                  tokens: dict[int, int], padding: int = 0) -> PassTimer:
         """The pass runner on `ids` and `padding` (and a slowdown the failure schedule asks
@@ -325,10 +332,10 @@ class Round:
         """
         self.p.faults.at("during-restore", iteration)
         held = any(check.holds_own(self) for check in self.checks)
-        self.recovery.begin_pass()
+        contributing = (work.contributes_first_pass or self.extended) and not held
+        self.recovery.begin_pass(self._mode(contributing, first=False))
         if self.p.restore and not held:
             self.recovery.rewind()
-        self.recovery.contributing = (work.contributes_first_pass or self.extended) and not held
         self.recovery.reduce_all()
 
     def _extension_pass(self, iteration: int, work, losses: dict[int, float],
@@ -338,17 +345,14 @@ class Round:
         first forward on CUDA), except those megatron syncs inside the replica after backward,
         which run the pass empty (so the sync sees only the new gradients) and get their
         snapshots added after it. A replica that counted nothing yet starts from empty buckets."""
-        self.recovery.begin_pass()
         self.extended = True
-        for check in self.checks:
-            check.extension(self)
+        self.recovery.begin_pass(self._mode(True, first=False))
         extension = work.extension
         counted_before = len(work.contributed) - len(extension)
         if self.p.restore and counted_before > 0:
             self.recovery.rewind_under_pass()
         elif self.p.restore:
             self.recovery.zero()
-        self.recovery.contributing = True
         self.p.faults.at("during-extension", iteration)
         # A shard may get none of its instance's extension ids: a pass cannot run zero
         # microbatches, and the shard has nothing to add but still joins the reductions (and,

@@ -61,8 +61,8 @@ def _sdc_test():
 
 MUTATIONS = [
     ("nonfinite-reruns: a non-finite bucket not held out (raises at once)",
-     CHECKS + "nonfinite.py", "core.recovery.hold_nonfinite = True",
-     "core.recovery.hold_nonfinite = False",
+     CHECKS + "nonfinite.py", 'return {"hold_nonfinite": not core.extended}',
+     'return {"hold_nonfinite": False}',
      test_nonfinite_rerun.test_a_transient_nan_is_kept_and_the_run_is_the_failure_free_one),
     ("sdc: a mismatch never holds the round",
      CHECKS + "sdc.py", "return HOLD if any(self._sets(verdict).values()) else COMMIT",

@@ -153,8 +153,8 @@ def test_without_reruns_bad_data_takes_replicas_out_one_by_one():
 # Each must make one of the runs above fail its checks.
 MUTATIONS = [
     ("the held-out bucket sent anyway",
-     "        if not self.contributing or self.nonfinite:\n",
-     "        if not self.contributing:\n", "megatron_recover/recovery/gradients.py", "keep"),
+     "        if not self.mode.contributing or self.nonfinite:\n",
+     "        if not self.mode.contributing:\n", "megatron_recover/recovery/gradients.py", "keep"),
     ("the held-out first pass not said in the lane",
      "nonfinite=frozenset([core.p.replica] if core.recovery.nonfinite else [])",
      "nonfinite=frozenset()", "megatron_recover/recovery/checks/nonfinite.py", "keep"),

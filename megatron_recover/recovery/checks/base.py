@@ -15,7 +15,7 @@ and agrees on a verdict. Every registered check rides in that round:
     asking HOLD the first registered acts (`act`): it runs what it needs (reruns, an
     arbitration) and returns the replicas to evict as failed ones, or none, and then the core
     reduces the same contributions again (a blocking restore) and asks again;
-  * the remaining hooks (`begin`, `first_pass_done`, `extension`, `holds_own`, `reran_own`,
+  * the remaining hooks (`begin`, `pass_mode`, `first_pass_done`, `holds_own`, `reran_own`,
     `commit_inputs`, `committed`) let a check prepare an iteration, say whether this replica's
     contribution is held out, feed the policy's commit and fill its fields of the step report.
 
@@ -68,8 +68,10 @@ class Check:
         """Replicas died in this round: the replicas to treat as dead (`new_dead`, or more)."""
         return new_dead
 
-    def extension(self, core) -> None:
-        """An extension pass starts."""
+    def pass_mode(self, core, first: bool) -> dict:
+        """Fields of the next round of reductions' `gradients.PassMode` (`first`: the
+        iteration's first pass)."""
+        return {}
 
     def reran_own(self, core) -> None:
         """This replica's buckets now hold a rerun of its own first pass (another check ran

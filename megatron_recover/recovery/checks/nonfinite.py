@@ -48,10 +48,9 @@ class NonfiniteReruns(Check):
 
     def begin(self, core, iteration):
         self._reruns, self._rerun_ids, self._rerun_bad, self._kept = {}, {}, RerunView(), set()
-        core.recovery.hold_nonfinite = True
 
-    def extension(self, core):
-        core.recovery.hold_nonfinite = False  # reruns classify first passes only
+    def pass_mode(self, core, first):
+        return {"hold_nonfinite": not core.extended}  # reruns classify first passes only
 
     def holds_own(self, core):
         return core.p.replica in self._reruns
@@ -118,7 +117,7 @@ class NonfiniteReruns(Check):
         self._reruns, self._rerun_bad = {}, RerunView()
         self._kept.update(kept)
         if p.replica in kept:
-            core.recovery.nonfinite = False  # its buckets' snapshot holds the rerun's gradient
+            core.recovery.keep_rerun()  # its buckets' snapshot holds the rerun's gradient
         return sorted(evict - core.dead_replicas)
 
     def on_failure(self, core, iteration, new_dead):

@@ -68,15 +68,17 @@ class SampledVerification(Check):
                 p.buffers.zero()
                 p.optimizer.zero_grad()
                 core.recovery.begin_iteration()
-        if p.replica in self._checks:
-            core.recovery.fingerprint = self.fingerprint.bucket
-            core.recovery.fingerprints = {}
+
+    def pass_mode(self, core, first):
+        """A checked owner fingerprints its first pass's buckets as they go out (re-reductions
+        send the same or other ids)."""
+        checked = first and core.p.replica in self._checks
+        return {"fingerprint": self.fingerprint.bucket} if checked else {}
 
     def first_pass_done(self, core):
-        if core.recovery.fingerprint is not None:  # every bucket went out: each fingerprinted
+        if core.p.replica in self._checks:  # every bucket went out: each fingerprinted
             self._fingerprints["own"] = {
                 core.p.replica: sum_fingerprints(core.recovery.fingerprints)}
-            core.recovery.fingerprint = None  # re-reductions send the same or other ids
 
     def _run_for(self, core, iteration: int, ids: list[int]) -> torch.Tensor:
         """Run `ids` on empty buckets (`Round.run_for`) and fingerprint what they hold."""
