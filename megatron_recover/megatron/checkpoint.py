@@ -1,5 +1,5 @@
 """--recover's `--ckpt-format torch`: Megatron-LM's per-rank torch files, written after failures
-and resumed on fewer replicas; and the recovery state every --recover checkpoint carries.
+and resumed on fewer replicas; and the protocol state every --recover checkpoint carries.
 
 Two formats, as Megatron-LM's --ckpt-format: torch_dist (the default; `dist_checkpoint.py`
 writes and reads it, and it is the format stock runs use) and torch, this module's files, in
@@ -8,13 +8,14 @@ Megatron-LM's layout (megatron/training/checkpointing.py at core_v0.16.1):
   SAVE/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt   one (tensor, pipeline) position:
       Megatron-LM's keys (`checkpoint_common.megatron_common`: args, checkpoint_version, the
       FLOPs counter; iteration, model, optimizer, opt_param_scheduler, rng_state) and the
-      recovery state (`recover_state`: B, W_init, G_init, policy, mode, the policy layout,
-      reserve pointer)
+      protocol state (`recover_state`: `ProtocolState.state_dict()`, as snapshots and joins
+      carry it: B, W_init, G_init, policy, mode, the policy layout, reserve pointer, straggler
+      history, dead replicas, committed reserve ids)
   SAVE/iter_NNNNNNN/mp_rank_TT[_PPP]/distrib_optim.pt   with the distributed optimizer, its
       main parameters and Adam moments (its state_dict leaves them out), gathered from the
       shards by megatron-core's own save_parameter_state, as Megatron-LM writes it: it loads
       on any number of shards
-  SAVE/iter_NNNNNNN/recover_state.json   the recovery state, for people
+  SAVE/iter_NNNNNNN/recover_state.json   the protocol state, for people
   SAVE/latest_checkpointed_iteration.txt   the newest complete one
 
 Writing uses only groups without dead ranks: the lowest live replica (by the policy, which every
@@ -26,7 +27,6 @@ live replica's files are the checkpoint.
 
 import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -34,36 +34,9 @@ import torch.distributed as dist
 
 from megatron_recover.megatron import checkpoint_common, loading
 from megatron_recover.megatron import state as training_state
-from megatron_recover.policy import ADAPTIVE, Layout
-from megatron_recover.policy.adaptive import AdaptiveLayout
+from megatron_recover.recovery.protocol_state import ProtocolState
 
 TRACKER = loading.TRACKER
-
-
-@dataclass
-class RecoveryState:
-    """What the policy needs to continue a run."""
-
-    iteration: int
-    b: int
-    w_init: int
-    g_init: int
-    policy: str
-    mode: str
-    layout: object
-    reserve_next: int
-    live_replicas: tuple[int, ...]
-    ramp: tuple[int, ...] = ()  # B of each ramp-up iteration (--rampup-batch-size)
-
-    def to_dict(self) -> dict:
-        """Plain values only (a torch_dist checkpoint's common state is read with torch.load's
-        weights_only): the layout as its fields."""
-        return {**asdict(self), "layout": asdict(self.layout)}
-
-    @classmethod
-    def from_dict(cls, saved: dict) -> "RecoveryState":
-        layout_type = AdaptiveLayout if saved["policy"] == ADAPTIVE else Layout
-        return cls(**{**saved, "layout": layout_type(**saved["layout"])})
 
 
 MODEL_FILE = "model_optim_rng.pt"
@@ -87,7 +60,7 @@ def _files(directory, iteration: int, position: tuple[int, ...],
     return base / MODEL_FILE, base / OPTIMIZER_FILE
 
 
-def save(directory: Path, state: RecoveryState, chunks, optimizer, scheduler,
+def save(directory: Path, state: ProtocolState, chunks, optimizer, scheduler,
          position: tuple[int, ...], pipeline_size: int, common: dict, replica_group,
          local_rank: int, written=lambda: None) -> None:
     """Write this rank's position; call on every rank of the writing replica only. `common`:
@@ -108,7 +81,7 @@ def save(directory: Path, state: RecoveryState, chunks, optimizer, scheduler,
                for key, chunk in zip(training_state.model_keys(chunks), chunks)},
             "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict(),
             "rng_state": [checkpoint_common.rng_state()],
-            checkpoint_common.RECOVERY_KEY: state.to_dict()})
+            checkpoint_common.RECOVERY_KEY: state.state_dict()})
     written()
     if replica_group is not None:
         dist.barrier(group=replica_group)  # every position of this replica is on disk
@@ -190,19 +163,18 @@ def _parameter_state(optimizers: list, path: Path) -> list[dict]:
     return saved
 
 
-def write_summary(path: Path, state: RecoveryState) -> None:
-    """recover_state.json in the checkpoint directory `path`: the recovery state, for people."""
-    summary = {k: v for k, v in asdict(state).items() if k != "layout"}
-    role_of = getattr(state.layout, "role_of", lambda replica: "major")  # adaptive: all majors
-    summary["roles"] = {str(r): role_of(r) for r in state.live_replicas}
-    (path / "recover_state.json").write_text(json.dumps(summary, indent=2) + "\n")
+def write_summary(path: Path, state: ProtocolState) -> None:
+    """recover_state.json in the checkpoint directory `path`: the protocol state, for people
+    (`ProtocolState.summary`)."""
+    (path / "recover_state.json").write_text(json.dumps(state.summary(), indent=2) + "\n")
 
 
 def load(plan, chunks, optimizer, scheduler, position: tuple[int, ...], pipeline_size: int,
          cfg) -> tuple[int, dict | None]:
     """Load this position of the checkpoint `plan` (loading.LoadPlan) names into the model and,
     as the plan says, the optimizer with the scheduler and the generators. Returns the
-    checkpoint's iteration and its recovery state (None in a file Megatron-LM wrote)."""
+    checkpoint's iteration and its protocol state's `state_dict()` (None in a file Megatron-LM
+    wrote)."""
     model_file, optimizer_file = _files(plan.directory, plan.iteration, position,
                                         pipeline_size)
     saved = _read(model_file)

@@ -27,11 +27,11 @@ created over the world while it holds a dead rank. Copies are counted from the l
 replica, whose copies become the main ones (`_as_main_replica`). A failure during the save
 leaves that checkpoint incomplete and the run going on. When a standby joined (it has a torch
 world of its own) the lowest live replica writes alone, over its own training group. The
-checkpoint also holds the recovery state (`recover_state`: B, W_init, the policy layout, ...);
-a stock run's load ignores it, and a --recover load of a stock checkpoint starts the policy
-afresh at its iteration. Distributed-optimizer state is Megatron-LM's `dp_reshardable` format,
-so a checkpoint loads on another data-parallel size (another replica count, or another number
-of shards).
+checkpoint also holds the protocol state (`recover_state`: `ProtocolState.state_dict()`, B,
+W_init, the policy layout, ...); a stock run's load ignores it, and a --recover load of a stock
+checkpoint starts the policy afresh at its iteration. Distributed-optimizer state is
+Megatron-LM's `dp_reshardable` format, so a checkpoint loads on another data-parallel size
+(another replica count, or another number of shards).
 
 With --async-save a save returns once its tensors are in host memory; a forked process writes
 them, and a later iteration completes the checkpoint (`AsyncSaves`).
@@ -335,7 +335,7 @@ def save(directory, iteration: int, chunks, optimizer, scheduler, common: dict,
          written=lambda: None, saves: AsyncSaves | None = None) -> None:
     """Write iteration `iteration`'s checkpoint, with the `common` keys
     (`checkpoint_common.megatron_common`). Stock runs: every rank calls. --recover: the ranks
-    of `writers` call, with the `recovery` state. All return once it is complete and the
+    of `writers` call, with the `recovery` state (`ProtocolState.state_dict()`). All return once it is complete and the
     tracker names it; until then the tracker names the previous one. `written()` is called on
     each writer once its part is on disk, before the tracker moves. With `saves`
     (--async-save) they return once their tensors are in host memory, and a later

@@ -13,6 +13,7 @@ from megatron_recover.megatron import standby
 from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.recovery import ResilientTrainer
+from megatron_recover.recovery.protocol_state import ProtocolState, capture
 
 
 def state_digests(setup: RankSetup) -> dict:
@@ -22,16 +23,12 @@ def state_digests(setup: RankSetup) -> dict:
 
 def join_state(trainer: ResilientTrainer, setup: RankSetup, iteration: int) -> dict:
     """Everything a joiner needs to continue after `iteration` as a live replica does: the
-    complete training state (`state.capture`) and the recovery layer's."""
+    complete training state (`state.capture`) and the protocol's (`ProtocolState.state_dict()`
+    under `protocol`, as checkpoints and snapshots carry it)."""
     trainer.gather_parameters()
-    policy = trainer.p.policy
-    return {"iteration": iteration, "position": setup.checkpoint_position,
+    return {"position": setup.checkpoint_position,
             **training_state.capture(setup.chunks, setup.optimizer, setup.scheduler),
-            "layout": policy.layout, "last_committed": policy.last_committed,
-            "reserve_next": policy.reserve_next, "speeds": policy.speeds,
-            "dead_replicas": sorted(trainer.dead_replicas),
-            "replica_of_rank": dict(trainer.p.replica_of_rank),
-            "committed_reserve": sorted(trainer.p.audit.committed_reserve),
+            "protocol": capture(trainer, iteration).state_dict(),
             "digests": state_digests(setup)}
 
 
@@ -95,6 +92,7 @@ class Call:
     """A standby's join, once it holds the state (`wait_for_call`)."""
 
     state: dict  # its donor's `join_state`
+    protocol: ProtocolState  # ... its protocol state
     replica_index: int  # the replica id it took
     joined: dict[int, int]  # world rank -> replica id: every rank that joined with it
     lost: list[int]  # ranks lost during the join
@@ -137,13 +135,14 @@ def wait_for_call(w_init: int, setup: RankSetup, pool: standby.Pool, faults,
     if state["position"] != setup.checkpoint_position:
         raise RuntimeError(f"standby join: the state received is of position "
                            f"{state['position']}, this rank's is {setup.checkpoint_position}")
-    dead = {state["replica_of_rank"][r] for r in lost if r in state["replica_of_rank"]}
+    protocol = ProtocolState.from_state_dict(state["protocol"])
+    dead = {protocol.replica_of_rank[r] for r in lost if r in protocol.replica_of_rank}
     settled = standby.settle(replica_group, w_init, assignment, group.members, alive, dead)
     if pool.rank not in settled.joined:
         leave("join abandoned: the state did not reach every position of this replica")
     lost += standby.drop_members(group, settled.dropped)
-    return Call(state, assignment[pool.rank], settled.joined, lost, settled.dead, called,
-                received)
+    return Call(state, protocol, assignment[pool.rank], settled.joined, lost, settled.dead,
+                called, received)
 
 
 def continue_as_joiner(trainer: ResilientTrainer, call: Call, setup: RankSetup,
@@ -155,11 +154,10 @@ def continue_as_joiner(trainer: ResilientTrainer, call: Call, setup: RankSetup,
         trainer.add_event(failure)
     event = {"event": "join", "replicas": sorted(set(call.joined.values())),
              "ranks": sorted(call.joined), "epoch": setup.group.epoch, "called": call.called,
-             "state_received": call.received, "after_iteration": call.state["iteration"]}
+             "state_received": call.received, "after_iteration": call.protocol.iteration}
     trainer.add_event(dict(event))
-    return call.state["iteration"] + 1, {**event, "replica": setup.replica_index,
-                                         "state_bytes": training_state.tensor_bytes(call.state),
-                                         "waited_s": pool.waited_s,
-                                         "wait_cpu_s": pool.wait_cpu_s,
-                                         "donor_digests": call.state["digests"],
-                                         "digests": state_digests(setup), "contributions": {}}
+    return call.protocol.iteration + 1, {
+        **event, "replica": setup.replica_index,
+        "state_bytes": training_state.tensor_bytes(call.state), "waited_s": pool.waited_s,
+        "wait_cpu_s": pool.wait_cpu_s, "donor_digests": call.state["digests"],
+        "digests": state_digests(setup), "contributions": {}}

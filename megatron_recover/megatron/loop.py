@@ -28,8 +28,8 @@ from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.progress import ExitRequests, Progress
 from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.megatron.report import RecoverLog
-from megatron_recover.megatron.resume import recovery_state
 from megatron_recover.recovery import ResilientTrainer
+from megatron_recover.recovery.protocol_state import capture
 
 # Records of committed iterations a rank keeps until it sees them written (recovery log).
 PENDING_RECORDS = 1000
@@ -250,7 +250,7 @@ class ResilientStepper:
         trainer, setup = self.trainer, self.setup
         trainer.gather_parameters()
         lowest = min(trainer.p.policy.layout.replicas)
-        state = recovery_state(trainer.p.policy, iteration)
+        state = capture(trainer, iteration)
 
         def written():  # this rank's part is on disk; the tracker has not moved
             if setup.local_rank == 0 and trainer.p.replica == lowest:
@@ -278,7 +278,7 @@ class ResilientStepper:
                 self.saves.abandon()
             return
         dist_checkpoint.save(self.cfg.checkpoint.save, iteration, setup.chunks,
-                             setup.optimizer, setup.scheduler, common, state.to_dict(), writers,
+                             setup.optimizer, setup.scheduler, common, state.state_dict(), writers,
                              written, self.saves)
 
     def _poll(self, blocking: bool = False) -> None:
@@ -321,7 +321,7 @@ class ResilientStepper:
         trainer.gather_parameters()
         self.snapshots.take(iteration, {
             **training_state.capture(setup.chunks, setup.optimizer, setup.scheduler),
-            "recovery": recovery_state(trainer.p.policy, iteration)})
+            "protocol": capture(trainer, iteration).state_dict()})
 
     def exit_agreed(self, result: StepResult) -> bool:
         return result.exit_requested  # agreed in the step's commit lane

@@ -1,7 +1,7 @@
 """Where a --recover run starts: the newest state the job left (in-memory snapshots after a
 relaunch, or the on-disk checkpoint of --load, whichever is newer) and the policy that continues
-it on this run's replicas; and the recovery state that checkpoints and snapshots record so that
-a later run can continue.
+it on this run's replicas. What checkpoints and snapshots record of the protocol, so that a later
+run can continue, is `recovery.protocol_state.ProtocolState`, as a standby's join carries it.
 """
 
 import time
@@ -15,7 +15,8 @@ from megatron_recover.megatron import (
     snapshot,
 )
 from megatron_recover.megatron.rank_setup import RankSetup
-from megatron_recover.policy import ADAPTIVE, WorkloadPolicy, advance_layout
+from megatron_recover.policy import ADAPTIVE, WorkloadPolicy
+from megatron_recover.recovery.protocol_state import ProtocolState, resume_policy
 
 
 @dataclass
@@ -25,6 +26,9 @@ class Start:
     policy: WorkloadPolicy
     replica_ids: list[int]  # the policy's replica id of each data-parallel rank
     first_iteration: int
+    # The protocol state resumed (None: a fresh run): its dead replicas (without this run's
+    # ids) and committed reserve ids go to the trainer, as a joiner's do.
+    protocol: ProtocolState | None = None
 
 
 def starting_point(cfg, rank: int, setup: RankSetup) -> Start:
@@ -37,15 +41,15 @@ def starting_point(cfg, rank: int, setup: RankSetup) -> Start:
     if rank == 0:
         print(f"megatron-recover: resumed iteration {state.iteration} from {source}: replicas "
               f"{replica_ids} continue the run's {list(state.live_replicas)}", flush=True)
-    return Start(policy, replica_ids, state.iteration + 1)
+    continued = replace(state, dead_replicas=state.dead_replicas - set(replica_ids))
+    return Start(policy, replica_ids, state.iteration + 1, continued)
 
 
-def load_newest(cfg, rank: int,
-                setup: RankSetup) -> tuple[checkpoint.RecoveryState | None, str]:
+def load_newest(cfg, rank: int, setup: RankSetup) -> tuple[ProtocolState | None, str]:
     """Load the newest state this job left into the model, optimizer and scheduler: in-memory
     snapshots (after a relaunch) unless the on-disk checkpoint of --load is newer; (None, "")
     when there is neither, or when the checkpoint is a fine-tune's start (`loading.py`: the
-    model only, the run from iteration 1). Returns the recovery state and where it came from."""
+    model only, the run from iteration 1). Returns the protocol state and where it came from."""
     say = loading.printer(rank)
     plan = loading.plan(cfg.checkpoint, say=say)
     on_disk = plan.iteration if plan is not None and plan.resumes else None
@@ -72,9 +76,9 @@ def load_newest(cfg, rank: int,
     return None, ""
 
 
-def _load(cfg, plan, setup: RankSetup) -> checkpoint.RecoveryState:
+def _load(cfg, plan, setup: RankSetup) -> ProtocolState:
     """Load the checkpoint `plan` names, in the format it was written in. A checkpoint Megatron-LM
-    or a stock run wrote holds no recovery state: the policy starts afresh at its iteration, on
+    or a stock run wrote holds no protocol state: the policy starts afresh at its iteration, on
     every replica of this run."""
     if dist_checkpoint.is_torch_dist(plan.path):
         iteration, saved = dist_checkpoint.load(plan, setup.chunks, setup.optimizer,
@@ -84,11 +88,11 @@ def _load(cfg, plan, setup: RankSetup) -> checkpoint.RecoveryState:
                                            setup.scheduler, setup.checkpoint_position,
                                            cfg.parallel.pipeline_model_parallel_size, cfg)
     if saved is not None:
-        return checkpoint.RecoveryState.from_dict(saved)
-    return recovery_state(WorkloadPolicy(mcore_config.to_policy_config(cfg)), iteration)
+        return ProtocolState.from_state_dict(saved)
+    return ProtocolState.initial(mcore_config.to_policy_config(cfg), iteration)
 
 
-def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
+def resumed_policy(cfg, state: ProtocolState, num_replicas: int):
     """(policy, replica id of each data-parallel rank) continuing a checkpoint or snapshot on
     `num_replicas` replicas, keeping B. Original replica ids are reused: the survivors' first."""
     config = mcore_config.to_policy_config(cfg)
@@ -106,20 +110,7 @@ def resumed_policy(cfg, state: checkpoint.RecoveryState, num_replicas: int):
     live = list(state.live_replicas)
     spare_ids = [r for r in range(state.w_init) if r not in live]
     ids = sorted((live + spare_ids)[:num_replicas])
-    layout = state.layout
-    if ids != sorted(live):
-        if state.policy == ADAPTIVE:
-            raise ValueError(f"resuming: the adaptive policy resumes on its {len(live)} live "
-                             f"replicas only, not {num_replicas}")
-        layout = advance_layout(ids, layout.b)
-    config = replace(config, w_init=state.w_init, g_init=state.g_init)
-    return WorkloadPolicy.resume(config, layout, state.iteration, state.reserve_next), ids
-
-
-def recovery_state(policy: WorkloadPolicy, iteration: int) -> checkpoint.RecoveryState:
-    """What the policy needs to continue after `iteration` (checkpoints and snapshots)."""
-    return checkpoint.RecoveryState(
-        iteration=iteration, b=policy.config.b, w_init=policy.config.w_init,
-        g_init=policy.config.g_init, policy=policy.config.policy, mode=policy.config.mode,
-        layout=policy.layout, reserve_next=policy.reserve_next,
-        live_replicas=tuple(policy.layout.replicas), ramp=policy.config.ramp)
+    if ids != sorted(live) and state.policy == ADAPTIVE:
+        raise ValueError(f"resuming: the adaptive policy resumes on its {len(live)} live "
+                         f"replicas only, not {num_replicas}")
+    return resume_policy(state, config, ids), ids

@@ -11,11 +11,12 @@ iteration boundary and a helper thread writes the copy into node-local shared me
 
 one file per position and node, written by the lowest live replica with a rank there (replicas
 hold the same bytes): the position's model, optimizer (with the distributed optimizer's main
-parameters and Adam moments), loss scaler, scheduler, RNG states and the recovery state (policy
-layout, data position). A file is written under a temporary name and renamed when complete: the
-rename is its completion marker, so a snapshot torn by the failure is never read. Each writer
-keeps its newest complete snapshot until the next one is complete (two buffers): its files of
-older iterations are deleted only then.
+parameters and Adam moments), loss scaler, scheduler, RNG states and the protocol state
+(`ProtocolState.state_dict()` under `protocol`, as checkpoints and joins carry it: the policy
+layout, the straggler history, the committed reserve ids, ...). A file is written under a
+temporary name and renamed when complete: the rename is its completion marker, so a snapshot
+torn by the failure is never read. Each writer keeps its newest complete snapshot until the next
+one is complete (two buffers): its files of older iterations are deleted only then.
 
 Replicas hold identical states, so every surviving replica holds a full copy of the model state,
 and with distributed-optimizer instances every instance holds every shard index. A relaunch
@@ -37,8 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, groups, loading
+from megatron_recover.megatron import groups, loading
 from megatron_recover.megatron import state as training_state
+from megatron_recover.recovery.protocol_state import ProtocolState
 
 
 def position_name(position: tuple[int, ...]) -> str:
@@ -150,7 +152,8 @@ class Snapshots:
                 and bool(here) and min(here) == self.replica)
 
     def take(self, iteration: int, state: dict) -> None:
-        """Snapshot `state` (what `state.capture` returns plus the recovery state)
+        """Snapshot `state` (what `state.capture` returns plus the protocol state's
+        `state_dict()` under `protocol`)
         as of the end of `iteration`; blocks only for the copy (and a write still running)."""
         start = time.perf_counter()
         self.wait()
@@ -246,7 +249,7 @@ def choose(inventories: list[tuple[str, str, dict[int, set[str]]]]) -> int | Non
 
 
 def restore(directory: Path, group, position: tuple[int, ...], chunks, optimizer,
-            scheduler, after: int = 0) -> checkpoint.RecoveryState | None:
+            scheduler, after: int = 0) -> ProtocolState | None:
     """Resume from the newest snapshot the surviving nodes hold in full (see the module
     docstring), if it is newer than iteration `after` (an on-disk checkpoint's); None when
     there is none. Every rank of the (torch) world calls it at start-up.
@@ -288,4 +291,4 @@ def restore(directory: Path, group, position: tuple[int, ...], chunks, optimizer
     if dist.get_rank() == min(r for r, (h, _, _) in enumerate(everyone) if h == hostname):
         prune(directory, lambda t: t != iteration)
     dist.barrier(group=groups.world_control())
-    return saved["recovery"]
+    return ProtocolState.from_state_dict(saved["protocol"])
