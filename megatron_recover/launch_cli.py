@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the hosts' network: MPI's and torch.distributed's traffic use it")
     hosts.add_argument("--stall-timeout", type=float, default=None,
                        help="seconds without a committed iteration after which the job counts "
-                            "as hung (default: 11 x the command's --recover-hang-timeout)")
+                            f"as hung (default: {relaunch.STALL_FACTOR} x the command's "
+                            "--recover-hang-timeout)")
     parser.add_argument("--status-dir", type=Path, default=None,
                         help="where ranks write their status files (default: a temporary dir)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="hard limit, seconds")

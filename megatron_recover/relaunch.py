@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S, LAST_RESORT_FACTOR
 from megatron_recover.launch import (
     RUN_ID_ENV,
     LaunchConfig,
@@ -48,8 +49,7 @@ from megatron_recover.launch import (
 # exits first, "A daemon failed to report back" (Remote host: NAME).
 _LOST_DAEMON = re.compile(r"Remote daemon:\s*\S+ on node (\S+)|Remote host:\s*(\S+)")
 PROBE_TIMEOUT_S = 10.0
-DEFAULT_HANG_TIMEOUT_S = 60.0  # pretrain_gpt_recover.py's --recover-hang-timeout default
-STALL_FACTOR = 11  # the in-job last resort waits 10 x the hang timeout
+STALL_FACTOR = LAST_RESORT_FACTOR + 1  # past the in-job last resort
 # Ranks that completed leave within their final consensus's timeout of each other
 # (runtime.FINAL_CONSENSUS_TIMEOUT_S); a job still running this long after the first completed
 # waits for what will not come.

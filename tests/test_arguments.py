@@ -21,11 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_recover.megatron.arguments import (
-    DEFAULT_HANG_TIMEOUT_S,
-    LEGACY_DEFAULT_SPLIT,
-    parse_args,
-)
+from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S
+from megatron_recover.megatron.arguments import LEGACY_DEFAULT_SPLIT, parse_args
 from megatron_recover.megatron.mcore_config import (
     padded_vocab_size,
     to_ddp_config,

@@ -9,12 +9,13 @@ from megatron_recover.faults import schedule as schedule_module
 from megatron_recover.faults.injection import read_markers
 from megatron_recover.faults.schedule import (
     LOCATIONS,
+    FailureSchedule,
     Overflow,
     ScheduledFaults,
     ScheduleEntry,
+    StandbyEntry,
     generate_schedule,
     injection_report,
-    load_overflows,
     load_schedule,
     write_schedule,
 )
@@ -60,21 +61,45 @@ def test_bad_entries_name_the_problem(tmp_path, entry, message):
         load_schedule(write(tmp_path, f"entries:\n  - {entry}\n"), 4, 2, 10)
 
 
+def overflows(path, b_at=lambda t: 8):
+    return FailureSchedule.load(path, 4, 1, 10, b_at).overflows
+
+
 def test_overflows(tmp_path):
     path = write(tmp_path, "entries: []\noverflows:\n  - {iteration: 3, microbatch_id: 5}\n")
     assert load_schedule(path, 4, 1, 10) == []
-    assert load_overflows(path, lambda t: 8, 10) == [Overflow(3, 5)]
-    assert load_overflows(write(tmp_path, "entries: []\n"), lambda t: 8, 10) == []
+    assert overflows(path) == (Overflow(3, 5),)
     ramp = {1: 2, 2: 4, 3: 4}  # a batch-size ramp-up: iteration 3 has ids 0..3 only
     with pytest.raises(ValueError, match=r"microbatch_id must be in 0..3 \(the ids of iteration 3"):
-        load_overflows(write(tmp_path, "overflows:\n  - {iteration: 3, microbatch_id: 5}\n"),
-                       lambda t: ramp.get(t, 8), 10)
+        overflows(path, lambda t: ramp.get(t, 8))
+    assert overflows(write(tmp_path, "entries: []\n")) == ()
     for bad, message in (("{iteration: 3, microbatch_id: 8}", "microbatch_id must be in 0..7"),
                          ("{iteration: 0, microbatch_id: 1}", "iteration must be in 1..10"),
                          ("{iteration: 3}", "exactly the keys")):
         with pytest.raises(ValueError, match=message):
-            load_overflows(write(tmp_path, f"entries: []\noverflows:\n  - {bad}\n"),
-                           lambda t: 8, 10)
+            overflows(write(tmp_path, f"entries: []\noverflows:\n  - {bad}\n"))
+
+
+def test_one_read_holds_every_part(tmp_path):
+    schedule = FailureSchedule.load(write(tmp_path, (
+        "entries:\n  - {iteration: 2, replica: 1, local_rank: 0, location: backward}\n"
+        "standbys:\n  - {standby: 0, location: idle}\n"
+        "overflows:\n  - {iteration: 3, microbatch_id: 1}\n"
+        "bad_samples:\n  - {iteration: 4, microbatch_id: 2}\n"
+        "slow_snapshot_writes:\n  - {iteration: 6, seconds: 1.5}\n")), 2, 1, 10,
+        lambda t: 4, standbys=1)
+    assert schedule.entries == (ScheduleEntry(2, 1, 0, "backward"),)
+    assert schedule.standbys == (StandbyEntry(0, "idle"),)
+    assert (schedule.overflows, schedule.bad_samples) == ((Overflow(3, 1),), (Overflow(4, 2),))
+    assert schedule.slow_snapshot_writes == {6: 1.5}
+    for part, message in (("standbys:\n  - {standby: 1, location: idle}\n", "standby 1 does not"),
+                          ("bad_samples:\n  - {iteration: 4, microbatch_id: 4}\n",
+                           "bad sample 0: microbatch_id must be in 0..3"),
+                          ("slow_snapshot_writes:\n  - {iteration: 11, seconds: 1}\n",
+                           "iterations in 1..10")):
+        with pytest.raises(ValueError, match=message):
+            FailureSchedule.load(write(tmp_path, "entries: []\n" + part), 2, 1, 10, lambda t: 4,
+                                 standbys=1)
 
 
 def test_a_slow_rank_sleeps_in_its_iterations_and_marks_the_start(tmp_path, monkeypatch):

@@ -136,9 +136,18 @@ class ScheduleEntry:
 
 def load_schedule(path: Path, num_replicas: int, ranks_per_replica: int,
                   train_iters: int, standbys: int = 0) -> list[ScheduleEntry]:
-    """Read and validate a schedule's entries; ValueError names the entry and what to change.
+    """Read and validate a schedule's entries alone (a run reads all of it: `FailureSchedule`)."""
+    return _entries(path, _read(path), num_replicas, ranks_per_replica, train_iters, standbys)
+
+
+def _read(path: Path):
+    return yaml.safe_load(Path(path).read_text()) or {}
+
+
+def _entries(path: Path, data, num_replicas: int, ranks_per_replica: int,
+             train_iters: int, standbys: int) -> list[ScheduleEntry]:
+    """Validate a schedule's entries; ValueError names the entry and what to change.
     `standbys`: the run's standby replicas (replica ids can then die more than once)."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise ValueError(f"{path}: expected a top-level 'entries' list")
     entries = []
@@ -230,9 +239,8 @@ class StandbyEntry:
     location: str
 
 
-def load_standby_entries(path: Path, standbys: int) -> list[StandbyEntry]:
+def _standby_entries(path: Path, data, standbys: int) -> list[StandbyEntry]:
     """The schedule's `standbys` list; ValueError names the entry and what to change."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
     raws = data.get("standbys", []) if isinstance(data, dict) else []
     if not isinstance(raws, list):
         raise ValueError(f"{path}: 'standbys' must be a list of {{standby, location}}")
@@ -260,20 +268,10 @@ class Overflow:
     microbatch_id: int
 
 
-def load_overflows(path: Path, b_at, train_iters: int) -> list[Overflow]:
-    """The schedule's forced fp16 overflows; ValueError names the entry and what to change.
-    `b_at(iteration)`: that iteration's B (its microbatch ids are 0..B-1)."""
-    return _load_microbatches(path, "overflows", "overflow", b_at, train_iters)
-
-
-def load_bad_samples(path: Path, b_at, train_iters: int) -> list[Overflow]:
-    """The schedule's microbatches whose loss turns NaN wherever they run (`bad_samples`)."""
-    return _load_microbatches(path, "bad_samples", "bad sample", b_at, train_iters)
-
-
-def _load_microbatches(path: Path, key: str, name: str, b_at,
-                       train_iters: int) -> list[Overflow]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+def _microbatches(path: Path, data, key: str, name: str, b_at,
+                  train_iters: int) -> list[Overflow]:
+    """The schedule's `overflows` or `bad_samples` (`key`); ValueError names the entry and what
+    to change. `b_at(iteration)`: that iteration's B (its microbatch ids are 0..B-1)."""
     raws = data.get(key, []) if isinstance(data, dict) else []
     if not isinstance(raws, list):
         raise ValueError(f"{path}: '{key}' must be a list of {{iteration, microbatch_id}}")
@@ -293,9 +291,8 @@ def _load_microbatches(path: Path, key: str, name: str, b_at,
     return found
 
 
-def load_slow_snapshot_writes(path: Path, train_iters: int) -> dict[int, float]:
+def _slow_snapshot_writes(path: Path, data, train_iters: int) -> dict[int, float]:
     """The schedule's `slow_snapshot_writes`: iteration -> seconds the writer pauses."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
     raws = data.get("slow_snapshot_writes", []) if isinstance(data, dict) else []
     if not isinstance(raws, list) or not all(isinstance(r, dict) and set(r) == {
             "iteration", "seconds"} for r in raws):
@@ -306,6 +303,34 @@ def load_slow_snapshot_writes(path: Path, train_iters: int) -> dict[int, float]:
         raise ValueError(f"{path}: slow_snapshot_writes: iterations in 1..{train_iters}, "
                          "seconds > 0")
     return pauses
+
+
+@dataclass(frozen=True)
+class FailureSchedule:
+    """A run's failure schedule (--recover-failure-schedule), read and validated once at
+    start-up (`load`), every part of it."""
+
+    path: Path
+    entries: tuple[ScheduleEntry, ...]
+    standbys: tuple[StandbyEntry, ...]  # kills of standby replicas
+    overflows: tuple[Overflow, ...]  # forced fp16 overflows
+    bad_samples: tuple[Overflow, ...]  # microbatches whose loss turns NaN wherever they run
+    slow_snapshot_writes: dict[int, float]  # iteration -> seconds the snapshot writer pauses
+
+    @classmethod
+    def load(cls, path: Path, num_replicas: int, ranks_per_replica: int, train_iters: int,
+             b_at, standbys: int = 0) -> "FailureSchedule":
+        """Read `path` and check each part against the job; ValueError names the entry and
+        what to change. `b_at(iteration)`: that iteration's B; `standbys`: the run's standby
+        replicas."""
+        data = _read(path)
+        return cls(
+            Path(path),
+            tuple(_entries(path, data, num_replicas, ranks_per_replica, train_iters, standbys)),
+            tuple(_standby_entries(path, data, standbys)),
+            tuple(_microbatches(path, data, "overflows", "overflow", b_at, train_iters)),
+            tuple(_microbatches(path, data, "bad_samples", "bad sample", b_at, train_iters)),
+            _slow_snapshot_writes(path, data, train_iters))
 
 
 def write_schedule(entries: list[ScheduleEntry], path: Path) -> None:

@@ -48,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from megatron_recover.goodput.ettr import Allocation, ettr
+from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S
 
 HOUR_S = 3600.0
 DAY_S = 24 * HOUR_S
@@ -110,7 +111,7 @@ class Costs:
     memory_save_s: float = 1.0           # in-memory checkpoints
     memory_load_s: float = 10.0
     recover_detection_s: float = 1.0     # ULFM's failure notice
-    recover_hang_timeout_s: float = 60.0  # --recover-hang-timeout's default
+    recover_hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # --recover-hang-timeout's default
     recover_repair_s: float = 1.0        # revoke, shrink, agree
     recover_restore_s: float | None = None  # measured detection-to-restored time (from a log)
     join_s: float = 30.0                 # a standby receives the state and joins

@@ -19,6 +19,7 @@ import json
 import signal
 from pathlib import Path
 
+from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S
 from megatron_recover.megatron import argument_table, interleaving, moe_arguments
 from megatron_recover.megatron.config import (
     CheckpointConfig,
@@ -38,16 +39,13 @@ from megatron_recover.megatron.tokenizer import ARGUMENTS as TOKENIZER_ARGUMENTS
 from megatron_recover.megatron.tokenizer import TIKTOKEN, TIKTOKEN_PATTERNS, TOKENIZER_TYPES
 from megatron_recover.megatron.tokenizer import flag as tokenizer_flag
 from megatron_recover.policy.rampup import GlobalBatches
+from megatron_recover.policy.speed import DEFAULT_WINDOW as DEFAULT_STRAGGLER_WINDOW
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 # Megatron-LM's default split for --data-path when --split is absent (it warns and uses it).
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 # --exit-signal takes any signal name, as Megatron-LM's parser does; these two cannot be caught.
 UNCATCHABLE_SIGNALS = ("SIGKILL", "SIGSTOP")
-# Hang detection (Open MPI's threaded failure detector) for --recover runs: a frozen rank is
-# declared failed after this long. Minutes-long stalls are rare on healthy GPU clusters, and a
-# heartbeat every 30 s costs nothing measurable; tests use a few seconds.
-DEFAULT_HANG_TIMEOUT_S = 60.0
 
 # ---------------------------------------------------------------------------------------------
 # The parser
@@ -263,9 +261,9 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                         f"seconds (Open MPI's failure detector; default {DEFAULT_HANG_TIMEOUT_S:g}"
                         ", 0: off)")
     g.add_argument("--recover-ranks-per-device", type=int, default=1, metavar="N",
-                   help="bind N consecutive node-local ranks to one GPU (default 1, Megatron's "
-                        "one rank per GPU); for tests of several one-rank replicas on one GPU, "
-                        "with or without --recover")
+                   help="bind N consecutive node-local ranks to one GPU (default %(default)s, "
+                        "Megatron's one rank per GPU); for tests of several one-rank replicas "
+                        "on one GPU, with or without --recover")
     g.add_argument("--recover-cuda-aware-mpi", action="store_true",
                    help="hand the cross-replica reductions' CUDA buffers to MPI directly (needs "
                         "an MPI built with CUDA; 16-bit sums are staged all the same); default: "
@@ -324,8 +322,8 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recover-straggler-window", type=int, metavar="N",
                    help="consecutive iterations a replica must be slow (or back within the "
                         "threshold) before work moves (or moves back), and past "
-                        "--recover-evict-slower-than before it is evicted (default 5, at "
-                        "least 2)")
+                        "--recover-evict-slower-than before it is evicted (default "
+                        f"{DEFAULT_STRAGGLER_WINDOW}, at least 2)")
     g.add_argument("--recover-evict-slower-than", type=float, metavar="X",
                    help="evict a replica whose time per microbatch stays more than X times the "
                         "other replicas' median for --recover-straggler-window iterations: it "
@@ -1028,11 +1026,11 @@ def _stragglers(ns) -> list[str]:
                 "between the static policy's replicas (drop-and-go gives each the same slice): "
                 "drop them or use --recover-policy static"]
     try:
-        StragglerConfig(threshold or 0.0, 5 if window is None else window, evict or 0.0)
+        StragglerConfig(threshold or 0.0, _or(window, DEFAULT_STRAGGLER_WINDOW), evict or 0.0)
     except ValueError as error:
         return [f"--recover-straggler-threshold {threshold or 0:g}, --recover-straggler-window "
-                f"{5 if window is None else window}, --recover-evict-slower-than {evict or 0:g}: "
-                f"{error}"]
+                f"{_or(window, DEFAULT_STRAGGLER_WINDOW)}, --recover-evict-slower-than "
+                f"{evict or 0:g}: {error}"]
     return []
 
 
@@ -1385,8 +1383,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             sdc_tolerance=ns.recover_sdc_tolerance or 0.0,
             nonfinite_rerun=ns.recover_nonfinite_rerun or "off",
             straggler_threshold=ns.recover_straggler_threshold or 0.0,
-            straggler_window=(5 if ns.recover_straggler_window is None
-                              else ns.recover_straggler_window),
+            straggler_window=_or(ns.recover_straggler_window, DEFAULT_STRAGGLER_WINDOW),
             evict_slower_than=ns.recover_evict_slower_than or 0.0),
         micro_batch_size=ns.micro_batch_size,
         global_batch_size=gbs, train_iters=_train_iters(ns, gbs),

@@ -1,8 +1,10 @@
 """The validated configuration of one `pretrain_gpt_recover.py` run: frozen dataclasses.
 
 `arguments.parse_args` builds a `TrainConfig` from a Megatron command line; `mcore_config` turns
-it into megatron-core's config objects. Each field's docstring names the flag it comes from and
-Megatron-LM's default. Nothing here parses, validates or imports torch.
+it into megatron-core's config objects. Each field's docstring names the flag it comes from; the
+flags' defaults are the parser's (`arguments.build_parser`), so the fields have none: every one
+is set from the parsed arguments (`CheckpointConfig` aside, which tests build directly). Nothing
+here parses, validates or imports torch.
 """
 
 from __future__ import annotations
@@ -16,57 +18,56 @@ from megatron_recover.policy.rampup import GlobalBatches
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Megatron's mixture-of-experts MLP (megatron-core's MoELayer), from the --moe-* flags with
-    Megatron-LM's defaults."""
+    """Megatron's mixture-of-experts MLP (megatron-core's MoELayer), from the --moe-* flags."""
 
     num_experts: int
     """Experts in each MoE layer (--num-experts)."""
     layer_pattern: tuple[int, ...]
     """Per layer 1 (MoE) or 0 (dense MLP) (--moe-layer-freq: an interval N, every N-th layer
-    from the first, or a list expression such as "[1,0]*2"; default 1, every layer)."""
+    from the first, or a list expression such as "[1,0]*2")."""
     ffn_hidden_size: int
     """Each expert's hidden size (--moe-ffn-hidden-size; default --ffn-hidden-size)."""
-    router_topk: int = 2
+    router_topk: int
     """Experts each token is routed to (--moe-router-topk)."""
-    load_balancing_type: str = "aux_loss"
+    load_balancing_type: str
     """The router's balancing loss: aux_loss, seq_aux_loss or none
     (--moe-router-load-balancing-type)."""
-    aux_loss_coeff: float = 0.0
+    aux_loss_coeff: float
     """Its coefficient (--moe-aux-loss-coeff; 0: no loss)."""
-    z_loss_coeff: float | None = None
+    z_loss_coeff: float | None
     """The router's z-loss coefficient (--moe-z-loss-coeff; None: off)."""
-    token_dispatcher_type: str = "allgather"
+    token_dispatcher_type: str
     """How tokens reach their experts over the expert-parallel group: allgather or alltoall
     (--moe-token-dispatcher-type)."""
-    shared_expert_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None
     """The shared expert's hidden size (--moe-shared-expert-intermediate-size); None: none."""
-    expert_capacity_factor: float | None = None
+    expert_capacity_factor: float | None
     """Tokens an expert takes per forward, as a factor of an even split; the rest are dropped
     (--moe-expert-capacity-factor; None: no dropping)."""
-    pad_expert_input_to_capacity: bool = False
+    pad_expert_input_to_capacity: bool
     """Pad each expert's input to its capacity (--moe-pad-expert-input-to-capacity)."""
-    token_drop_policy: str = "probs"
+    token_drop_policy: str
     """Which tokens an expert over capacity drops: "probs" (lowest routing probability) or
     "position" (latest in the sequence) (--moe-token-drop-policy)."""
-    router_pre_softmax: bool = False
+    router_pre_softmax: bool
     """Softmax before the top-k selection (--moe-router-pre-softmax)."""
-    router_score_function: str = "softmax"
+    router_score_function: str
     """softmax or sigmoid (--moe-router-score-function)."""
-    router_topk_scaling_factor: float | None = None
+    router_topk_scaling_factor: float | None
     """Scales the routing probabilities (--moe-router-topk-scaling-factor)."""
-    router_dtype: str | None = None
+    router_dtype: str | None
     """The router's compute dtype: fp32, fp64, or None: the model's (--moe-router-dtype)."""
-    router_num_groups: int | None = None
+    router_num_groups: int | None
     """Expert groups for group-limited routing (--moe-router-num-groups)."""
-    router_group_topk: int | None = None
+    router_group_topk: int | None
     """Groups each token may use (--moe-router-group-topk)."""
-    per_layer_logging: bool = False
+    per_layer_logging: bool
     """Log each layer's auxiliary losses too (--moe-per-layer-logging; TensorBoard)."""
-    grouped_gemm: bool = False
+    grouped_gemm: bool
     """One grouped GEMM over a rank's experts (--moe-grouped-gemm; a CUDA kernel)."""
-    permute_fusion: bool = False
+    permute_fusion: bool
     """Fused token permutation (--moe-permute-fusion; Transformer Engine on CUDA)."""
-    router_fusion: bool = False
+    router_fusion: bool
     """Fused router top-k and aux-loss scores (--moe-router-fusion; Transformer Engine on
     CUDA)."""
 
@@ -108,13 +109,13 @@ class ModelConfig:
     position_embedding_type: str
     """"learned_absolute" (default) or "rope" (--position-embedding-type)."""
     rotary_base: int
-    """RoPE base (--rotary-base, default 10000)."""
+    """RoPE base (--rotary-base)."""
     rotary_percent: float
-    """Fraction of each head's channels that RoPE rotates (--rotary-percent, default 1.0)."""
+    """Fraction of each head's channels that RoPE rotates (--rotary-percent)."""
     normalization: str
     """"LayerNorm" (default) or "RMSNorm" (--normalization)."""
     norm_epsilon: float
-    """Epsilon of every LayerNorm/RMSNorm (--norm-epsilon, default 1e-5)."""
+    """Epsilon of every LayerNorm/RMSNorm (--norm-epsilon)."""
     swiglu: bool
     """Gated linear unit with SiLU instead of GeLU in the MLP (--swiglu)."""
     untie_embeddings_and_output_weights: bool
@@ -122,40 +123,40 @@ class ModelConfig:
     add_bias_linear: bool
     """Bias in every linear layer; --disable-bias-linear turns it off."""
     init_method_std: float
-    """Std of the normal weight initialization (--init-method-std, default 0.02)."""
+    """Std of the normal weight initialization (--init-method-std)."""
     hidden_dropout: float
-    """Dropout on hidden states (--hidden-dropout, default 0.1)."""
+    """Dropout on hidden states (--hidden-dropout)."""
     attention_dropout: float
-    """Dropout on attention probabilities (--attention-dropout, default 0.1)."""
+    """Dropout on attention probabilities (--attention-dropout)."""
     make_vocab_size_divisible_by: int
-    """The vocabulary is padded to a multiple of this times TP (default 128)."""
+    """The vocabulary is padded to a multiple of this times TP (--make-vocab-size-divisible-by)."""
     transformer_impl: str
     """Layer spec: "local" (megatron-core's own modules) or "transformer_engine"
     (--transformer-impl; when absent, Megatron-LM's default transformer_engine where Transformer
     Engine imports, local otherwise)."""
-    apply_layernorm_1p: bool = False
+    apply_layernorm_1p: bool
     """Norm weights stored zero-centred and applied as (1 + weight) (--apply-layernorm-1p)."""
-    qk_layernorm: bool = False
+    qk_layernorm: bool
     """A norm on each head's queries and keys before attention (--qk-layernorm)."""
-    attention_backend: str = "auto"
+    attention_backend: str
     """--attention-backend (flash | fused | unfused | local | auto); --use-flash-attn = flash.
     The local layer spec runs megatron-core's own attention whatever it says."""
-    cross_entropy_loss_fusion: bool = False
+    cross_entropy_loss_fusion: bool
     """Fused vocab-parallel cross entropy (--cross-entropy-loss-fusion); CUDA only."""
-    cross_entropy_fusion_impl: str = "native"
+    cross_entropy_fusion_impl: str
     """Its implementation: "native" (megatron-core) or "te" (--cross-entropy-fusion-impl)."""
-    recompute_granularity: str | None = None
+    recompute_granularity: str | None
     """Activation recomputation: "full" or "selective" (--recompute-granularity;
     --recompute-activations = selective); None: off."""
-    recompute_method: str | None = None
+    recompute_method: str | None
     """With full recomputation: "uniform" or "block" (--recompute-method)."""
-    recompute_num_layers: int | None = None
+    recompute_num_layers: int | None
     """With full recomputation: layers per recomputed chunk (uniform) or recomputed layers per
     pipeline stage (block) (--recompute-num-layers)."""
-    calculate_per_token_loss: bool = False
+    calculate_per_token_loss: bool
     """The loss and gradient of an iteration are divided by its loss tokens (all of the global
     batch's unmasked tokens), not averaged per microbatch (--calculate-per-token-loss)."""
-    moe: MoEConfig | None = None
+    moe: MoEConfig | None
     """Mixture-of-experts layers (--num-experts and the --moe-* flags); None: a dense model."""
 
 
@@ -172,7 +173,7 @@ class OptimConfig:
     lr: float
     """Peak learning rate (--lr); required."""
     min_lr: float
-    """Learning rate floor (--min-lr, default 0.0)."""
+    """Learning rate floor (--min-lr)."""
     lr_decay_style: str
     """constant | linear (default) | cosine | inverse-square-root | WSD (--lr-decay-style)."""
     lr_decay_samples: int
@@ -182,14 +183,14 @@ class OptimConfig:
     """Linear warmup length in samples (--lr-warmup-samples, or --lr-warmup-iters x GBS, or
     --lr-warmup-fraction x lr_decay_samples, which may be fractional as Megatron allows)."""
     lr_warmup_init: float
-    """Learning rate at the start of warmup (--lr-warmup-init, default 0.0)."""
+    """Learning rate at the start of warmup (--lr-warmup-init)."""
     lr_wsd_decay_style: str
     """Annealing shape of the WSD schedule (--lr-wsd-decay-style, default exponential)."""
     lr_wsd_decay_samples: int | None
     """Samples of WSD's annealing phase (--lr-wsd-decay-samples, or --lr-wsd-decay-iters x GBS);
     required for WSD."""
     weight_decay: float
-    """Decoupled weight decay (--weight-decay, default 0.01)."""
+    """Decoupled weight decay (--weight-decay)."""
     start_weight_decay: float
     """Weight decay at the start of the run (--start-weight-decay, default --weight-decay)."""
     end_weight_decay: float
@@ -198,22 +199,22 @@ class OptimConfig:
     """How it moves from start to end: constant (default) | linear | cosine
     (--weight-decay-incr-style)."""
     clip_grad: float
-    """Global L2 gradient-norm clip (--clip-grad, default 1.0)."""
+    """Global L2 gradient-norm clip (--clip-grad)."""
     adam_beta1: float
-    """Adam beta1 (--adam-beta1, default 0.9)."""
+    """Adam beta1 (--adam-beta1)."""
     adam_beta2: float
-    """Adam beta2 (--adam-beta2, default 0.999)."""
+    """Adam beta2 (--adam-beta2)."""
     adam_eps: float
-    """Adam epsilon (--adam-eps, default 1e-8)."""
-    decoupled_lr: float | None = None
+    """Adam epsilon (--adam-eps)."""
+    decoupled_lr: float | None
     """Peak learning rate of the input embedding and output layer (--decoupled-lr); None: --lr."""
-    decoupled_min_lr: float | None = None
+    decoupled_min_lr: float | None
     """Their learning-rate floor (--decoupled-min-lr); None: --min-lr."""
-    override_scheduler: bool = False
+    override_scheduler: bool
     """On --load, the scheduler's values come from the arguments (--override-opt-param-scheduler).
     With neither this nor `use_checkpoint_scheduler` (Megatron-LM's default) a checkpoint whose
     values differ from the arguments' stops the load."""
-    use_checkpoint_scheduler: bool = False
+    use_checkpoint_scheduler: bool
     """On --load, from the checkpoint (--use-checkpoint-opt-param-scheduler)."""
 
 
@@ -228,20 +229,20 @@ class PrecisionConfig:
     loss_scale: float | None
     """Static loss scale for fp16 (--loss-scale); None: dynamic scaling."""
     initial_loss_scale: float
-    """Initial dynamic loss scale (--initial-loss-scale, default 2**32)."""
+    """Initial dynamic loss scale (--initial-loss-scale)."""
     min_loss_scale: float
-    """Smallest dynamic loss scale (--min-loss-scale, default 1.0)."""
+    """Smallest dynamic loss scale (--min-loss-scale)."""
     loss_scale_window: float
-    """Iterations between dynamic loss-scale raises (--loss-scale-window, default 1000)."""
+    """Iterations between dynamic loss-scale raises (--loss-scale-window)."""
     hysteresis: int
-    """Dynamic loss-scale hysteresis (--hysteresis, default 2)."""
+    """Dynamic loss-scale hysteresis (--hysteresis)."""
     accumulate_allreduce_grads_in_fp32: bool
     """Gradient buffers and their reduction in fp32 (--accumulate-allreduce-grads-in-fp32);
     on with --bf16 unless --grad-reduce-in-bf16, as Megatron-LM sets it."""
     attention_softmax_in_fp32: bool
     """Attention masking and softmax in fp32 (--attention-softmax-in-fp32, default off as in
     Megatron-LM; megatron-core's own default is on)."""
-    check_for_nan_in_loss_and_grad: bool = True
+    check_for_nan_in_loss_and_grad: bool
     """Megatron-LM's check of every microbatch loss and every gradient bucket's norm for NaN
     and inf before the data-parallel reduction (off with --no-check-for-nan-in-loss-and-grad,
     and, as Megatron-LM sets it, with fp16's dynamic loss scaling, whose overflows are inf by
@@ -281,14 +282,15 @@ class ParallelConfig:
     world_size: int
     """Ranks at launch (from MPI, not an argument)."""
     tensor_model_parallel_size: int
-    """TP degree (--tensor-model-parallel-size, default 1)."""
+    """TP degree (--tensor-model-parallel-size)."""
     pipeline_model_parallel_size: int
-    """PP degree (--pipeline-model-parallel-size, default 1)."""
+    """PP degree (--pipeline-model-parallel-size)."""
     use_distributed_optimizer: bool
     """Shard optimizer state (--use-distributed-optimizer); with --recover only within a replica."""
     num_distributed_optimizer_instances: int
-    """Optimizer-state copies across the data-parallel group (--num-distributed-optimizer-instances,
-    default 1); each instance shards the state over data_parallel_size // this ranks."""
+    """Optimizer-state copies across the data-parallel group
+    (--num-distributed-optimizer-instances); each instance shards the state over
+    data_parallel_size // this ranks."""
     overlap_grad_reduce: bool
     """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
     overlap_param_gather: bool
@@ -306,30 +308,30 @@ class ParallelConfig:
     """Fuse weight-gradient accumulation into the GEMM (Megatron's default on CUDA, where it
     needs Apex's kernel; off on CPU, where the kernel does not exist).
     --no-gradient-accumulation-fusion turns it off."""
-    distributed_backend: str = "nccl"
+    distributed_backend: str
     """The backend of megatron's own (training) groups on CUDA (--distributed-backend, nccl or
     gloo); on the CPU they are gloo (groups.py)."""
-    ranks_per_device: int = 1
+    ranks_per_device: int
     """Consecutive node-local ranks bound to one device (--recover-ranks-per-device)."""
-    virtual_pipeline_stages: int | None = None
+    virtual_pipeline_stages: int | None
     """Model chunks per pipeline rank of the interleaved schedule
     (--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank);
     None: the plain 1F1B schedule."""
-    microbatch_group_size: int | None = None
+    microbatch_group_size: int | None
     """Contiguous microbatches per virtual stage in the interleaved schedule
     (--microbatch-group-size-per-virtual-pipeline-stage); None: the pipeline size."""
-    overlap_p2p_comm: bool = True
+    overlap_p2p_comm: bool
     """The interleaved schedule's pipeline sends and receives overlap compute (Megatron-LM's
     default; --no-overlap-p2p-communication batches them instead)."""
-    overlap_p2p_comm_warmup_flush: bool = False
+    overlap_p2p_comm_warmup_flush: bool
     """Overlap them in the warm-up and flush phases too
     (--overlap-p2p-communication-warmup-flush)."""
-    align_param_gather: bool = True
+    align_param_gather: bool
     """With --overlap-param-gather and model chunks, the interleaved schedule dispatches each
     later chunk's parameter all-gathers itself (Megatron-LM's default; --no-align-param-gather:
     each chunk's forward pre-hook does). Under --recover every chunk's are dispatched after
     the optimizer step instead."""
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int
     """Ranks that split each MoE layer's experts (--expert-model-parallel-size); under
     --recover they lie inside one replica."""
 
@@ -422,11 +424,11 @@ class DataConfig:
     (--tokenizer-model)."""
     vocab_size: int | None
     """Vocabulary size for NullTokenizer and TikTokenizer (--vocab-size)."""
-    tiktoken_pattern: str | None = None
+    tiktoken_pattern: str | None
     """TikTokenizer's pre-tokenization regex, v1 or v2 (--tiktoken-pattern); None otherwise."""
-    tiktoken_num_special_tokens: int = 1000
+    tiktoken_num_special_tokens: int
     """Ids TikTokenizer reserves for special tokens (--tiktoken-num-special-tokens)."""
-    tokenizer_special_tokens: tuple | None = None
+    tokenizer_special_tokens: tuple | None
     """TikTokenizer's special tokens (--tokenizer-special-tokens); None: megatron-core's."""
 
 
@@ -483,38 +485,38 @@ class RecoverConfig:
     """--recover-log: per-iteration JSONL records."""
     hang_timeout_s: float
     """--recover-hang-timeout: seconds after which a frozen rank is declared failed (0: off)."""
-    restore: bool = True
+    restore: bool
     """False with --recover-no-restore (a diagnostic negative control)."""
-    cuda_aware_mpi: bool = False
+    cuda_aware_mpi: bool
     """--recover-cuda-aware-mpi: the cross-replica group hands CUDA buffers to MPI directly
     (refused at start-up unless the MPI reports CUDA support) instead of staging them."""
-    program_errors: str = "abort"
+    program_errors: str
     """--recover-program-errors: "abort" (default; a program error ends the job) or "survive"
     (it takes only its rank down); see megatron_recover/failures.py."""
-    cross_replica_backend: str = "gloo"
+    cross_replica_backend: str
     """--cross-replica-backend: the data-parallel group's backend ("ulfm" with --recover)."""
-    standby_replicas: int = 0
+    standby_replicas: int
     """--recover-standby-replicas: replicas started beside the training ones (the last MPI
     ranks; not in the world size) that wait, then replace lost replicas at an iteration
     boundary."""
-    snapshot_interval: int = 0
+    snapshot_interval: int
     """--recover-snapshot-interval: iterations between in-memory snapshots (0: none)."""
-    snapshot_dir: Path | None = None
+    snapshot_dir: Path | None
     """--recover-snapshot-dir, or the launcher's per-job default: where a node keeps them."""
-    sdc_check_rate: float = 0.0
+    sdc_check_rate: float
     """--recover-sdc-check-rate: the probability that a replica's first pass is verified by a
     second replica in an iteration (0: off); `recovery/verification.py`."""
-    sdc_tolerance: float = 0.0
+    sdc_tolerance: float
     """--recover-sdc-tolerance: relative fingerprint tolerance (0: bitwise)."""
-    nonfinite_rerun: str = "off"
+    nonfinite_rerun: str
     """--recover-nonfinite-rerun: off, evict or keep (`recovery/rerun.py`)."""
-    straggler_threshold: float = 0.0
+    straggler_threshold: float
     """--recover-straggler-threshold: how much slower than the others' median a replica must be
     for work to move away from it (0: off); `policy/speed.py`."""
-    straggler_window: int = 5
+    straggler_window: int
     """--recover-straggler-window: consecutive iterations before work moves, moves back, or a
     replica is evicted."""
-    evict_slower_than: float = 0.0
+    evict_slower_than: float
     """--recover-evict-slower-than: the factor past which a slow replica is evicted (0: never)."""
 
 
@@ -526,7 +528,7 @@ class EvalConfig:
     """--eval-interval: iterations between evaluations; None (absent or 0, Megatron-LM
     core_v0.16.1's default): only the evaluation at the end of training."""
     iters: int
-    """--eval-iters: global batches per evaluation (default 100); 0: no evaluation."""
+    """--eval-iters: global batches per evaluation; 0: no evaluation."""
 
     def due(self, iteration: int) -> bool:
         """Whether an evaluation follows `iteration` (the one at the end of training aside)."""
@@ -545,30 +547,30 @@ class LoggingConfig:
     """Console lines, TensorBoard and Weights & Biases (written by the lowest live rank)."""
 
     log_interval: int
-    """--log-interval: iterations between console lines (default 100); values averaged over it."""
-    log_throughput: bool = False
+    """--log-interval: iterations between console lines; values averaged over it."""
+    log_throughput: bool
     """--log-throughput: TFLOP/s per rank in the iteration line (Megatron-LM's model FLOPs)."""
-    tensorboard_dir: Path | None = None
+    tensorboard_dir: Path | None
     """--tensorboard-dir: where the TensorBoard event files go; None: none."""
-    tensorboard_log_interval: int = 1
-    """--tensorboard-log-interval: iterations between TensorBoard values (default 1)."""
-    tensorboard_queue_size: int = 1000
-    """--tensorboard-queue-size: values the writer holds before it flushes (default 1000)."""
-    log_loss_scale: bool = True
+    tensorboard_log_interval: int
+    """--tensorboard-log-interval: iterations between TensorBoard values."""
+    tensorboard_queue_size: int
+    """--tensorboard-queue-size: values the writer holds before it flushes."""
+    log_loss_scale: bool
     """False with --no-log-loss-scale-to-tensorboard."""
-    log_validation_ppl: bool = False
+    log_validation_ppl: bool
     """--log-validation-ppl-to-tensorboard: also the validation perplexity."""
-    log_world_size: bool = False
+    log_world_size: bool
     """--log-world-size-to-tensorboard: the live ranks."""
-    log_timers: bool = False
+    log_timers: bool
     """--log-timers-to-tensorboard: iteration time (and throughput with --log-throughput)."""
-    wandb_project: str | None = None
+    wandb_project: str | None
     """--wandb-project: also log to Weights & Biases (needs the `wandb` package)."""
-    wandb_exp_name: str = ""
+    wandb_exp_name: str
     """--wandb-exp-name: the run's name there."""
-    wandb_save_dir: str = ""
+    wandb_save_dir: str
     """--wandb-save-dir: its local files (default: beside --save)."""
-    wandb_entity: str = ""
+    wandb_entity: str
     """--wandb-entity: the team or user."""
 
 
@@ -577,13 +579,13 @@ class ExitConfig:
     """Leaving before --train-iters (Megatron-LM's exit flags): every rank stops after the same
     iteration, with a checkpoint first when --save is given."""
 
-    duration_mins: float | None = None
+    duration_mins: float | None
     """--exit-duration-in-mins: stop once a rank has run this long (since its start)."""
-    interval: int | None = None
+    interval: int | None
     """--exit-interval: stop after the first iteration that is a multiple of it."""
-    signal_handler: bool = False
+    signal_handler: bool
     """--exit-signal-handler: stop after the iteration in which a rank received --exit-signal."""
-    signal: str = "SIGTERM"
+    signal: str
     """--exit-signal: the signal --exit-signal-handler catches (default SIGTERM)."""
 
     @property
@@ -614,11 +616,11 @@ class TrainConfig:
     """The training split's size in samples: --train-samples when training is sample-based
     (Megatron-LM builds the split with that many), train_iters x GBS otherwise."""
     seed: int
-    """Base random seed (--seed, default 1234)."""
+    """Base random seed (--seed)."""
     logging: LoggingConfig
     evaluation: EvalConfig
-    exit: ExitConfig = ExitConfig()
-    rampup_batch_size: tuple[int, int, int] | None = None
+    exit: ExitConfig
+    rampup_batch_size: tuple[int, int, int] | None
     """--rampup-batch-size START INCREMENT SAMPLES (sample-based training), or None."""
     notices: tuple[str, ...] = ()
     """Start-up lines about the arguments: the no-effect flags given (with the reason), and
@@ -626,7 +628,7 @@ class TrainConfig:
 
     @property
     def log_interval(self) -> int:
-        """Iterations between console lines (--log-interval, default 100)."""
+        """Iterations between console lines (--log-interval)."""
         return self.logging.log_interval
 
     @property

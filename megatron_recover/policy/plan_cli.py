@@ -20,7 +20,7 @@ from megatron_recover.policy.simulator import (
     parse_slow,
     simulate,
 )
-from megatron_recover.policy.speed import StragglerConfig
+from megatron_recover.policy.speed import DEFAULT_WINDOW, StragglerConfig
 
 
 def _positive_int(text: str) -> int:
@@ -99,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--straggler-threshold", type=float, default=0.0, metavar="F",
                         help="as --recover-straggler-threshold (default 0: off)")
-    parser.add_argument("--straggler-window", type=int, default=5, metavar="N",
-                        help="as --recover-straggler-window (default 5)")
+    parser.add_argument("--straggler-window", type=int, default=DEFAULT_WINDOW, metavar="N",
+                        help="as --recover-straggler-window (default %(default)s)")
     parser.add_argument("--evict-slower-than", type=float, default=0.0, metavar="X",
                         help="as --recover-evict-slower-than (default 0: never)")
     parser.add_argument("--json", action="store_true", help="one JSON object per iteration")

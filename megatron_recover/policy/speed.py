@@ -37,6 +37,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+# StragglerConfig.window's default (--recover-straggler-window, plan's --straggler-window).
+DEFAULT_WINDOW = 5
+
 
 @dataclass(frozen=True)
 class StragglerConfig:
@@ -51,7 +54,7 @@ class StragglerConfig:
     """
 
     threshold: float = 0.0
-    window: int = 5
+    window: int = DEFAULT_WINDOW
     evict_slower_than: float = 0.0
 
     def __post_init__(self):
