@@ -8,14 +8,64 @@ Launch it as Megatron's pretrain_gpt.py, under MPI with fault tolerance:
 Rendezvous comes from MPI; no other environment is needed (`megatron-recover launch` sets
 MEGATRON_RECOVER_STATUS_DIR, MEGATRON_RECOVER_RUN_ID and, across hosts,
 MEGATRON_RECOVER_NETWORK). Without a GPU, megatron-core runs
-under the CPU emulation (megatron_recover.testing). This file only reads argv and the
-environment, then hands a validated TrainConfig to megatron_recover.megatron.run.
+under the CPU emulation (megatron_recover.testing).
+
+As Megatron-LM's pretrain_gpt.py, this file holds the job's seams, `model_provider` and
+`forward_step` (with `get_batch` and `loss_func`), and hands them to `pretrain`, which reads argv
+and the environment, then gives a validated TrainConfig and the seams to
+megatron_recover.megatron.run. A script of one's own replaces either seam and calls
+`pretrain(model_provider, forward_step)` the same way; what the run wraps around them
+(the gradient ledger, per-microbatch reseeding, padding, fault points, the loss check) is in
+docs/training.md, "Your own model_provider and forward_step".
 """
 
 import importlib
 import os
 import sys
+from functools import partial
 from pathlib import Path
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None):
+    """Builds the model, as Megatron-LM's model_provider: this rank's GPTModel (its chunk
+    `vp_stage` with virtual pipeline stages). `pre_process` / `post_process`: whether it holds
+    the embedding / the output layer and loss. `config`: the TransformerConfig the run made
+    from its arguments; the model must be built with it. `get_args()` gives the run's
+    arguments (`.cfg`, a TrainConfig) and `.padded_vocab_size`."""
+    from megatron_recover.megatron.gpt import build_gpt, get_args
+
+    args = get_args()
+    return build_gpt(config, args.padded_vocab_size, args.cfg.model, vp_stage,
+                     pre_process=pre_process, post_process=post_process)
+
+
+def get_batch(data_iterator):
+    """Megatron-LM's batch: tokens, labels, loss_mask, attention_mask (None unless the data set
+    makes one), position_ids, already on the device."""
+    batch = next(data_iterator)
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
+            batch["position_ids"])
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron-LM's GPT loss: the per-token losses summed over the loss mask, the number of
+    loss tokens, and a report. The run divides the sum (by the tokens, or not with
+    --calculate-per-token-loss), checks it for NaN/inf and logs it: the report is not logged."""
+    import torch
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum()
+    return loss, num_tokens, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """Forward step, as Megatron-LM's: one batch through the model; returns the output (the
+    per-token losses) and the loss function with the batch's loss mask bound."""
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
 
 
 def _imports(module: str) -> bool:
@@ -29,7 +79,8 @@ def _imports(module: str) -> bool:
     return True
 
 
-def main() -> None:
+def pretrain(model_provider, forward_step_func) -> None:
+    """Run one rank of the job of sys.argv with these seams (Megatron-LM's `pretrain`)."""
     from megatron_recover import runtime
 
     from megatron_recover.megatron import arguments, devices, groups
@@ -84,7 +135,7 @@ def main() -> None:
     try:
         if cfg.recover.cross_replica_backend == "ulfm":
             collective.require_fault_tolerance()
-        run.check_start(cfg)
+        schedule = run.check_start(cfg)  # the failure schedule, read once
         # Before torch.distributed: megatron's dataset builder then needs no barrier (data.py).
         source, vocab_size = run.microbatch_source(cfg)
     except ValueError as error:
@@ -100,7 +151,9 @@ def main() -> None:
     # Set by `megatron-recover launch --if-include` for jobs on several hosts.
     runtime.init_torch_distributed(ctx, backend=plan.world, world_id=run.torch_world_id(cfg, ctx),
                                    network=os.environ.get("MEGATRON_RECOVER_NETWORK"))
-    trained = run.train(cfg, ctx, source, vocab_size)  # a standby never called leaves inside
+    # A standby never called leaves inside.
+    trained = run.train(cfg, ctx, source, vocab_size, schedule, model_provider=model_provider,
+                        forward_step=forward_step_func)
     if status_dir:
         # Test and benchmark harnesses compare final parameters across runs.
         run.save_parameters(trained.model, Path(status_dir) / f"rank-{ctx.rank}.params.pt")
@@ -113,4 +166,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    pretrain(model_provider, forward_step)

@@ -52,16 +52,17 @@ def printed_values(output: str, field: str) -> list[float]:
 
 
 def run_training(run_dir: Path, num_ranks: int, args: list[str], schedule: str | None = None,
-                 timeout_s: float = 300) -> TrainingRun:
+                 timeout_s: float = 300, entry: list[str] = ENTRY) -> TrainingRun:
     """`pretrain_gpt_recover.py ARGS --recover --recover-log ...` on `num_ranks` ranks, with an
-    optional failure schedule (YAML text). Asserts that it did not hang and that it succeeded."""
+    optional failure schedule (YAML text). Asserts that it did not hang and that it succeeded.
+    `entry`: the command before ARGS (a user's own script instead of the entry point)."""
     run_dir.mkdir(parents=True)
     log = run_dir / "log.jsonl"
     extra = []
     if schedule is not None:
         (run_dir / "schedule.yaml").write_text(schedule)
         extra = ["--recover-failure-schedule", str(run_dir / "schedule.yaml")]
-    result = launch(LaunchConfig(num_ranks, [*ENTRY, *args, "--recover", "--recover-log", str(log),
+    result = launch(LaunchConfig(num_ranks, [*entry, *args, "--recover", "--recover-log", str(log),
                                              *extra], run_dir / "status", timeout_s))
     assert not result.timed_out, f"{run_dir.name}: hung\n{result.output[-4000:]}"
     assert result.succeeded, result.output[-4000:]

@@ -16,6 +16,10 @@ parameters; eval mode draws no dropout), and the sums over the ids are taken in 
 the reduction, on every rank. The result is therefore the same, bitwise, however the ids were
 split: after a failure the survivors re-split them and get the failure-free value.
 
+The forward step is the user's (pretrain_gpt_recover.py), the same as training's: it sees one
+batch and the model and returns the output and its loss function (gpt.py, `one_batch`); the
+value is taken from that loss function's (loss sum, token count).
+
 The loss divisor. The schedule divides each returned loss in place, by the patched
 `hooks.loss_divisor` (the iteration's B under --recover); an evaluation resets it to megatron's
 own (the pass's microbatch count), and the values are copies taken before the division anyway.
@@ -28,6 +32,7 @@ from functools import partial
 import torch
 
 from megatron_recover.megatron import devices, hooks, interleaving
+from megatron_recover.megatron.gpt import loss_and_tokens, one_batch
 
 
 @dataclass
@@ -67,22 +72,22 @@ def result_of(values: torch.Tensor, split: str, evaluation: int, iteration: int)
                       tokens=int(tokens))
 
 
-def _eval_loss(loss_mask, index, output_tensor):
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(losses * mask)
-    tokens = mask.sum()
+def _eval_loss(user_loss, index, output_tensor):
+    """The user's loss function (its loss mask bound) read as (loss sum, token count)."""
+    loss_sum, tokens = loss_and_tokens(user_loss(output_tensor))
     # On the device until the pass is done (`EvalPass.values` reads them with one host sync).
     reported = {"index": index, "loss sum": loss_sum.detach(), "tokens": tokens.detach()}
     return loss_sum / tokens.clamp(min=1), reported
 
 
 class EvalPass:
-    """Forward-only passes over evaluation microbatches through megatron's schedule."""
+    """Forward-only passes over evaluation microbatches through megatron's schedule, with the
+    user's `forward_step` (the one training runs)."""
 
     def __init__(self, chunks, source, seq_length: int, micro_batch_size: int, faults,
-                 forward_backward):
+                 forward_backward, forward_step):
         self.chunks = list(chunks)
+        self.forward_step = forward_step
         self.source = source
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
@@ -144,6 +149,5 @@ class EvalPass:
 
     def _forward_step(self, data_iterator, model):
         batch = devices.batch_to_device(next(data_iterator))
-        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                       labels=batch["labels"])
-        return output, partial(_eval_loss, batch["loss_mask"], batch["index"])
+        output, user_loss = self.forward_step(one_batch(batch), model)
+        return output, partial(_eval_loss, user_loss, batch["index"])

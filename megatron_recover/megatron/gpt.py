@@ -3,9 +3,16 @@
 The pass runs explicit microbatch ids (the policy's) through megatron's own schedule
 (`get_forward_backward_func()`); in exact mode every microbatch reseeds the RNGs from its id,
 so a microbatch recomputed on another replica after a failure draws the same dropout masks.
+
+The seams of pretrain_gpt_recover.py (Megatron-LM's `model_provider` and `forward_step`) are
+the user's: `build_model_chunks` calls the model provider, and `MicrobatchPass` and the
+evaluation (evaluation.py) wrap the forward step with what resilience needs around it (the
+ledger, reseeding, padding, fault points, the loss check); the user's function sees one batch
+and the model, and returns the output and its loss function, as in Megatron-LM.
 """
 
 import random
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -24,7 +31,7 @@ from megatron.core.transformer.transformer_block import (
 
 from megatron_recover import failures
 from megatron_recover.megatron import devices, hooks, interleaving
-from megatron_recover.megatron.data import batch_checksum
+from megatron_recover.megatron.data import BATCH_KEYS, batch_checksum
 from megatron_recover.megatron.norms import Norm
 
 _SEED_STRIDE = 1_000_003  # > any B: (iteration, id) pairs map to distinct seeds
@@ -73,25 +80,84 @@ def _local_norms(layer, qk_layernorm: bool) -> None:
         attention.q_layernorm = attention.k_layernorm = Norm
 
 
-def build_gpt(transformer_config, vocab_size: int, model, vp_stage: int | None = None) -> GPTModel:
+def build_gpt(transformer_config, vocab_size: int, model, vp_stage: int | None = None,
+              pre_process: bool | None = None, post_process: bool | None = None) -> GPTModel:
     """This rank's GPTModel (its model chunk `vp_stage` with the interleaved schedule), as
     Megatron-LM's GPT builder makes it from the arguments in `model` (a ModelConfig);
-    `vocab_size` is the padded one."""
+    `vocab_size` is the padded one. `pre_process` / `post_process` (None: this rank's pipeline
+    stage says) whether the chunk holds the embedding / the output layer and loss."""
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
     return GPTModel(
         config=transformer_config,
         transformer_layer_spec=layer_specs(transformer_config, model.transformer_impl, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                           vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                           vp_stage=vp_stage),
+        pre_process=pre_process,
+        post_process=post_process,
         vp_stage=vp_stage,
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type,
         rotary_percent=model.rotary_percent,
         rotary_base=model.rotary_base,
     )
+
+
+@dataclass(frozen=True)
+class ProviderArgs:
+    """What `get_args()` gives a model provider or forward step, as Megatron-LM's `get_args()`
+    gives its own: the run's arguments and the vocabulary size padded as Megatron-LM pads it."""
+
+    cfg: object  # the run's validated TrainConfig (config.py): cfg.model, cfg.parallel, ...
+    padded_vocab_size: int
+
+
+_provider_args: ProviderArgs | None = None
+
+
+def get_args() -> ProviderArgs:
+    """The run's `ProviderArgs`, from the model's build on (`build_model_chunks`)."""
+    if _provider_args is None:
+        raise RuntimeError("get_args(): the run has not started building its model yet")
+    return _provider_args
+
+
+def build_model_chunks(model_provider, cfg, transformer_config, padded_vocab_size: int) -> list:
+    """This rank's model on its device from the user's `model_provider` (Megatron-LM's seam,
+    pretrain_gpt_recover.py): one chunk, or with the interleaved schedule one per virtual
+    pipeline stage (Megatron-LM's model list), each in Float16Module with fp16/bf16.
+
+    The provider is called as Megatron-LM's get_model calls it, with `pre_process`,
+    `post_process` and `vp_stage`, and with `config`: the TransformerConfig the run made from
+    its arguments, which the model must be built with (the schedule and the DDP wrapper read
+    and set it through the model)."""
+    from megatron.core.transformer.module import Float16Module
+
+    global _provider_args
+    _provider_args = ProviderArgs(cfg, padded_vocab_size)
+    stages = cfg.parallel.virtual_pipeline_stages
+    chunks = []
+    for vp_stage in ([None] if stages is None else range(stages)):
+        model = model_provider(
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            vp_stage=vp_stage, config=transformer_config)
+        if getattr(model, "config", None) is not transformer_config:
+            raise TypeError(f"model_provider returned {type(model).__name__} not built with the "
+                            "`config` it was given: build the model with that TransformerConfig "
+                            "(megatron's schedule and DDP read and set it through the model)")
+        model = devices.model_to_device(model)
+        if cfg.precision.fp16 or cfg.precision.bf16:
+            # As Megatron-LM's get_model: fp16/bf16 parameters and compute, fp32 outputs.
+            model = Float16Module(transformer_config, model)
+        chunks.append(model)
+    return chunks
 
 
 def process_groups(cross_replica_group, across_instances=False, expert_parallel=False):
@@ -206,22 +272,41 @@ class _NaNGradient(torch.autograd.Function):
         return grad * float("nan")
 
 
-def _loss_func(loss_mask, microbatch_id, on_first_loss, overflow, per_token, check_finite,
+def one_batch(batch: dict):
+    """The data iterator a user's forward step gets: Megatron's GPT batch (`BATCH_KEYS`:
+    tokens, labels, loss_mask, attention_mask, position_ids; attention_mask None unless the
+    data set makes one), on the device, once. Which microbatch it is stays ours."""
+    return iter([{key: batch.get(key) for key in BATCH_KEYS}])
+
+
+def loss_and_tokens(outputs):
+    """(loss sum, loss-token count as float32) from what a user's loss function returned:
+    Megatron-LM's (loss, num_tokens, report), the loss summed over the microbatch's loss
+    tokens. The report is the user's own; the logged loss is computed from the first two."""
+    if not isinstance(outputs, tuple) or len(outputs) != 3:
+        got = (f"a tuple of {len(outputs)}" if isinstance(outputs, tuple)
+               else type(outputs).__name__)
+        raise TypeError("forward_step's loss function must return (loss summed over the loss "
+                        "tokens, the number of loss tokens, a report dict), as Megatron-LM's "
+                        f"loss_func does; got {got}")
+    loss, num_tokens, _ = outputs
+    return loss, torch.as_tensor(num_tokens).detach().to(device=loss.device, dtype=torch.float32)
+
+
+def _loss_func(user_loss, microbatch_id, on_first_loss, overflow, per_token, check_finite,
                output_tensor, bad_sample=lambda: False):
-    """Megatron-LM's GPT loss: the mean over the microbatch's loss tokens or, `per_token`
-    (--calculate-per-token-loss), their sum with the token count, which the schedule then leaves
-    undivided. `check_finite`: Megatron-LM's check of the loss sum for NaN and inf
-    (check_for_nan_in_loss_and_grad), raising `failures.NonFiniteLoss`. `bad_sample()`: the
-    failure schedule makes this microbatch's loss NaN."""
-    losses = output_tensor.float().view(-1)
+    """The user's loss function (`user_loss(output_tensor)`: Megatron-LM's loss_func with its
+    loss mask bound) wrapped in what --recover needs: the mean over the microbatch's loss tokens
+    or, `per_token` (--calculate-per-token-loss), their sum with the token count, which the
+    schedule then leaves undivided. `check_finite`: Megatron-LM's check of the loss sum for NaN
+    and inf (check_for_nan_in_loss_and_grad), raising `failures.NonFiniteLoss`. `bad_sample()`:
+    the failure schedule makes this microbatch's loss NaN."""
     if bad_sample():
-        losses = losses * float("nan")
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
+        output_tensor = output_tensor * float("nan")
+    loss, count = loss_and_tokens(user_loss(output_tensor))
     if check_finite and not torch.isfinite(loss):
         kind = "NaN" if torch.isnan(loss) else "Inf"
         raise failures.NonFiniteLoss(f"found {kind} in local forward loss calculation")
-    count = mask.sum()
     tokens = count.to(torch.int)
     # Reported: the sum over the loss tokens, whatever the flag; the logged loss is the
     # committed sum over the committed tokens, as Megatron-LM logs it. A copy: the schedule
@@ -243,11 +328,13 @@ class MicrobatchPass:
     schedule; each id's loss summed over its loss tokens goes into `losses` and their count
     into `tokens` (on the last pipeline stage: the others see no losses).
 
-    `microbatch(iteration, id)` yields megatron's GPT batch dict, which names its own iteration
-    and id; the forward step registers that batch (with a checksum of what it trains on) in the
-    gradient ledger of the model chunk it runs through, so the ledger records what the schedule
-    consumed, not what it was asked to run. `faults.at("backward", t)` fires after the first
-    forward of the first pass of an iteration, before its backward.
+    `forward_step(data_iterator, model)` is the user's (pretrain_gpt_recover.py): it reads one
+    batch (`one_batch`), runs the model and returns (output, loss function), as Megatron-LM's.
+    Around it, ours: `microbatch(iteration, id)` yields megatron's GPT batch dict, which names
+    its own iteration and id; the wrapper registers that batch (with a checksum of what it
+    trains on) in the gradient ledger of the model chunk it runs through, so the ledger records
+    what the schedule consumed, not what it was asked to run. `faults.at("backward", t)` fires
+    after the first forward of the first pass of an iteration, before its backward.
 
     With virtual pipeline stages (`chunks` holds several DDP model chunks) a pass of any length
     runs through megatron's interleaved schedule as `interleaving.shape` says: padding
@@ -256,9 +343,10 @@ class MicrobatchPass:
 
     def __init__(self, chunks, microbatch, seq_length: int, micro_batch_size: int, seed: int,
                  faults, reseed_per_microbatch: bool, check_finite: bool = False,
-                 aux_losses=None):
+                 aux_losses=None, *, forward_step):
         self.chunks = list(chunks)
         self.microbatch = microbatch
+        self.forward_step = forward_step  # the user's (evaluation goes through it too)
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.seed = seed
@@ -298,8 +386,7 @@ class MicrobatchPass:
         if recorded:
             self.aux_losses.before_forward()
         with hooks.padding_forward(padding):  # its MoE auxiliary losses get no gradient
-            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                           labels=batch["labels"])
+            output, user_loss = self.forward_step(one_batch(batch), model)
         if recorded:
             self.aux_losses.after_forward(batch["iteration"], microbatch_id)
         hooks.forward_done()  # the restore's copies overlapped this forward; backward waits
@@ -312,7 +399,7 @@ class MicrobatchPass:
 
         # Padding is no microbatch of the schedule's: no fault of the failure schedule hits it.
         return output, partial(
-            _loss_func, batch["loss_mask"], None if padding else microbatch_id, on_first_loss,
+            _loss_func, user_loss, None if padding else microbatch_id, on_first_loss,
             _never if padding else partial(self.faults.overflow, batch["iteration"],
                                            microbatch_id),
             self.config.calculate_per_token_loss, self.check_finite,

@@ -85,7 +85,7 @@ class Progress:
         # Evaluation runs the training pass's schedule, with the failure schedule's points.
         self.eval_pass = EvalPass(setup.chunks, source, cfg.model.seq_length,
                                   cfg.micro_batch_size, micro_pass.faults,
-                                  micro_pass.forward_backward)
+                                  micro_pass.forward_backward, micro_pass.forward_step)
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         run_id = [f"megatron-recover-{int(time.time())}-{os.getpid()}"]

@@ -23,17 +23,13 @@ import torch.distributed as dist
 from megatron_recover import collective, runtime
 from megatron_recover.faults.injection import read_markers, write_marker
 from megatron_recover.faults.schedule import (
+    FailureSchedule,
     NoFaults,
     ScheduledFaults,
     StandbyFaults,
-    load_bad_samples,
-    load_overflows,
-    load_schedule,
-    load_slow_snapshot_writes,
-    load_standby_entries,
 )
+from megatron_recover.hang import LAST_RESORT_FACTOR
 from megatron_recover.megatron import (
-    devices,
     dist_checkpoint,
     groups,
     joins,
@@ -48,7 +44,7 @@ from megatron_recover.megatron.adapter import bucket_kinds, build_trainer
 from megatron_recover.megatron.audit import LedgerAudit
 from megatron_recover.megatron.gpt import (
     MicrobatchPass,
-    build_gpt,
+    build_model_chunks,
     process_groups,
     seed_stage,
     synced_inside_replica,
@@ -61,47 +57,42 @@ from megatron_recover.policy import (
     EXACT,
     RESERVE,
     PolicyNumMicroBatchesCalculator,
-    WorkloadPolicy,
 )
 from megatron_recover.recovery import ResilientTrainer
+from megatron_recover.recovery.protocol_state import ProtocolState, resume_policy
 from megatron_recover.recovery.verification import Verification
 
-# Waits that outlive LAST_RESORT_FACTOR x --recover-hang-timeout make a rank leave; a healthy
-# long compute of a few times the hang timeout stays far below it.
-LAST_RESORT_FACTOR = 10
 
-
-def check_start(cfg) -> None:
-    """What is not implemented yet stops at start-up, naming the change."""
+def check_start(cfg) -> FailureSchedule | None:
+    """What is not implemented yet stops at start-up, naming the change. Returns the run's
+    failure schedule, read and checked against the job here once (None without one)."""
     if not cfg.recover.enabled:
         dist_checkpoint.check_start(cfg)  # stock --save/--load: megatron-core dist. checkpoints
-        return
-    if cfg.recover.failure_schedule:
-        entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
-                                cfg.parallel.ranks_per_replica, cfg.train_iters,
-                                cfg.recover.standby_replicas)
-        _check_optimizer_locations(cfg, entries)
-        load_standby_entries(cfg.recover.failure_schedule, cfg.recover.standby_replicas)
-        if not cfg.recover.standby_replicas and any(e.location == "join-transfer"
-                                                    for e in entries):
-            raise ValueError(f"{cfg.recover.failure_schedule}: location join-transfer is a "
-                             "standby's join; add --recover-standby-replicas")
-        overflows = load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters)
-        if overflows and not cfg.precision.fp16:
-            raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
-                             "scaler, which skips the step; without --fp16 the inf gradient "
-                             "would reach the parameters: add --fp16 or drop 'overflows'")
-        if (load_bad_samples(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters)
-                and not cfg.precision.check_for_nan_in_loss_and_grad):
-            raise ValueError(f"{cfg.recover.failure_schedule}: bad_samples test Megatron's NaN "
-                             "check, which this job runs without (fp16 with dynamic loss "
-                             "scaling, or --no-check-for-nan-in-loss-and-grad): drop them")
-        pauses = load_slow_snapshot_writes(cfg.recover.failure_schedule, cfg.train_iters)
-        if any(t % max(cfg.recover.snapshot_interval, 1) or not cfg.recover.snapshot_interval
-               for t in pauses):
-            raise ValueError(f"{cfg.recover.failure_schedule}: slow_snapshot_writes names "
-                             "iterations without a snapshot: use multiples of "
-                             "--recover-snapshot-interval")
+        return None
+    if not cfg.recover.failure_schedule:
+        return None
+    schedule = FailureSchedule.load(cfg.recover.failure_schedule, cfg.num_replicas,
+                                    cfg.parallel.ranks_per_replica, cfg.train_iters, cfg.b_at,
+                                    cfg.recover.standby_replicas)
+    _check_optimizer_locations(cfg, schedule.entries)
+    if not cfg.recover.standby_replicas and any(e.location == "join-transfer"
+                                                for e in schedule.entries):
+        raise ValueError(f"{cfg.recover.failure_schedule}: location join-transfer is a "
+                         "standby's join; add --recover-standby-replicas")
+    if schedule.overflows and not cfg.precision.fp16:
+        raise ValueError(f"{cfg.recover.failure_schedule}: forced overflows test fp16's loss "
+                         "scaler, which skips the step; without --fp16 the inf gradient "
+                         "would reach the parameters: add --fp16 or drop 'overflows'")
+    if schedule.bad_samples and not cfg.precision.check_for_nan_in_loss_and_grad:
+        raise ValueError(f"{cfg.recover.failure_schedule}: bad_samples test Megatron's NaN "
+                         "check, which this job runs without (fp16 with dynamic loss "
+                         "scaling, or --no-check-for-nan-in-loss-and-grad): drop them")
+    if any(t % max(cfg.recover.snapshot_interval, 1) or not cfg.recover.snapshot_interval
+           for t in schedule.slow_snapshot_writes):
+        raise ValueError(f"{cfg.recover.failure_schedule}: slow_snapshot_writes names "
+                         "iterations without a snapshot: use multiples of "
+                         "--recover-snapshot-interval")
+    return schedule
 
 
 def _check_optimizer_locations(cfg, entries) -> None:
@@ -181,23 +172,6 @@ def _agreed_start(start, finalize: bool = False):
     return result
 
 
-def _model_chunks(cfg, tconfig, padded_vocab_size: int) -> list:
-    """This rank's GPTModel on its device: one, or with the interleaved schedule one per
-    virtual pipeline stage (Megatron-LM's model list), each in Float16Module with fp16/bf16."""
-    from megatron.core.transformer.module import Float16Module
-
-    stages = cfg.parallel.virtual_pipeline_stages
-    chunks = []
-    for vp_stage in ([None] if stages is None else range(stages)):
-        model = devices.model_to_device(build_gpt(tconfig, padded_vocab_size, cfg.model,
-                                                  vp_stage))
-        if cfg.precision.fp16 or cfg.precision.bf16:
-            # As Megatron-LM's get_model: fp16/bf16 parameters and compute, fp32 outputs.
-            model = Float16Module(tconfig, model)
-        chunks.append(model)
-    return chunks
-
-
 def _optimizer_and_scheduler(cfg, ddp_chunks, pg_collection):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -265,10 +239,10 @@ def is_standby(cfg, ctx: runtime.DistributedContext) -> bool:
     return ctx.rank >= cfg.parallel.world_size
 
 
-def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
-    """Megatron's parallel state, GPT model, DDP (on ulfm when asked), optimizer and scheduler.
-    A standby builds the same over its own replica (its cross-replica group holds only itself
-    until it joins)."""
+def build(cfg, ctx: runtime.DistributedContext, vocab_size: int, model_provider) -> RankSetup:
+    """Megatron's parallel state, the model of `model_provider` (the entry's seam), DDP (on
+    ulfm when asked), optimizer and scheduler. A standby builds the same over its own replica
+    (its cross-replica group holds only itself until it joins)."""
     from megatron.core import parallel_state
 
     groups.world_control()  # created now, at start-up, by every rank (groups.py)
@@ -299,7 +273,8 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
         # send; gloo's send reads that storage on its own thread (NCCL's records its stream on
         # it), and the receiver got garbage or NaN: on gloo the activations are kept.
         tconfig.deallocate_pipeline_outputs = False
-    chunks = _model_chunks(cfg, tconfig, mcore_config.padded_vocab_size(cfg, vocab_size))
+    chunks = build_model_chunks(model_provider, cfg, tconfig,
+                                mcore_config.padded_vocab_size(cfg, vocab_size))
     # A replica is a data-parallel rank's TP x PP ranks or, with distributed-optimizer instances
     # (Megatron's HSDP form), an instance: its shards reduce-scatter inside it, and only the
     # all-reduce across instances crosses replicas.
@@ -376,10 +351,12 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int) -> RankSetup:
                   parallel_state.get_pipeline_model_parallel_rank()))
 
 
-def _micro_pass(cfg, ctx, setup: RankSetup, microbatch) -> MicrobatchPass:
-    """The forward/backward pass of this rank, with the failure schedule's points of its
-    replica (a standby's: of the replica id it took)."""
-    faults = _faults(cfg, ctx, setup)
+def _micro_pass(cfg, ctx, setup: RankSetup, microbatch, schedule: FailureSchedule | None,
+                forward_step) -> MicrobatchPass:
+    """The forward/backward pass of this rank over the user's `forward_step` (the entry's
+    seam), with the failure schedule's points of its replica (a standby's: of the replica id
+    it took)."""
+    faults = _faults(cfg, ctx, setup, schedule)
     _optimizer_fault_points(faults, setup.optimizer, setup.chunks)
     # Exact mode reseeds dropout per microbatch id; stock Megatron draws in sequence, and so does
     # the adaptive/reserve comparison, which does not promise the reference trajectory anyway.
@@ -389,7 +366,8 @@ def _micro_pass(cfg, ctx, setup: RankSetup, microbatch) -> MicrobatchPass:
                           cfg.micro_batch_size, cfg.seed, faults, reseed_per_microbatch=reseed,
                           check_finite=cfg.precision.check_for_nan_in_loss_and_grad,
                           aux_losses=(moe_losses.AuxLossRecorder(names, cfg.model.num_layers)
-                                      if names else None))
+                                      if names else None),
+                          forward_step=forward_step)
 
 
 def _optimizer_fault_points(faults, optimizer, chunks) -> None:
@@ -411,35 +389,27 @@ def _optimizer_fault_points(faults, optimizer, chunks) -> None:
         chunks[0].start_param_sync = before("param-gather", chunks[0].start_param_sync)
 
 
-def _faults(cfg, ctx, setup: RankSetup):
+def _faults(cfg, ctx, setup: RankSetup, schedule: FailureSchedule | None):
     """The failure schedule's points of this rank's replica (a standby's: once it joined)."""
-    if not (cfg.recover.enabled and cfg.recover.failure_schedule) or (
-            is_standby(cfg, ctx) and setup.group.size == 1):
+    if schedule is None or (is_standby(cfg, ctx) and setup.group.size == 1):
         return NoFaults()
-    entries = load_schedule(cfg.recover.failure_schedule, cfg.num_replicas,
-                            cfg.parallel.ranks_per_replica, cfg.train_iters,
-                            cfg.recover.standby_replicas)
     # Victims write their markers beside the log: its directory may not exist yet.
     marker_path(cfg).parent.mkdir(parents=True, exist_ok=True)
     if ctx.rank == 0 and cfg.recover.log:
         # The schedule travels with the run's log (reproducible runs).
         shutil.copy(cfg.recover.failure_schedule,
                     Path(cfg.recover.log).with_suffix(".schedule.yaml"))
-    return ScheduledFaults(entries, setup.replica_index, setup.local_rank, ctx.rank,
-                           marker_path(cfg),
-                           load_overflows(cfg.recover.failure_schedule, cfg.b_at, cfg.train_iters),
-                           load_bad_samples(cfg.recover.failure_schedule, cfg.b_at,
-                                            cfg.train_iters))
+    return ScheduledFaults(schedule.entries, setup.replica_index, setup.local_rank, ctx.rank,
+                           marker_path(cfg), schedule.overflows, schedule.bad_samples)
 
 
-def _standby_faults(cfg, ctx):
+def _standby_faults(cfg, ctx, schedule: FailureSchedule | None):
     """A standby's own entries of the failure schedule (before it joins)."""
-    if not (cfg.recover.enabled and cfg.recover.failure_schedule):
+    if schedule is None:
         return NoFaults()
     marker_path(cfg).parent.mkdir(parents=True, exist_ok=True)
-    return StandbyFaults(load_standby_entries(cfg.recover.failure_schedule,
-                                              cfg.recover.standby_replicas),
-                         torch_world_id(cfg, ctx) - 1, ctx.rank, marker_path(cfg))
+    return StandbyFaults(schedule.standbys, torch_world_id(cfg, ctx) - 1, ctx.rank,
+                         marker_path(cfg))
 
 
 def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
@@ -455,12 +425,12 @@ def _install_calculator(cfg, trainer: ResilientTrainer) -> None:
 
 def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass, policy,
                        replica: int, replica_of_rank: dict[int, int], wants_exit,
-                       continued: dict | None = None) -> ResilientTrainer:
+                       continued: ProtocolState | None = None) -> ResilientTrainer:
     """The resilient trainer of this rank over `source` (the `MicrobatchSource`); `continued`:
-    the state a standby joins with."""
+    the protocol state a standby joins with, or a resumed run's (its replicas known dead and
+    its committed reserve ids)."""
     from megatron.core import parallel_state
 
-    continued = continued or {}
     trainer = build_trainer(
         chunks=setup.chunks, optimizer=setup.optimizer, scheduler=setup.scheduler,
         micro_batch_size=cfg.micro_batch_size, run_pass=micro_pass.run,
@@ -478,7 +448,7 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
                           micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
                           policy=cfg.recover.policy, mode=cfg.recover.mode,
                           rampup_batch_size=cfg.rampup_batch_size,
-                          committed_reserve=continued.get("committed_reserve", ())),
+                          committed_reserve=continued.committed_reserve if continued else ()),
         restore=cfg.recover.restore, wants_exit=wants_exit,
         verification=(Verification(cfg.recover.sdc_check_rate, cfg.seed,
                                    cfg.recover.sdc_tolerance)
@@ -486,7 +456,7 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
         nonfinite_rerun=cfg.recover.nonfinite_rerun, samples_of=source.sample_range,
         side_size=0 if micro_pass.aux_losses is None else micro_pass.aux_losses.size,
         side_sums=None if micro_pass.aux_losses is None else micro_pass.aux_losses.sums,
-        dead_replicas=frozenset(continued.get("dead_replicas", ())))
+        dead_replicas=continued.dead_replicas if continued else frozenset())
     _install_calculator(cfg, trainer)
     return trainer
 
@@ -502,40 +472,40 @@ class Trained:
     snapshots: dict | None = None  # a snapshot writer's seconds per copy and per write
 
 
-def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trained:
+def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int,
+          schedule: FailureSchedule | None, *, model_provider, forward_step) -> Trained:
     """Train for cfg.train_iters iterations on `source` (a MicrobatchSource), or until an
     --exit-* flag stops every rank after the same iteration; the lowest live rank prints and
-    logs. A standby waits here until it is called; one that is dismissed leaves the run from
-    here."""
+    logs. `schedule`: the failure schedule `check_start` read; `model_provider` and
+    `forward_step`: the entry's seams (pretrain_gpt_recover.py). A standby waits here until it
+    is called; one that is dismissed leaves the run from here."""
     # Every rank, standbys too, takes part in opening the pool (an MPI world collective).
     pool = (standby.Pool.open(cfg.parallel.world_size, cfg.parallel.ranks_per_replica)
             if cfg.recover.standby_replicas else None)
-    setup = build(cfg, ctx, vocab_size)
+    setup = build(cfg, ctx, vocab_size, model_provider)
     exits = ExitRequests(cfg)
     if not cfg.recover.enabled:
-        micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch)
+        micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch, schedule, forward_step)
         progress = Progress(cfg, setup, micro_pass, source, vocab_size, exits)
         stepper = _agreed_start(lambda: StockStepper(cfg, ctx.rank, setup, micro_pass, exits),
                                 finalize=True)
         return _run(setup, progress, stepper)
     call = None
     if is_standby(cfg, ctx):
-        call = joins.wait_for_call(cfg.num_replicas, setup, pool, _standby_faults(cfg, ctx),
-                                   runtime.leave)
+        call = joins.wait_for_call(cfg.num_replicas, setup, pool,
+                                   _standby_faults(cfg, ctx, schedule), runtime.leave)
         if call is None:  # never returns
             runtime.finish(standby="idle", reason=pool.end_reason, waited_s=pool.waited_s,
                            wait_cpu_s=pool.wait_cpu_s)
         setup = dataclasses.replace(setup, replica_index=call.replica_index)
         training_state.restore(call.state, setup.chunks, setup.optimizer, setup.scheduler)
-    micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch)
+    micro_pass = _micro_pass(cfg, ctx, setup, source.microbatch, schedule, forward_step)
     joined = None
     if call is not None:
-        policy = WorkloadPolicy.resume(mcore_config.to_policy_config(cfg), call.state["layout"],
-                                       call.state["last_committed"], call.state["reserve_next"],
-                                       call.state["speeds"])
+        policy = resume_policy(call.protocol, mcore_config.to_policy_config(cfg))
         trainer = _resilient_trainer(cfg, setup, source, micro_pass, policy,
-                                     setup.replica_index, dict(call.state["replica_of_rank"]),
-                                     exits.requested, continued=call.state)
+                                     setup.replica_index, dict(call.protocol.replica_of_rank),
+                                     exits.requested, continued=call.protocol)
         first_iteration, joined = joins.continue_as_joiner(trainer, call, setup, pool)
     else:
         start = _agreed_start(lambda: resume.starting_point(cfg, ctx.rank, setup))
@@ -544,10 +514,11 @@ def train(cfg, ctx: runtime.DistributedContext, source, vocab_size: int) -> Trai
                            for rank, dp in setup.replica_of_rank.items()}
         trainer = _resilient_trainer(cfg, setup, source, micro_pass, start.policy,
                                      start.replica_ids[setup.replica_index], replica_of_rank,
-                                     exits.requested)
+                                     exits.requested, continued=start.protocol)
         first_iteration = start.first_iteration
     progress = Progress(cfg, setup, micro_pass, source, vocab_size, exits, trainer)
-    snapshots = _snapshots(cfg, ctx, setup, trainer) if cfg.recover.snapshot_interval else None
+    snapshots = (_snapshots(cfg, ctx, setup, trainer, schedule)
+                 if cfg.recover.snapshot_interval else None)
     grow_back = None if pool is None else functools.partial(joins.grow_back, cfg.num_replicas,
                                                             trainer, setup, pool)
     stepper = ResilientStepper(cfg, ctx.rank, setup, trainer, first_iteration, progress,
@@ -569,7 +540,8 @@ def _run(setup: RankSetup, progress: Progress, stepper) -> Trained:
     return Trained(setup.unwrapped_model(), float(setup.optimizer.get_loss_scale()), skipped)
 
 
-def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapshot.Snapshots:
+def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer,
+               schedule: FailureSchedule | None) -> snapshot.Snapshots:
     """This rank's snapshot writer, with the failure schedule's slow writes. Collective over
     the training ranks (where each rank is: one copy per node and position is enough)."""
     where = [None] * dist.get_world_size()
@@ -578,14 +550,12 @@ def _snapshots(cfg, ctx, setup: RankSetup, trainer: ResilientTrainer) -> snapsho
     replicas_here = sorted(trainer.p.replica_of_rank[rank] for rank, place in enumerate(where)
                            if place == where[dist.get_rank()])
     slow, on_pause = {}, None
-    if cfg.recover.failure_schedule is not None:
+    if schedule is not None:
         markers = marker_path(cfg)
         # A relaunch that redoes an iteration does not pause its write again: once per job.
         paused = {m["iteration"] for m in read_markers(markers)
                   if m.get("location") == "snapshot-write"}
-        slow = {t: s for t, s in load_slow_snapshot_writes(cfg.recover.failure_schedule,
-                                                           cfg.train_iters).items()
-                if t not in paused}
+        slow = {t: s for t, s in schedule.slow_snapshot_writes.items() if t not in paused}
 
         def on_pause(iteration):
             write_marker(markers, "snapshot-write", ctx.rank,

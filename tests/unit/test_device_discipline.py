@@ -43,6 +43,7 @@ def places():
     """What one rank trains with, and whether each is on its device: {what: on_device}."""
     from megatron.core import parallel_state
 
+    import pretrain_gpt_recover as entry
     from megatron_recover import runtime
     from megatron_recover.megatron import run
     from megatron_recover.megatron.adapter import DDPBuffers
@@ -57,7 +58,7 @@ def places():
                                              rank=0, world_size=1)
         try:
             ctx = runtime.DistributedContext(rank=0, world_size=1, status_path=None)
-            setup = run.build(cfg, ctx, vocab_size)
+            setup = run.build(cfg, ctx, vocab_size, entry.model_provider)
             (ddp_model,) = setup.chunks  # one model chunk (no virtual stages)
             for name, param in ddp_model.named_parameters():
                 found[f"parameter {name}"] = on_device(param)
@@ -70,7 +71,8 @@ def places():
                         found[f"input {name}"] = on_device(value)
 
             hook = model.register_forward_pre_hook(record_inputs, with_kwargs=True)
-            micro_pass = run._micro_pass(cfg, ctx, setup, source.microbatch)
+            micro_pass = run._micro_pass(cfg, ctx, setup, source.microbatch, None,
+                                         entry.forward_step)
             group = RecordingGroup()
             recovery = GradientRecovery(group, DDPBuffers(setup.chunks, False).buckets())
             recovery.begin_iteration()

@@ -48,3 +48,24 @@ def test_every_module_attribute_the_entry_point_uses_exists():
             if not hasattr(module, node.attr):
                 missing.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
     assert not missing, missing
+
+
+def test_the_seams_are_megatron_lms():
+    """pretrain_gpt_recover.py defines Megatron-LM's seams at top level, with its parameters,
+    and hands them to `pretrain` (tests/test_user_provider.py trains a script that replaces
+    them)."""
+    import inspect
+
+    import pretrain_gpt_recover as entry
+
+    def parameters(function):
+        return list(inspect.signature(function).parameters)
+
+    assert parameters(entry.model_provider) == ["pre_process", "post_process", "vp_stage",
+                                                "config"]
+    assert parameters(entry.forward_step) == ["data_iterator", "model"]
+    assert parameters(entry.loss_func) == ["loss_mask", "output_tensor"]
+    assert parameters(entry.pretrain) == ["model_provider", "forward_step_func"]
+    main = [node for node in ast.parse(ENTRY.read_text()).body if isinstance(node, ast.If)]
+    assert [ast.unparse(node.body[0]) for node in main] == [
+        "pretrain(model_provider, forward_step)"]

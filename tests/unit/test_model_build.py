@@ -9,6 +9,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_model_build.py
 
 import random
 import tempfile
+from functools import partial
 
 import numpy as np
 import pytest
@@ -93,24 +94,54 @@ def test_on_a_load_the_scheduler_values_come_from_where_megatron_lm_says():
 
 
 def test_the_loss_check_and_the_nan_gradient_of_the_failure_schedule():
+    from pretrain_gpt_recover import loss_func
     from megatron_recover import failures
     from megatron_recover.megatron.gpt import _loss_func
 
-    mask = torch.ones(1, 4)
+    user_loss = partial(loss_func, torch.ones(1, 4))  # the entry's, its loss mask bound
     never = lambda: False  # noqa: E731
     output = torch.tensor([[1.0, 2.0, float("nan"), 3.0]])
     with pytest.raises(failures.NonFiniteLoss, match="found NaN in local forward loss"):
-        _loss_func(mask, 0, never, never, False, True, output)
+        _loss_func(user_loss, 0, never, never, False, True, output)
     with pytest.raises(failures.NonFiniteLoss, match="found Inf in local forward loss"):
-        _loss_func(mask, 0, never, never, False, True, output.nan_to_num(posinf=0) + float("inf"))
-    loss, _ = _loss_func(mask, 0, never, never, False, False, output)  # unchecked: it passes
+        _loss_func(user_loss, 0, never, never, False, True,
+                   output.nan_to_num(posinf=0) + float("inf"))
+    loss, _ = _loss_func(user_loss, 0, never, never, False, False, output)  # unchecked: it passes
     assert torch.isnan(loss)
     # The `nan` action: the loss stays right, its gradient is NaN.
     logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]], requires_grad=True)
-    loss, report = _loss_func(mask, 0, lambda: True, never, False, True, logits)
+    loss, report = _loss_func(user_loss, 0, lambda: True, never, False, True, logits)
     assert float(loss) == 2.5 and float(report["lm loss"]) == 10.0
     loss.backward()
     assert torch.isnan(logits.grad).all()
+
+
+def test_the_seams_are_held_to_megatron_lms_contract(one_rank):
+    """A user's model provider must build with the run's `config`; a loss function must return
+    Megatron-LM's (loss sum, token count, report). The entry's provider passes."""
+    import pretrain_gpt_recover as entry
+    from megatron_recover.megatron.gpt import (
+        build_gpt,
+        build_model_chunks,
+        get_args,
+        loss_and_tokens,
+    )
+
+    with pytest.raises(TypeError, match=r"must return \(loss summed .* got a tuple of 2"):
+        loss_and_tokens((torch.tensor(1.0), {}))
+    loss, tokens = loss_and_tokens((torch.tensor(6.0), torch.tensor(3, dtype=torch.int), {}))
+    assert (float(loss), tokens.dtype, float(tokens)) == (6.0, torch.float32, 3.0)
+    cfg = config()
+    tconfig = mcore_config.to_transformer_config(cfg)
+
+    def own_config(pre_process=True, post_process=True, vp_stage=None, config=None):
+        return build_gpt(mcore_config.to_transformer_config(cfg), get_args().padded_vocab_size,
+                         cfg.model, vp_stage, pre_process, post_process)
+
+    with pytest.raises(TypeError, match="not built with the `config` it was given"):
+        build_model_chunks(own_config, cfg, tconfig, 64)
+    (chunk,) = build_model_chunks(entry.model_provider, cfg, tconfig, 64)
+    assert chunk.config is tconfig and get_args().padded_vocab_size == 64
 
 
 @pytest.mark.parametrize("extra", [
