@@ -168,10 +168,10 @@ class SchedulePass:
     def __init__(self, run):
         self._run = run
 
-    def __call__(self, iteration, ids, divisor, losses, tokens, padding=0) -> None:
+    def __call__(self, iteration, ids, divisor, losses, tokens, padding, sink) -> None:
         hooks.set_loss_divisor(divisor)
         failures.note(iteration)  # the forward step notes each microbatch it consumes
-        self._run(iteration, ids, losses, tokens, padding)
+        self._run(iteration, ids, losses, tokens, padding, sink)
         failures.note(iteration)
 
 
@@ -192,6 +192,6 @@ def build_trainer(*, chunks, optimizer, scheduler, micro_batch_size: int, run_pa
         shard_control=None if shard_group is None else TorchControl(shard_control_group),
         bucket_shard_groups=buffers.expert_shard_groups() if shard_group is not None else None,
         overlap_grad_reduce=overlap_grad_reduce, **parts))
-    hooks.install(trainer.p.group.process_group, trainer.recovery, buffers.chunk_buckets())
+    hooks.install(trainer.p.group.process_group, trainer.recovery)
     buffers.dispatch_param_gather()  # the first forward's pre-hooks wait for it
     return trainer

@@ -369,7 +369,7 @@ class MicrobatchPass:
                 seed_microbatch(self.seed, iteration, _SEED_STRIDE - 1 - index, chunk)
             yield padding_batch(self.microbatch(iteration, ids[0] if ids else 0))
 
-    def _forward_step(self, iteration, data_iterator, model):
+    def _forward_step(self, iteration, sink, data_iterator, model):
         batch = next(data_iterator)
         microbatch_id = batch["microbatch_id"]
         padding = batch.get("padding", False)
@@ -377,8 +377,8 @@ class MicrobatchPass:
             failures.note(batch["iteration"], microbatch_id)
         # Every batch consumed is in the ledger, except padding that cannot contribute (its
         # loss mask is empty, read from the batch itself).
-        if not padding or batch["loss_mask"].any():
-            hooks.register_microbatch(batch["iteration"], microbatch_id, batch_checksum(
+        if sink is not None and (not padding or batch["loss_mask"].any()):
+            sink.register(batch["iteration"], microbatch_id, batch_checksum(
                 batch["tokens"], batch["labels"], batch["loss_mask"]),  # on the host
                 chunk=self._chunk_of[id(model)])
         batch = devices.batch_to_device(batch)
@@ -389,7 +389,8 @@ class MicrobatchPass:
             output, user_loss = self.forward_step(one_batch(batch), model)
         if recorded:
             self.aux_losses.after_forward(batch["iteration"], microbatch_id)
-        hooks.forward_done()  # the restore's copies overlapped this forward; backward waits
+        if sink is not None:  # the restore's copies overlapped this forward; backward waits
+            sink.restored()
 
         def on_first_loss() -> bool:
             if self._fired_backward_for != iteration and not padding:
@@ -407,16 +408,18 @@ class MicrobatchPass:
                                                       microbatch_id))
 
     def run(self, iteration: int, ids: list[int], losses: dict[int, float],
-            tokens: dict[int, int], padding: int = 0) -> None:
+            tokens: dict[int, int], padding: int = 0, sink=None) -> None:
         """`padding`: microbatches that train on nothing, after `ids` (expert-parallel shards
-        run passes of one length); the interleaved schedule may add more."""
+        run passes of one length); the interleaved schedule may add more. `sink`
+        (`interfaces.LedgerSink`): where each consumed microbatch is registered under
+        --recover (the round's gradient recovery); None in a stock run."""
         self.faults.phase("schedule")
         with interleaving.shaped_pass(self.config, len(ids) + padding,
                                       parallel_state.get_pipeline_model_parallel_world_size(),
                                       len(self.chunks)) as shaping:
             padding += shaping
             outputs = self.forward_backward(
-                forward_step_func=partial(self._forward_step, iteration),
+                forward_step_func=partial(self._forward_step, iteration, sink),
                 data_iterator=[self._batches(iteration, ids, padding, chunk)
                                for chunk in range(len(self.chunks))],
                 model=self.chunks,

@@ -13,23 +13,21 @@ backward (`GradientRecovery.bucket_ready`). With distributed-optimizer instances
 intra-instance reduce-scatter is the trainer's too (layer 2 snapshots the bucket before it).
 The schedules also divide megatron's MoE auxiliary-loss gradient scale by `loss_divisor`, and
 its auxiliary-loss scaler asks `in_padding` when a loss is attached: a padding microbatch's get
-a zero gradient (`aux_loss_backward_scale`).
+a zero gradient (`aux_loss_backward_scale`). Only what megatron's patched code must reach is
+here: our own pass runner is handed the recovery it reports microbatches to
+(`interfaces.LedgerSink`).
 """
 
 from contextlib import contextmanager
 
 _recoveries = {}  # id(data-parallel process group) -> GradientRecovery
-_chunk_buckets = {}  # id(data-parallel process group) -> each model chunk's gradient buckets
 _loss_divisor = None
 _padding = False  # the forward running now is a padding microbatch's
 
 
-def install(process_group, recovery, chunk_buckets=None) -> None:
-    """Route the bucket reductions of `process_group` through `recovery`; `chunk_buckets`:
-    with virtual pipeline stages, each model chunk's gradient buckets (a microbatch a chunk
-    consumed is registered in that chunk's buckets only)."""
+def install(process_group, recovery) -> None:
+    """Route the bucket reductions of `process_group` through `recovery`."""
     _recoveries[id(process_group)] = recovery
-    _chunk_buckets[id(process_group)] = chunk_buckets
 
 
 def set_loss_divisor(b: int) -> None:
@@ -66,24 +64,6 @@ def finish_grad_sync(bucket_group) -> None:
     dispatches it once per iteration, after the optimizer step, on every shard of an instance
     (`adapter.DDPBuffers.dispatch_param_gather`), so that neither an extension pass nor a shard
     that runs no microbatch issues an all-gather its peers do not."""
-
-
-def register_microbatch(iteration: int, microbatch_id: int, checksum: int,
-                        chunk: int = 0) -> None:
-    """The schedule consumed this microbatch in model chunk `chunk`: its gradient goes into
-    that chunk's buckets (the gradient ledger of layer 2). Nothing without an installed
-    recovery."""
-    for key, recovery in _recoveries.items():
-        buckets = _chunk_buckets[key]
-        recovery.register(iteration, microbatch_id, checksum,
-                          None if buckets is None else buckets[chunk])
-
-
-def forward_done() -> None:
-    """A microbatch's forward was enqueued: gradients are written from here on, so a pending
-    side-stream rewind of the buckets must come first (`GradientRecovery.restored`)."""
-    for recovery in _recoveries.values():
-        recovery.restored()
 
 
 def loss_divisor(num_microbatches: int) -> int:

@@ -90,7 +90,8 @@ class GradientRecovery:
     def __init__(self, group: ULFMGroup, grads: list[torch.Tensor], before_first_reduce=None,
                  shard_group=None, deferred: list[torch.Tensor] = (), after_first_post=None,
                  check_finite: bool = False, restore_stream=None,
-                 synced: list[torch.Tensor] = (), shard_groups: dict | None = None):
+                 synced: list[torch.Tensor] = (), shard_groups: dict | None = None,
+                 chunk_buckets: list[list[torch.Tensor]] | None = None):
         """`grads`: the gradient buckets, in the order every member reduces them (`deferred`
         ones, synced inside the replica after backward, moved to the end).
         `before_first_reduce()` runs before the first reduction of each pass is posted,
@@ -103,7 +104,9 @@ class GradientRecovery:
         check_for_nan_in_grad, before every reduction (`reduce_bucket`). `restore_stream`: a
         side CUDA stream for the non-blocking restore (`rewind_under_pass`), None on the CPU.
         `synced`: the buckets megatron syncs in place inside the replica after backward, in
-        any mode (the non-blocking restore empties them rather than rewinding them)."""
+        any mode (the non-blocking restore empties them rather than rewinding them).
+        `chunk_buckets`: with virtual pipeline stages, each model chunk's buckets (a microbatch
+        a chunk consumed is registered in that chunk's buckets only); None: one chunk."""
         self.group = group
         self.restore_stream = restore_stream
         self._restore_event = None  # the side-stream rewind's end, until the compute stream waits
@@ -119,6 +122,7 @@ class GradientRecovery:
             self._state(grad).deferred = grad.data_ptr() in late
         for grad in synced:
             self._state(grad).synced = True
+        self._chunk_buckets = chunk_buckets
         self._posted_in_pass = 0
         self._allreduced = False  # a ulfm all-reduce was posted in this pass
         self.intervals: list[tuple[float, float]] = []  # the last wait's reductions: (start, end)
@@ -221,12 +225,13 @@ class GradientRecovery:
             self._allreduce(bucket)
 
     def register(self, iteration: int, microbatch_id: int, checksum: int,
-                 grads: list[torch.Tensor] | None = None) -> None:
-        """A microbatch's backward accumulates into every bucket of this rank (or, with model
-        chunks, into `grads`, the buckets of the chunk it ran through): record it."""
+                 chunk: int = 0) -> None:
+        """(The ledger sink of the pass runner: `interfaces.LedgerSink`.) The schedule consumed
+        this microbatch in model chunk `chunk`: its backward accumulates into every bucket of
+        this rank (with model chunks, into that chunk's buckets): record it."""
         entry = Entry(iteration, microbatch_id, checksum)
-        buckets = (self._buckets.values() if grads is None
-                   else [self._buckets[grad.data_ptr()] for grad in grads])
+        buckets = (self._buckets.values() if self._chunk_buckets is None
+                   else [self._buckets[grad.data_ptr()] for grad in self._chunk_buckets[chunk]])
         for bucket in buckets:
             bucket.ledger.register(entry)
 
@@ -394,7 +399,7 @@ class GradientRecovery:
     def restored(self) -> None:
         """Order a pending side-stream rewind before whatever the current stream does next (a
         wait of the stream, not of this thread); nothing when none is pending. The pass runner
-        calls it after its first forward (`hooks.forward_done`), the trainer again before the
+        calls it after each forward (`interfaces.LedgerSink`), the round again before the
         reductions."""
         if self._restore_event is not None:
             torch.cuda.current_stream().wait_event(self._restore_event)

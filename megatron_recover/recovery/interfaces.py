@@ -1,4 +1,4 @@
-"""What the round protocol (`trainer.ResilientTrainer`) drives, as typed interfaces.
+"""What the round protocol (`round.Round`) drives, as typed interfaces.
 
 The protocol knows nothing of megatron: `megatron_recover.megatron.adapter` implements these
 over megatron-core's DDP, schedules and optimizer, and the unit tier (`megatron_recover.testing`)
@@ -26,6 +26,9 @@ class GradientBuffers(Protocol):
         reduction mode (a tied embedding across pipeline stages, sequence-parallel norms); a
         subset of `buckets()`."""
 
+    def chunk_buckets(self) -> list[list[torch.Tensor]] | None:
+        """With virtual pipeline stages, each model chunk's buckets; None with one chunk."""
+
     def deferred(self) -> list[torch.Tensor]:
         """The buckets posted only after the pass: with an overlapped reduction the `synced()`
         ones (so a reduction in flight never races their sync), otherwise none."""
@@ -49,16 +52,30 @@ class GradientBuffers(Protocol):
         """Wait for those all-gathers: parameters then hold the last step's values."""
 
 
+class LedgerSink(Protocol):
+    """What a pass runner reports as the schedule consumes microbatches (layer 2's
+    `GradientRecovery` is one)."""
+
+    def register(self, iteration: int, microbatch_id: int, checksum: int, chunk: int = 0) -> None:
+        """The schedule consumed this microbatch (the batch names its own iteration and id;
+        `checksum` of its tokens, labels and loss mask) in model chunk `chunk`."""
+
+    def restored(self) -> None:
+        """A forward was enqueued: gradients are written from here on, so a pending side-stream
+        rewind of the buckets must come first."""
+
+
 class PassRunner(Protocol):
     def __call__(self, iteration: int, ids: list[int], divisor: int,
-                 losses: dict[int, float], tokens: dict[int, int], padding: int = 0) -> None:
+                 losses: dict[int, float], tokens: dict[int, int], padding: int,
+                 sink: LedgerSink) -> None:
         """Forward and backward of microbatches `ids` of `iteration`, then of `padding`
         microbatches that train on nothing (exactly zero gradient, never registered; the pass
-        is not empty: ids or padding), each loss
-        divided by `divisor` (the iteration's B), accumulated into the buckets; registers each
-        consumed microbatch in the recovery's ledger; adds each id's loss summed over its loss
-        tokens to `losses` and their count to `tokens` where this rank sees losses (the logged
-        loss is the committed sum over the committed tokens). Raises for a rank-local error."""
+        is not empty: ids or padding), each loss divided by `divisor` (the iteration's B),
+        accumulated into the buckets; reports each consumed microbatch to `sink` (and each
+        forward, `sink.restored`); adds each id's loss summed over its loss tokens to `losses`
+        and their count to `tokens` where this rank sees losses (the logged loss is the
+        committed sum over the committed tokens). Raises for a rank-local error."""
 
 
 class OptimizerStep(Protocol):

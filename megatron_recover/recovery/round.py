@@ -122,6 +122,7 @@ class Round:
                                          shard_groups=parts.bucket_shard_groups,
                                          deferred=parts.buffers.deferred(),
                                          synced=parts.buffers.synced(),
+                                         chunk_buckets=parts.buffers.chunk_buckets(),
                                          check_finite=parts.check_finite,
                                          restore_stream=(torch.cuda.Stream(
                                              device=parts.buffers.buckets()[0].device)
@@ -285,7 +286,8 @@ class Round:
         """The pass runner on `ids` and `padding` (and a slowdown the failure schedule asks
         for), timed."""
         timer = PassTimer()
-        self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens, padding)
+        self.p.run_pass(iteration, ids, self.p.policy.state.b, losses, tokens, padding,
+                        self.recovery)
         timer.stop()
         self.p.faults.slow_down(iteration, len(ids), timer.seconds)
         timer.stop()  # the slowdown is part of the pass

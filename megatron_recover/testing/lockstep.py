@@ -105,6 +105,9 @@ class FakeBuffers:
     def synced(self):
         return []
 
+    def chunk_buckets(self):
+        return None
+
     def deferred(self):
         return []
 
@@ -135,10 +138,9 @@ class FakePass:
         self.ran: list[tuple[int, int]] = []  # (iteration, id) in the order run
         self.padding: list[int] = []  # each pass's padding microbatches (they add nothing)
 
-    def __call__(self, iteration, ids, divisor, losses, tokens, padding=0):
+    def __call__(self, iteration, ids, divisor, losses, tokens, padding, sink):
         replica = self.replica
         self.padding.append(padding)
-        recovery = replica.trainer.recovery
         self.divisors.append(divisor)
         for k in ids:
             checksum, count, loss = microbatch(replica.dataset,
@@ -147,7 +149,7 @@ class FakePass:
                 grad.add_(part)
             if (iteration, k) in replica.nan_ids:
                 replica.buffers.grads[0][5] = float("nan")
-            recovery.register(iteration, k, checksum)
+            sink.register(iteration, k, checksum)
             losses[k] = loss
             tokens[k] = count
             self.ran.append((iteration, k))
@@ -155,9 +157,10 @@ class FakePass:
             replica.buffers.grads[0][3] += 1.0
         if ids and replica.faults.faulty(iteration, "nan-always"):
             replica.buffers.grads[0][3] = float("nan")
-        # The last microbatch's backward completes every bucket, first bucket first.
+        # The last microbatch's backward completes every bucket, first bucket first (what the
+        # patched megatron reports through hooks.start_grad_sync).
         for grad in replica.buffers.grads:
-            recovery.bucket_ready([grad])
+            replica.trainer.recovery.bucket_ready([grad])
 
 
 class FakeOptimizer:

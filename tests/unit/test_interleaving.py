@@ -1,5 +1,5 @@
 """The interleaved schedule's pass shapes (`megatron/interleaving.py`) and the ledger kept per
-model chunk (`hooks.register_microbatch(..., chunk)`, `GradientRecovery.register(..., grads)`).
+model chunk (`GradientRecovery.register(..., chunk)`, the pass runner's ledger sink).
 
 Run: .venv/bin/python -m pytest tests/unit/test_interleaving.py   (no MPI, no GPU)
 
@@ -14,7 +14,7 @@ ledgers differ from the other chunk's, which the commit lane reports as poison.
 import pytest
 import torch
 
-from megatron_recover.megatron import hooks, interleaving
+from megatron_recover.megatron import interleaving
 from megatron_recover.recovery.gradients import GradientRecovery
 
 pytestmark = pytest.mark.unit
@@ -62,23 +62,19 @@ def test_a_shaped_pass_restores_the_configured_group_size():
 def _two_chunks():
     """Chunk 0 with two buckets, chunk 1 with one; reductions recorded, not posted."""
     first, second, last = torch.zeros(3), torch.zeros(2), torch.zeros(4)
-    recovery = GradientRecovery(None, [last, first, second])
+    recovery = GradientRecovery(None, [last, first, second],
+                                chunk_buckets=[[first, second], [last]])
     recovery._post = lambda bucket: None
     recovery.begin_iteration()
     recovery.begin_pass()
-    hooks.install("group", recovery, [[first, second], [last]])
     return recovery
 
 
 def test_each_chunk_registers_what_it_consumed():
     recovery = _two_chunks()
-    try:
-        for microbatch in (0, 1):
-            for chunk in (0, 1):
-                hooks.register_microbatch(3, microbatch, 100 + microbatch, chunk=chunk)
-    finally:
-        hooks._recoveries.clear()
-        hooks._chunk_buckets.clear()
+    for microbatch in (0, 1):
+        for chunk in (0, 1):
+            recovery.register(3, microbatch, 100 + microbatch, chunk=chunk)
     recovery.reduce_all()
     sent, same = recovery.sent_ledger()
     assert same and len(sent) == 2  # each id once per bucket, not once per chunk
@@ -87,13 +83,9 @@ def test_each_chunk_registers_what_it_consumed():
 
 def test_a_chunk_that_skipped_an_id_is_seen():
     recovery = _two_chunks()
-    try:
-        for chunk in (0, 1):
-            hooks.register_microbatch(3, 0, 100, chunk=chunk)
-        hooks.register_microbatch(3, 1, 101, chunk=0)  # chunk 1 never ran microbatch 1
-    finally:
-        hooks._recoveries.clear()
-        hooks._chunk_buckets.clear()
+    for chunk in (0, 1):
+        recovery.register(3, 0, 100, chunk=chunk)
+    recovery.register(3, 1, 101, chunk=0)  # chunk 1 never ran microbatch 1
     recovery.reduce_all()
     _, same = recovery.sent_ledger()
     assert not same

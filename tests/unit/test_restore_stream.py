@@ -14,7 +14,6 @@ import contextlib
 import pytest
 import torch
 
-from megatron_recover.megatron import hooks
 from megatron_recover.recovery.gradients import GradientRecovery
 from megatron_recover.recovery.ledger import Entry, Ledger
 
@@ -43,11 +42,7 @@ def run_extension(recovery, plain, deferred):
     snapshots back."""
     recovery.begin_pass()
     recovery.rewind_under_pass()
-    hooks.install("group", recovery)
-    try:
-        hooks.forward_done()  # the pass runner, after the first forward
-    finally:
-        hooks._recoveries.clear()
+    recovery.restored()  # the pass runner's sink, after the first forward
     plain.add_(0.5)
     deferred.add_(0.5)
     recovery.register(1, 7, 777)
