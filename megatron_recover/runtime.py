@@ -24,6 +24,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_recover.mpi import failed_ranks, mpi
+
 _state = {"status_path": None, "groups": [], "installed": False, "rank": "?",
           "torch_world_comm": None}
 FINAL_CONSENSUS_TIMEOUT_S = 60.0
@@ -36,16 +38,6 @@ class DistributedContext:
     rank: int
     world_size: int
     status_path: Path | None
-
-
-def _mpi():
-    import mpi4py
-
-    # Our exit path decides whether MPI_Finalize is safe; mpi4py must not call it at exit.
-    mpi4py.rc.finalize = False
-    from mpi4py import MPI
-
-    return MPI
 
 
 def write_status(state: str, **fields) -> None:
@@ -88,7 +80,7 @@ def set_program_errors(policy: str) -> None:
 def set_replica_peers(replica_ranks: list[int]) -> None:
     """The MPI ranks of this rank's replica: a failure MPI reports among them explains an error
     of an intra-replica collective (the exit hook asks)."""
-    me = _mpi().COMM_WORLD.Get_rank()
+    me = mpi().COMM_WORLD.Get_rank()
     _state["replica_peers"] = {r for r in replica_ranks if r != me}
 
 
@@ -97,7 +89,7 @@ def _replica_peer_failed(wait_s: float) -> bool:
     peers = _state.get("replica_peers") or set()
     if not peers:
         return False
-    MPI = _mpi()
+    MPI = mpi()
     world = MPI.COMM_WORLD
     deadline = time.monotonic() + wait_s
     while True:
@@ -114,15 +106,6 @@ def _replica_peer_failed(wait_s: float) -> bool:
             return False
         time.sleep(0.02)
 
-
-def failed_ranks(comm) -> set[int]:
-    """The ranks of `comm` (an mpi4py communicator) this process knows to have failed."""
-    MPI = _mpi()
-    failed_group = comm.Get_failed()
-    failed = MPI.Group.Translate_ranks(failed_group, list(range(failed_group.Get_size())),
-                                       comm.Get_group())
-    failed_group.Free()
-    return set(failed)
 
 
 def leave(reason: str) -> None:
@@ -142,7 +125,7 @@ def start_replica_gate(replica_ranks: list[int], period_s: float) -> threading.T
     crashed or froze even while the main thread is blocked in an intra-replica collective with
     it (a frozen peer never closes its sockets, so gloo alone would wait for its timeout).
     """
-    world = _mpi().COMM_WORLD
+    world = mpi().COMM_WORLD
     me = world.Get_rank()
     peers = [r for r in replica_ranks if r != me]
 
@@ -366,14 +349,14 @@ def _ignore_early_heartbeats() -> bool:
     return True
 
 
-def _start_mpi():
+def _startmpi():
     """mpi4py's MPI module with MPI initialized at MPI_THREAD_MULTIPLE (what mpi4py's own start
     does); with the detector thread on, MPI_Init runs behind `_ignore_early_heartbeats`."""
     import mpi4py
 
     if "mpi4py.MPI" not in sys.modules and _detector_thread_requested():
         mpi4py.rc.initialize = False
-    MPI = _mpi()
+    MPI = mpi()
     if not MPI.Is_initialized():
         _ignore_early_heartbeats()
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -382,7 +365,7 @@ def _start_mpi():
 
 def init_mpi(status_dir: Path | None = None) -> DistributedContext:
     """Start MPI for this rank of an `mpirun --with-ft ulfm` job; install the exit discipline."""
-    MPI = _start_mpi()
+    MPI = _startmpi()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     status_path = None
@@ -419,7 +402,7 @@ def init_torch_distributed(ctx: DistributedContext, backend: str = "gloo",
     import torch
     import torch.distributed as dist
 
-    world = _state["torch_world_comm"] = _mpi().COMM_WORLD.Split(world_id, ctx.rank)
+    world = _state["torch_world_comm"] = mpi().COMM_WORLD.Split(world_id, ctx.rank)
     rank, size = world.Get_rank(), world.Get_size()
     offset = ctx.rank - rank  # the world's ranks are consecutive MPI ranks (the caller's order)
     host = _rendezvous_host(world, network)
@@ -516,7 +499,7 @@ def finish(finalize: bool = False, **fields) -> None:
     sys.stderr.flush()
     _end_children()
     if finalize:
-        _mpi().Finalize()
+        mpi().Finalize()
     os._exit(0)
 
 
@@ -527,11 +510,11 @@ def stop_at_startup(message: str | None, finalize: bool = False) -> None:
     printed its own. `finalize`: MPI runs without fault tolerance, where a rank leaving without
     MPI_Finalize makes mpirun kill the others, perhaps before rank 0's message is out.
     """
-    if message is not None and _mpi().COMM_WORLD.Get_rank() == 0:
+    if message is not None and mpi().COMM_WORLD.Get_rank() == 0:
         sys.stderr.write(f"megatron-recover: error: {message}\n")
     write_status("error", error=message or "invalid arguments")
     sys.stdout.flush()
     sys.stderr.flush()
     if finalize:
-        _mpi().Finalize()
+        mpi().Finalize()
     os._exit(0)

@@ -30,7 +30,7 @@ def test_operations(tmp_path, num_ranks):
 @pytest.mark.timeout(TIMEOUT_S + 30)
 @pytest.mark.parametrize("num_ranks", [1, 4])
 def test_training_state_travels_tensor_by_tensor(tmp_path, num_ranks):
-    """`state.broadcast_state` with packs and chunks lowered (structure, dtypes and a state
+    """`transfer.broadcast_state` with packs and chunks lowered (structure, dtypes and a state
     dict's `_metadata` arrive intact); with 4 ranks, a join's transfer whose donor dies inside
     the big tensor is finished by the next survivor."""
     run = run_worker(tmp_path, "ops_worker.py", num_ranks, ["state"], TIMEOUT_S)

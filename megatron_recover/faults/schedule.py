@@ -499,7 +499,7 @@ class ScheduledFaults:
 def _arm_transfer(group, marker_path: Path, fields: dict) -> None:
     """Kill this rank entering the state broadcast of a join: the transfer's third broadcast,
     its first pack of tensors (the first two carry the structure's size and the structure:
-    `state.broadcast_state`)."""
+    `transfer.broadcast_state`)."""
     group.arm_fault("broadcast", group.fault_hits("broadcast") + 3, "kill", 0.0,
                     str(marker_path), {**fields, "action": "kill"})
 

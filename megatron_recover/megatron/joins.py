@@ -13,6 +13,7 @@ from megatron_recover.megatron import standby
 from megatron_recover.megatron import state as training_state
 from megatron_recover.megatron.rank_setup import RankSetup
 from megatron_recover.recovery import ResilientTrainer
+from megatron_recover.recovery.membership import transfer
 from megatron_recover.recovery.protocol_state import ProtocolState, capture
 
 
@@ -158,6 +159,6 @@ def continue_as_joiner(trainer: ResilientTrainer, call: Call, setup: RankSetup,
     trainer.add_event(dict(event))
     return call.protocol.iteration + 1, {
         **event, "replica": setup.replica_index,
-        "state_bytes": training_state.tensor_bytes(call.state), "waited_s": pool.waited_s,
+        "state_bytes": transfer.tensor_bytes(call.state), "waited_s": pool.waited_s,
         "wait_cpu_s": pool.wait_cpu_s, "donor_digests": call.state["digests"],
         "digests": state_digests(setup), "contributions": {}}

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_recover.megatron import groups, loading
 from megatron_recover.megatron import state as training_state
+from megatron_recover.recovery.membership import transfer
 from megatron_recover.recovery.protocol_state import ProtocolState
 
 
@@ -59,7 +60,7 @@ class HostMirror:
     """Host copies of a state's tensors, kept from one snapshot to the next.
 
     `copy(state)` returns `state` with every tensor replaced by its host copy (containers as
-    `state.split_tensors` rebuilds them): a buffer allocated at the first snapshot (page-locked
+    `transfer.split_tensors` rebuilds them): a buffer allocated at the first snapshot (page-locked
     where CUDA is present) and overwritten at each later one, so a snapshot takes no device
     memory and, after the first, no allocation.
     Device tensors are copied asynchronously on the current stream; `ready()` waits for those
@@ -74,7 +75,7 @@ class HostMirror:
 
     def copy(self, state):
         tensors: list[torch.Tensor] = []
-        skeleton = training_state.split_tensors(state, tensors)
+        skeleton = transfer.split_tensors(state, tensors)
         for index, source in enumerate(tensors):
             buffer = self._buffers.get(index)
             if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
@@ -85,7 +86,7 @@ class HostMirror:
         if torch.cuda.is_available():
             self._event = torch.cuda.Event()
             self._event.record()
-        return training_state.fill_tensors(skeleton, self._buffers)
+        return transfer.fill_tensors(skeleton, self._buffers)
 
     def ready(self) -> None:
         if self._event is not None:
@@ -279,7 +280,7 @@ def restore(directory: Path, group, position: tuple[int, ...], chunks, optimizer
         if dist.get_rank() == donor:  # mapped, not read: it goes out tensor by tensor
             saved = torch.load(next(local.glob(f"{name}-replica_*.pt")), map_location="cpu",
                                mmap=True, weights_only=False)
-        saved, ok = training_state.broadcast_state(group, donor, saved)
+        saved, ok = transfer.broadcast_state(group, donor, saved)
         if not ok:
             raise RuntimeError("a rank failed while restoring a snapshot")
     if saved["iteration"] != iteration:

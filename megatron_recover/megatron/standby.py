@@ -48,18 +48,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_recover import runtime
-from megatron_recover.megatron import state as training_state
+from megatron_recover.mpi import failed_ranks, mpi
+from megatron_recover.recovery.membership.transfer import broadcast_state
 
 CALL_TAG = 7101
 POLL_S = 0.005
 LIVENESS_S = 0.25
 
-
-def _mpi():
-    from mpi4py import MPI
-
-    return MPI
 
 
 @dataclass
@@ -83,7 +78,7 @@ class Pool:
     def open(cls, training_ranks: int, ranks_per_replica: int) -> "Pool":
         """Collective over MPI_COMM_WORLD (at start-up, on every rank); MPI ranks from
         `training_ranks` on are the standbys, `ranks_per_replica` to a standby replica."""
-        MPI = _mpi()
+        MPI = mpi()
         comm = MPI.COMM_WORLD.Dup()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         return cls(comm, list(range(training_ranks, comm.Get_size())), training_ranks,
@@ -99,7 +94,7 @@ class Pool:
         for standby in self.idle:
             try:
                 self._sends.append(self.comm.Isend(data, standby, CALL_TAG))
-            except _mpi().Exception:
+            except mpi().Exception:
                 pass
 
     def wait_for_call(self) -> dict | None:
@@ -114,7 +109,7 @@ class Pool:
             self.wait_cpu_s += time.process_time() - cpu
 
     def _wait(self) -> dict | None:
-        MPI = _mpi()
+        MPI = mpi()
         buffer = bytearray(1 << 16)
         request = self.comm.Irecv(buffer, MPI.ANY_SOURCE, CALL_TAG)
         checked = time.monotonic()
@@ -144,7 +139,7 @@ class Pool:
     def _callers_alive(self) -> bool:
         """Whether any process other than the idle standbys is still alive."""
         callers = set(range(self.comm.Get_size())) - set(self.idle) - {self.rank}
-        return bool(callers - runtime.failed_ranks(self.comm))
+        return bool(callers - failed_ranks(self.comm))
 
     def assemble(self, message: dict, member: bool, position: int):
         """Step 2 of the module docstring, on survivors (`member`) and idle standbys alike;
@@ -153,7 +148,7 @@ class Pool:
         replica -> its replica id, this position's grown communicator or None when this rank
         is not in it, ok: whether every split succeeded, the ranks of the idle standby replicas
         that were alive). The caller settles `idle` once it knows who joined."""
-        MPI = _mpi()
+        MPI = mpi()
         self.joins = message["join"]
         shrunk = self.comm.Shrink()
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
@@ -196,7 +191,7 @@ class Pool:
         while pending and time.monotonic() < end:
             try:
                 pending = [r for r in pending if not r.Test()]
-            except _mpi().Exception:
+            except mpi().Exception:
                 pending = []  # a receiver died: its copy does not matter any more
             time.sleep(POLL_S)
 
@@ -261,7 +256,7 @@ def drop_members(group, ranks: list[int]) -> list[int]:
 def transfer(group, assignment: dict[int, int], state: dict | None) -> tuple[
         dict | None, list[int], list[int]]:
     """Step 3: broadcast the training state (`state`: given on every survivor, None on joiners)
-    from the lowest surviving member, tensor by tensor (`training_state.broadcast_state`), until
+    from the lowest surviving member, tensor by tensor (`transfer.broadcast_state`), until
     every live member holds it; the joiners are the assigned ranks in `group`. Returns (the
     state: a joiner's received one, a survivor's own; the joiners still alive; every member
     lost meanwhile), the same lists on every member. Every member of the grown group calls it."""
@@ -271,7 +266,7 @@ def transfer(group, assignment: dict[int, int], state: dict | None) -> tuple[
     while True:
         donor = min(m for m in group.members if m not in joiners)
         # Survivors keep their own state: the donor's passes through one scratch buffer there.
-        received, ok = training_state.broadcast_state(group, donor, state,
+        received, ok = broadcast_state(group, donor, state,
                                                       keep=me in joiners)
         agreed = group.consensus([int(ok)]).wait()
         lost += agreed.failed_ranks

@@ -231,13 +231,13 @@ def check_state(group, rank: int, n: int, marker: Path) -> dict:
     (`standby.transfer`) whose donor dies in the middle of the tensors: the next survivor
     sends, and both joiners hold the state."""
     from megatron_recover.megatron import standby
-    from megatron_recover.megatron import state as training_state
+    from megatron_recover.recovery.membership import transfer
 
-    training_state.PACK_BYTES = 16384  # the RNG state shares a pack, the big tensor goes alone
+    transfer.PACK_BYTES = 16384  # the RNG state shares a pack, the big tensor goes alone
     group.set_max_chunk_bytes(64 * 1024)  # which crosses chunks
     expected = sample_state()
     checks = {}
-    state, ok = training_state.broadcast_state(group, n - 1, expected if rank == n - 1 else None)
+    state, ok = transfer.broadcast_state(group, n - 1, expected if rank == n - 1 else None)
     checks["state_received"] = ok and same(state, expected)
     checks["state_is_host_tensors"] = ok and all(t.device.type == "cpu"
                                                  for t in state["model"].values())
@@ -248,7 +248,7 @@ def check_state(group, rank: int, n: int, marker: Path) -> dict:
         drawn = torch.rand(3)
         torch.set_rng_state(expected["rng"][0])
         checks["rng_state_usable"] = torch.equal(drawn, torch.rand(3))
-    state, ok = training_state.broadcast_state(group, n - 1, expected if rank == n - 1 else None,
+    state, ok = transfer.broadcast_state(group, n - 1, expected if rank == n - 1 else None,
                                                keep=False)
     checks["state_not_kept"] = ok and (state is None if rank != n - 1 else state is expected)
     if n == 4:

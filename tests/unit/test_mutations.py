@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_recover.testing import lockstep
 from megatron_recover.testing.invariants import check_run
 from megatron_recover.testing.lockstep import Failure, Setup, run_lockstep
 

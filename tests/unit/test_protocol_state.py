@@ -7,7 +7,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_protocol_state.py   (no MPI; sec
 The state comes from a real `WorkloadPolicy` driven through a failure with reserve ids
 committed, a second failure, and a replica slow for a window (a balanced layout, a marked
 replica); the trainer around it is the four attributes `capture` reads. The join side goes
-through `state.broadcast_state`, what `standby.transfer` sends a joiner with (its structure
+through `transfer.broadcast_state`, what `standby.transfer` sends a joiner with (its structure
 pickled, its tensors in packs), over a two-member group of threads; the snapshot side through
 the snapshot writer (`snapshot.Snapshots`) and `snapshot.restore` in a one-rank gloo world.
 """
@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, loading, snapshot
-from megatron_recover.megatron import state as training_state
+from megatron_recover.megatron import checkpoint, snapshot
 from megatron_recover.policy import Layout, PolicyConfig, WorkloadPolicy
 from megatron_recover.policy.adaptive import AdaptiveLayout
 from megatron_recover.policy.speed import SpeedState, StragglerConfig
+from megatron_recover.recovery.membership import transfer
 from megatron_recover.recovery.protocol_state import (
     ProtocolState,
     capture,
@@ -75,7 +75,7 @@ def assert_same(a: ProtocolState, b: ProtocolState) -> None:
 
 class ThreadPair:
     """Two members of a group (world ranks 0 and 1) on threads, with the one operation
-    `state.broadcast_state` uses; the donor's tensor goes over a queue."""
+    `transfer.broadcast_state` uses; the donor's tensor goes over a queue."""
 
     def __init__(self):
         self.wire = queue.Queue()
@@ -106,12 +106,12 @@ def join_transfer(state: dict) -> dict:
     pair, received = ThreadPair(), {}
 
     def joiner():
-        received["state"], received["ok"] = training_state.broadcast_state(
+        received["state"], received["ok"] = transfer.broadcast_state(
             pair.member(1), 0, None)
 
     thread = threading.Thread(target=joiner)
     thread.start()
-    _, ok = training_state.broadcast_state(pair.member(0), 0, state)
+    _, ok = transfer.broadcast_state(pair.member(0), 0, state)
     thread.join(30)
     assert ok and received["ok"]
     return received["state"]
