@@ -13,7 +13,7 @@ under the CPU emulation (megatron_recover.testing).
 As Megatron-LM's pretrain_gpt.py, this file holds the job's seams, `model_provider` and
 `forward_step` (with `get_batch` and `loss_func`), and hands them to `pretrain`, which reads argv
 and the environment, then gives a validated TrainConfig and the seams to
-megatron_recover.megatron.run. A script of one's own replaces either seam and calls
+megatron_recover.megatron.app.run. A script of one's own replaces either seam and calls
 `pretrain(model_provider, forward_step)` the same way; what the run wraps around them
 (the gradient ledger, per-microbatch reseeding, padding, fault points, the loss check) is in
 docs/training.md, "Your own model_provider and forward_step".
@@ -32,7 +32,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     the embedding / the output layer and loss. `config`: the TransformerConfig the run made
     from its arguments; the model must be built with it. `get_args()` gives the run's
     arguments (`.cfg`, a TrainConfig) and `.padded_vocab_size`."""
-    from megatron_recover.megatron.gpt import build_gpt, get_args
+    from megatron_recover.megatron.adapters.gpt import build_gpt, get_args
 
     args = get_args()
     return build_gpt(config, args.padded_vocab_size, args.cfg.model, vp_stage,
@@ -83,7 +83,8 @@ def pretrain(model_provider, forward_step_func) -> None:
     """Run one rank of the job of sys.argv with these seams (Megatron-LM's `pretrain`)."""
     from megatron_recover import runtime
 
-    from megatron_recover.megatron import arguments, devices, groups
+    from megatron_recover.megatron.config import arguments
+    from megatron_recover.megatron.adapters import devices, groups
 
     hang_timeout_s = arguments.hang_timeout_before_mpi(sys.argv[1:])
     if hang_timeout_s is not None:
@@ -130,7 +131,8 @@ def pretrain(model_provider, forward_step_func) -> None:
                               cfg.recover.cross_replica_backend)
 
     from megatron_recover import collective
-    from megatron_recover.megatron import run, state
+    from megatron_recover.megatron.app import run
+    from megatron_recover.megatron.persistence import training_state as state
 
     try:
         if cfg.recover.cross_replica_backend == "ulfm":
@@ -143,7 +145,7 @@ def pretrain(model_provider, forward_step_func) -> None:
     except collective.BackendUnavailable as error:
         runtime.stop_at_startup(str(error), finalize=True)  # MPI without fault tolerance
     if ctx.rank == 0:
-        from megatron_recover.megatron.mcore_config import padded_vocab_size
+        from megatron_recover.megatron.config.mcore_config import padded_vocab_size
 
         padded = padded_vocab_size(cfg, vocab_size)
         print(f" > padded vocab (size: {vocab_size}) with {padded - vocab_size} dummy tokens "

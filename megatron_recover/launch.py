@@ -113,7 +113,7 @@ class RunResult:
 
 
 def program_error(statuses: dict[int, dict]) -> tuple[int, dict] | None:
-    """(rank, status) of the rank whose program error ended the job (megatron_recover.failures:
+    """(rank, status) of the rank whose program error ended the job (megatron_recover.errors:
     it stops its Open MPI daemon instead of leaving), or None."""
     for rank, status in sorted(statuses.items()):
         if status.get("ended_job"):

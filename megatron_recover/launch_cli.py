@@ -3,7 +3,7 @@
 
 `-n N -- program ...` runs one mpirun and judges it by the ranks' status files (launch.py's
 docstring); `--hostfile H` hands the job to relaunch.run_job. Exit status 0 when the run
-succeeded, 1 when it failed, 2 for a command line to fix, 3 (failures.PROGRAM_ERROR_EXIT) when a
+succeeded, 1 when it failed, 2 for a command line to fix, 3 (errors.PROGRAM_ERROR_EXIT) when a
 program error ended it (docs/failures.md).
 """
 
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_recover import failures, relaunch
+from megatron_recover import errors, relaunch
 from megatron_recover.launch import LaunchConfig, launch, program_error
 
 
@@ -80,8 +80,8 @@ def _failed(statuses: dict[int, dict]) -> int:
         return 1
     rank, status = ended
     print(f"megatron-recover launch: a program error on rank {rank} ended the job "
-          f"{failures.describe(status)}: {status['error'].strip().splitlines()[-1]}")
-    return failures.PROGRAM_ERROR_EXIT
+          f"{errors.describe(status)}: {status['error'].strip().splitlines()[-1]}")
+    return errors.PROGRAM_ERROR_EXIT
 
 
 def _run_on_hosts(args: argparse.Namespace, command: list[str]) -> int:

@@ -15,7 +15,7 @@ job" and "A silent node loss hangs"). The launcher therefore:
    and the ones where no rank of the job ever started;
 3. relaunches on the remaining hosts plus spares (as many as were lost), at most
    --max-relaunches times, with the same run id: the ranks resume from the newest in-memory
-   snapshot the surviving nodes hold in full (megatron_recover.megatron.snapshot), or from
+   snapshot the surviving nodes hold in full (megatron_recover.megatron.persistence.snapshots), or from
    --load's checkpoint, with the static policy laid out again for the new replica count and B
    kept.
 

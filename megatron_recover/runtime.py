@@ -71,7 +71,7 @@ PEER_CONFIRM_S = 5.0
 
 
 def set_program_errors(policy: str) -> None:
-    """--recover-program-errors: what a program error (failures.PROGRAM) does on this rank from
+    """--recover-program-errors: what a program error (errors.PROGRAM) does on this rank from
     now on: `abort` ends the job, `survive` leaves as a failed rank. Unset (stock runs, start-up):
     every error takes the rank down as it always did."""
     _state["program_errors"] = policy
@@ -196,7 +196,7 @@ def write_to_terminal(text: str) -> None:
 def _die_on_uncaught(exc_type, exc, tb) -> None:
     """The exit hook: classify the error (`failures`), then leave as a failed rank (SIGKILL: the
     survivors absorb it) or, for a program error under --recover, end the whole job."""
-    from megatron_recover import failures  # torch is loaded by now; not before MPI starts
+    from megatron_recover import errors  # torch is loaded by now; not before MPI starts
 
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     try:
@@ -207,17 +207,17 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
         # Only a --recover run in training acts on the kind; a stock run stops on any failure
         # and must not wait for MPI first (its peers then see this rank die promptly).
         recovering = _state.get("program_errors") is not None
-        kind = failures.classify(exc, lambda: recovering and _replica_peer_failed(PEER_CONFIRM_S))
-        place = failures.where()
+        kind = errors.classify(exc, lambda: recovering and _replica_peer_failed(PEER_CONFIRM_S))
+        place = errors.where()
     except BaseException as error:  # noqa: BLE001 - whatever happens, the rank must go
-        kind, place = failures.PEER_LOST, {"iteration": None, "microbatch_id": None}
+        kind, place = errors.PEER_LOST, {"iteration": None, "microbatch_id": None}
         text += f"\n(classifying it failed too: {error!r})"
-    ends_job = kind == failures.PROGRAM and _state.get("program_errors") == failures.ABORT
+    ends_job = kind == errors.PROGRAM and _state.get("program_errors") == errors.ABORT
     daemon = _open_mpi_daemon() if ends_job else None
     if daemon is not None:  # none: mpirun is gone, the job is being torn down
         write_to_terminal(
             f"megatron-recover: rank {_state['rank']} ends the job: a program error "
-            f"{failures.describe(place)}. It would recur on every replica that runs this "
+            f"{errors.describe(place)}. It would recur on every replica that runs this "
             "microbatch, so no survivor runs it again (--recover-program-errors survive treats "
             f"it as a failure of this rank):\n{text}")
         sys.stdout.flush()
@@ -230,7 +230,7 @@ def _die_on_uncaught(exc_type, exc, tb) -> None:
     # A lost peer is the replica gate at work and a device fault a failure of this rank: the
     # survivors absorb both, as they absorb a program error with --recover-program-errors
     # survive. Without --recover (a stock run stops on any failure) it stays an error.
-    absorbed = kind != failures.PROGRAM or _state.get("program_errors") == failures.SURVIVE
+    absorbed = kind != errors.PROGRAM or _state.get("program_errors") == errors.SURVIVE
     write_status("left" if absorbed else "error", error=text[-4000:], kind=kind, **place)
     _end_children()
     # A signal death is what ULFM detects; a non-zero exit would leave the peers waiting.

@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python scripts/argument_table.py [--check]
 
-The table comes from `megatron_recover/megatron/argument_table.py` and the parser, so the docs
+The table comes from `megatron_recover/megatron/config/argument_table.py` and the parser, so the docs
 cannot drift from the code: `--check` exits 1 when docs/arguments.md is not what this script
 writes (tests/test_argument_table.py runs the same comparison).
 """
@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_recover.megatron import argument_table
-from megatron_recover.megatron.arguments import build_parser
+from megatron_recover.megatron.config import argument_table
+from megatron_recover.megatron.config.arguments import build_parser
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "arguments.md"
 

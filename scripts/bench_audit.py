@@ -3,12 +3,12 @@
 Usage: .venv/bin/python scripts/bench_audit.py [--json] [--b 64,512] [--seq-length 1024]
        [--iterations 3] [--contributors 8]
 
-The `LedgerAudit` checks each committed iteration against the failure-free one from the
+The `DatasetAudit` checks each committed iteration against the failure-free one from the
 samples of its B microbatch ids, read from megatron's `GPTDataset` and checksummed
 (`data.batch_checksum`). Read by one rank, that is all B ids (`all`: what every rank did
 before the expected side was shared); shared, each of the lane's contributors (the live
 replicas at a position, times the replica's shards) reads the ids of its share
-(`LedgerAudit.share`) before the commit lane, which sums the shares. This measures both in one
+(`DatasetAudit.share`) before the commit lane, which sums the shares. This measures both in one
 process, side by side, as a rank does them: for each B, `--iterations` fresh iterations (nothing
 cached), mock data, micro-batch size 1, `--seq-length` tokens per sample; the seconds per
 iteration (median), and the share of index 0 among `--contributors`.
@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_recover.megatron import run  # noqa: E402
-from megatron_recover.megatron.arguments import parse_args  # noqa: E402
-from megatron_recover.megatron.audit import LedgerAudit  # noqa: E402
+from megatron_recover.megatron.app import run  # noqa: E402
+from megatron_recover.megatron.config.arguments import parse_args  # noqa: E402
+from megatron_recover.megatron.data.audit import DatasetAudit  # noqa: E402
 
 
 def measure(b: int, seq_length: int, iterations: int, contributors: int) -> dict:
@@ -38,7 +38,7 @@ def measure(b: int, seq_length: int, iterations: int, contributors: int) -> dict
     cfg = parse_args(argv, world_size=1, cuda_available=False)
     source, _ = run.microbatch_source(cfg)
     def audit():
-        return LedgerAudit(source.dataset, global_batch_size=b, micro_batch_size=1,
+        return DatasetAudit(source.dataset, global_batch_size=b, micro_batch_size=1,
                            main_samples=cfg.train_samples, policy="static", mode="exact")
 
     reading_all, sharing = audit(), audit()  # separate caches: each reads what it needs

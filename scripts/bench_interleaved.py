@@ -8,7 +8,7 @@ every run: iteration 2, replica 3 dies inside a bucket reduction, and two of the
 each run an extension pass of 1 microbatch. The two arms differ only in the schedule: the plain
 1F1B one, or the interleaved one with 2 virtual stages per rank, where megatron-core refuses a
 pass of fewer microbatches than pipeline stages and the pass runs with one padding microbatch
-(megatron_recover/megatron/interleaving.py). The arms alternate, `--repeats` runs each, side by
+(megatron_recover/megatron/adapters/interleaving.py). The arms alternate, `--repeats` runs each, side by
 side in one invocation (this machine is noisy).
 
 From each run's recovery log: the extension pass (the failure event's `restored - repaired`:

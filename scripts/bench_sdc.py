@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 from bench_overhead import WARMUP_ITERATIONS, run_mode  # noqa: E402
-from megatron_recover.failures import SilentCorruption  # noqa: E402
+from megatron_recover.errors import SilentCorruption  # noqa: E402
 from megatron_recover.faults.schedule import flip_bit  # noqa: E402
 from megatron_recover.recovery.verification import Fingerprint  # noqa: E402
 from megatron_recover.testing.lockstep import (  # noqa: E402

@@ -33,8 +33,8 @@ SPARE_THEN_BLOCKING = ("  - {iteration: 1, replica: 0, local_rank: 0, location: 
                        "  - {iteration: 2, replica: 5, local_rank: 0, "
                        "location: during-extension}\n")
 ROUND = "megatron_recover/recovery/round.py"
-DATA = "megatron_recover/megatron/data.py"
-GPT = "megatron_recover/megatron/gpt.py"
+DATA = "megatron_recover/megatron/data/datasets.py"
+GPT = "megatron_recover/megatron/adapters/gpt.py"
 # PP=2 with 2 virtual stages per rank: an extension pass of 1 microbatch is padded to 2.
 INTERLEAVED = ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
                "--num-virtual-stages-per-pipeline-rank", "2")

@@ -115,7 +115,7 @@ def train_tokenizer(texts: list, vocab_size: int, output_dir: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_recover.megatron.tokenizer import EOD_TOKEN
+    from megatron_recover.megatron.data.tokenizers import EOD_TOKEN
 
     # GPT-2's pipeline: byte-level pre-tokenization with its regex and no prefix space. The
     # initial alphabet holds all 256 bytes, so any text can be encoded.

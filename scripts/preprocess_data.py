@@ -3,7 +3,7 @@
 Usage: .venv/bin/python scripts/preprocess_data.py --input corpus.jsonl --output-prefix out/corpus
            --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
            [--append-eod] [--workers N] [--json-keys text ...] [--log-interval N]
-Other tokenizers (megatron_recover/megatron/tokenizer.py says what each writes):
+Other tokenizers (megatron_recover/megatron/data/tokenizers.py says what each writes):
   --tokenizer-type HuggingFaceTokenizer --tokenizer-model LOCAL_DIR
   --tokenizer-type SentencePieceTokenizer|GPTSentencePieceTokenizer|Llama2Tokenizer
       --tokenizer-model MODEL_FILE
@@ -35,7 +35,7 @@ import os
 import sys
 import time
 
-from megatron_recover.megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron_recover.megatron.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 # Lines handed to a pool worker at a time (Megatron-LM's value).
 CHUNK_LINES = 32

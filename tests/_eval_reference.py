@@ -33,9 +33,9 @@ def main(params_path, args_path, which, out_path):
     )
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 
-    from megatron_recover.megatron import arguments, mcore_config
-    from megatron_recover.megatron.gpt import build_gpt
-    from megatron_recover.megatron.tokenizer import build_tokenizer
+    from megatron_recover.megatron.config import arguments, mcore_config
+    from megatron_recover.megatron.adapters.gpt import build_gpt
+    from megatron_recover.megatron.data.tokenizers import build_tokenizer
 
     cfg = arguments.parse_args(json.loads(open(args_path).read()), world_size=1,
                                cuda_available=False)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_recover.megatron import argument_table
-from megatron_recover.megatron.argument_table import IMPLEMENTED, NO_EFFECT, OURS, REFUSED
-from megatron_recover.megatron.arguments import build_parser, parse_args
+from megatron_recover.megatron.config import argument_table
+from megatron_recover.megatron.config.argument_table import IMPLEMENTED, NO_EFFECT, OURS, REFUSED
+from megatron_recover.megatron.config.arguments import build_parser, parse_args
 from tests.training_harness import assert_ledger_held, loss_rdiff, run_training
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The argument layer of pretrain_gpt_recover.py: megatron_recover/megatron/arguments.py (the
+"""The argument layer of pretrain_gpt_recover.py: megatron_recover/megatron/config/arguments.py (the
 parser), config.py (the TrainConfig) and mcore_config.py (megatron-core config objects).
 
 Run:  .venv/bin/python -m pytest tests/test_arguments.py -q -p no:cacheprovider
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S
-from megatron_recover.megatron.arguments import LEGACY_DEFAULT_SPLIT, parse_args
-from megatron_recover.megatron.mcore_config import (
+from megatron_recover.megatron.config.arguments import LEGACY_DEFAULT_SPLIT, parse_args
+from megatron_recover.megatron.config.mcore_config import (
     padded_vocab_size,
     to_ddp_config,
     to_optimizer_config,
@@ -1031,7 +1031,7 @@ def test_policy_config():
 
 def test_standby_replicas_are_outside_the_world_size():
     """-np 6 with 2 standbys: 4 training ranks decide DP and B, the standbys are counted apart."""
-    from megatron_recover.megatron.arguments import training_world_size
+    from megatron_recover.megatron.config.arguments import training_world_size
 
     argv = _small_argv(["--recover", "--recover-standby-replicas", "2"])
     assert training_world_size(argv, 6) == 4

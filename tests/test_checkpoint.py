@@ -210,7 +210,7 @@ def test_megatron_load_flags_under_recover(tmp_path):
 
     import megatron.core  # noqa: F401  (registers argparse.Namespace with torch.load's safe types)
 
-    from megatron_recover.megatron.arguments import build_parser
+    from megatron_recover.megatron.config.arguments import build_parser
 
     ckpt = tmp_path / "ckpt"
     four = ["--train-iters", "4", "--save-interval", "2", "--ckpt-format", "torch"]

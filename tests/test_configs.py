@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_recover.megatron import arguments, run
+from megatron_recover.megatron.config import arguments
+from megatron_recover.megatron.app import run
 
 ROOT = Path(__file__).resolve().parent.parent
 

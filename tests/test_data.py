@@ -26,8 +26,8 @@ import numpy
 import pytest
 import torch
 
-from megatron_recover.megatron.data import LOCK_NAME, MicrobatchSource, MicrobatchSourceConfig
-from megatron_recover.megatron.tokenizer import build_tokenizer
+from megatron_recover.megatron.data.datasets import LOCK_NAME, MicrobatchSource, MicrobatchSourceConfig
+from megatron_recover.megatron.data.tokenizers import build_tokenizer
 from tests.policy.test_rampup import megatron_batches
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from megatron_recover.launch import LaunchConfig, launch
-from megatron_recover.megatron import dist_checkpoint, loading
+from megatron_recover.megatron.persistence import torch_dist as dist_checkpoint, loading
 from tests.mpirun_harness import ENTRY
 
 pytestmark = [pytest.mark.mpi, pytest.mark.e2e]

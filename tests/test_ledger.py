@@ -6,8 +6,8 @@ in tests/test_ledger_recovery.py and tests/test_ledger_mutations.py.
 
 import torch
 
-from megatron_recover.megatron.audit import LedgerAudit
-from megatron_recover.megatron.data import batch_checksum
+from megatron_recover.megatron.data.audit import DatasetAudit
+from megatron_recover.megatron.data.datasets import batch_checksum
 from megatron_recover.recovery import Entry, LaneLayout, Ledger
 
 B = 4
@@ -73,7 +73,7 @@ def exact_lane(audit, layout, iteration, ids):
 
 
 def test_audit_exact_mode():
-    audit = LedgerAudit(Samples(), global_batch_size=2 * B, micro_batch_size=2,
+    audit = DatasetAudit(Samples(), global_batch_size=2 * B, micro_batch_size=2,
                         main_samples=3 * 2 * B, policy="static", mode="exact")
     layout = LaneLayout(B, reserve=False)
     assert audit.problems(2, exact_lane(audit, layout, 2, range(B)), B) == []
@@ -92,7 +92,7 @@ def test_audit_exact_mode():
 
 
 def test_audit_reserve_ids_once_per_run():
-    audit = LedgerAudit(Samples(), global_batch_size=B, micro_batch_size=1, main_samples=3 * B,
+    audit = DatasetAudit(Samples(), global_batch_size=B, micro_batch_size=1, main_samples=3 * B,
                         policy="static", mode="reserve")
     layout = LaneLayout(B, reserve=True)
     first = exact_lane(audit, layout, 1, [0, 1, 2, B])
@@ -104,7 +104,7 @@ def test_audit_reserve_ids_once_per_run():
 
 
 def test_audit_adaptive_counts_what_it_divides_by():
-    audit = LedgerAudit(Samples(), global_batch_size=B, micro_batch_size=1, main_samples=3 * B,
+    audit = DatasetAudit(Samples(), global_batch_size=B, micro_batch_size=1, main_samples=3 * B,
                         policy="adaptive", mode="exact")
     layout = LaneLayout(B, reserve=False)
     lane = exact_lane(audit, layout, 1, [0, 2])

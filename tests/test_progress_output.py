@@ -7,8 +7,9 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_recover.megatron.report import IntervalStats, model_flops
-from megatron_recover.megatron.writers import MetricWriters
+from megatron_recover.megatron.app.report import IntervalStats
+from megatron_recover.megatron.config.mcore_config import model_flops
+from megatron_recover.megatron.app.writers import MetricWriters
 
 
 def test_interval_averages_and_counts_as_megatron():

@@ -66,7 +66,7 @@ def test_megatron_cores_calculator_answers_from_the_policy_under_recover():
 
     from megatron.core import num_microbatches_calculator as megatron_calculator
 
-    from megatron_recover.megatron.run import _install_calculator
+    from megatron_recover.megatron.app.run import _install_calculator
     from megatron_recover.policy import PolicyConfig, WorkloadPolicy
 
     policy = WorkloadPolicy(PolicyConfig(2, 4, ramp=(2, 4)))

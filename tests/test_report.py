@@ -1,8 +1,8 @@
-"""The recovery log's writer handover (megatron_recover/megatron/report.py). Pure, fast."""
+"""The recovery log's writer handover (megatron_recover/megatron/app/report.py). Pure, fast."""
 
 import json
 
-from megatron_recover.megatron.report import RecoverLog
+from megatron_recover.megatron.app.report import RecoverLog
 from megatron_recover.recovery import StepReport
 
 

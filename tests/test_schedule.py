@@ -169,8 +169,8 @@ def test_a_checkpoint_save_entry_needs_a_save_after_its_iteration():
     """A save follows every --save-interval iteration, the last, and the --exit-interval stop
     (at its first multiple, as Megatron-LM stops); an entry elsewhere would never fire and is
     refused at start-up."""
-    from megatron_recover.megatron.arguments import parse_args
-    from megatron_recover.megatron.run import _unreached
+    from megatron_recover.megatron.config.arguments import parse_args
+    from megatron_recover.megatron.app.run import _unreached
 
     cfg = parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
                      "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 8 "

@@ -10,7 +10,7 @@ import socket
 import torch
 
 from megatron_recover import relaunch
-from megatron_recover.megatron import snapshot
+from megatron_recover.megatron.persistence import snapshots as snapshot
 
 
 def files(directory):

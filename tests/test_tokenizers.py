@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy
 import pytest
 
-from megatron_recover.megatron.arguments import parse_args
-from megatron_recover.megatron.data import MicrobatchSourceConfig
-from megatron_recover.megatron.tokenizer import build_tokenizer, model_vocab_size
+from megatron_recover.megatron.config.arguments import parse_args
+from megatron_recover.megatron.data.datasets import MicrobatchSourceConfig
+from megatron_recover.megatron.data.tokenizers import build_tokenizer, model_vocab_size
 from tests.training_harness import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,7 +259,7 @@ def test_datasets_of_another_vocabulary_are_refused(demo, tmp_path):
 
 
 def test_mixtral_example_data_arguments_are_accepted(demo):
-    from megatron_recover.megatron import run
+    from megatron_recover.megatron.app import run
 
     # examples/mixtral/train_mixtral_8x7b_distributed.sh, DATA_ARGS, with the demo model.
     data_args = ["--tokenizer-type", "Llama2Tokenizer",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_recover.failures import PROGRAM_ERROR_EXIT
+from megatron_recover.errors import PROGRAM_ERROR_EXIT
 from megatron_recover.launch import program_error, read_statuses, run_bounded
 from tests.mpirun_harness import ENTRY
 from tests.training_harness import (
@@ -293,7 +293,7 @@ bad_samples:
 @pytest.mark.parametrize("schedule, error", [
     (PROGRAM_ERROR, "megatron_recover.faults.schedule.InjectedError: failure schedule: a program "
      "error at backward of iteration 4"),
-    pytest.param(BAD_SAMPLE, "megatron_recover.failures.NonFiniteLoss: found NaN in local "
+    pytest.param(BAD_SAMPLE, "megatron_recover.errors.NonFiniteLoss: found NaN in local "
                  "forward loss calculation", marks=pytest.mark.long),
 ], ids=["raise", "bad-sample"])
 def test_a_program_error_ends_the_job_with_its_iteration_and_microbatch(tmp_path, schedule,

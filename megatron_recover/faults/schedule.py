@@ -85,7 +85,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_recover.failures import DeviceFault
+from megatron_recover.errors import DeviceFault
 from megatron_recover.faults.injection import read_markers, write_marker
 
 LOCATIONS = ("pre-forward", "backward", "before-reduce", "after-post", "during-reduce",

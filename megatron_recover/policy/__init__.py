@@ -7,13 +7,13 @@ whole layer can be tested exhaustively.
 Files, in reading order:
   idset.py      IdSet: microbatch ids as sorted intervals (cheap for B up to thousands)
   layout.py     roles, PolicyConfig, the steady-state Layout, Algorithm 7 (advance_layout)
-  records.py    ReplicaWork, IterationState, PolicyDecision, IterationResult, RankWork
+  decisions.py  ReplicaWork, IterationState, PolicyDecision, IterationResult, RankWork
   static.py     the static policy: promotions, pool, extension rounds (Algorithm 6), commit
   adaptive.py   the adaptive policy: drop-and-go (Algorithm 8), the comparison baseline
   speed.py      stragglers: quotas by measured speed, hysteresis, eviction (StragglerConfig)
   workload.py   WorkloadPolicy (what the glue holds) and the megatron-style microbatch calculator
   rampup.py     batch-size ramp-up: the global batch of every iteration (GlobalBatches, ramp_up)
-  simulator.py  simulate a run under a failure schedule and slowdowns (FailureEvent, SlowReplica)
+  replay.py     simulate a run under a failure schedule and slowdowns (FailureEvent, SlowReplica)
   plan_cli.py   `megatron-recover plan`
 """
 
@@ -34,7 +34,7 @@ from megatron_recover.policy.layout import (
     advance_layout,
     initial_layout,
 )
-from megatron_recover.policy.records import (
+from megatron_recover.policy.decisions import (
     BLOCKING,
     NON_BLOCKING,
     IterationResult,
@@ -46,7 +46,7 @@ from megatron_recover.policy.records import (
     rank_work,
 )
 from megatron_recover.policy.rampup import GlobalBatches, ramp_up
-from megatron_recover.policy.simulator import FailureEvent, IterationReport, parse_failure, simulate
+from megatron_recover.policy.replay import FailureEvent, IterationReport, parse_failure, simulate
 from megatron_recover.policy.workload import PolicyNumMicroBatchesCalculator, WorkloadPolicy
 
 __all__ = [

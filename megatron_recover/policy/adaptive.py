@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from megatron_recover.policy.idset import IdSet
 from megatron_recover.policy.layout import MAJOR, PolicyConfig
-from megatron_recover.policy.records import (
+from megatron_recover.policy.decisions import (
     BLOCKING,
     IterationResult,
     IterationState,

@@ -13,8 +13,8 @@ import os
 import sys
 
 from megatron_recover.policy.layout import ADAPTIVE, EXACT, RESERVE, STATIC, PolicyConfig
-from megatron_recover.policy.records import NoSurvivorsError
-from megatron_recover.policy.simulator import (
+from megatron_recover.policy.decisions import NoSurvivorsError
+from megatron_recover.policy.replay import (
     IterationReport,
     parse_failure,
     parse_slow,

@@ -42,7 +42,7 @@ from megatron_recover.policy.layout import (
     advance_layout,
     initial_layout,
 )
-from megatron_recover.policy.records import (
+from megatron_recover.policy.decisions import (
     BLOCKING,
     NON_BLOCKING,
     IterationResult,

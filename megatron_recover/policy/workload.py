@@ -27,7 +27,7 @@ from typing import Iterable, Mapping
 
 from megatron_recover.policy import adaptive, speed, static
 from megatron_recover.policy.layout import ADAPTIVE, PolicyConfig, advance_layout, balanced_layout
-from megatron_recover.policy.records import (
+from megatron_recover.policy.decisions import (
     IterationResult,
     IterationState,
     PolicyDecision,

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_recover.collective import FailureRecord, ULFMGroup, ULFMWork
-from megatron_recover.failures import NonFiniteResult
+from megatron_recover.errors import NonFiniteResult
 from megatron_recover.recovery.ledger import Entry, Ledger
 
 

@@ -1,6 +1,6 @@
 """What the round protocol (`round.Round`) drives, as typed interfaces.
 
-The protocol knows nothing of megatron: `megatron_recover.megatron.adapter` implements these
+The protocol knows nothing of megatron: `megatron_recover.megatron.adapters.trainer_parts` implements these
 over megatron-core's DDP, schedules and optimizer, and the unit tier (`megatron_recover.testing`)
 implements them in one process. Each method says what the protocol relies on.
 """

@@ -3,7 +3,7 @@
 
 `ResilientTrainer.train_step(t)` runs one round per iteration on every rank, over the interfaces
 of `interfaces.py` (megatron's DDP, schedule and optimizer behind the adapter of
-`megatron_recover.megatron.adapter`; fakes in the unit tier). `TrainerParts` is what it drives.
+`megatron_recover.megatron.adapters.trainer_parts`; fakes in the unit tier). `TrainerParts` is what it drives.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `check_run` raises AssertionError naming the first thing that does not hold. The expected side
 never comes from the policy's plan: the failure-free gradient and the committed gradient are
 computed from the dataset alone (`lockstep.failure_free_gradient`, `expected_gradient`), the
-ledger is judged by the real `LedgerAudit`, and the kills are read from the fake world's log.
+ledger is judged by the real `DatasetAudit`, and the kills are read from the fake world's log.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Several replicas of the round protocol stepped in one process, for the unit tier.
 
 Each replica is one rank on its own thread, with the real `ResilientTrainer`,
-`GradientRecovery`, `WorkloadPolicy` and `LedgerAudit`, over fakes of what megatron provides:
+`GradientRecovery`, `WorkloadPolicy` and `DatasetAudit`, over fakes of what megatron provides:
 
   * `FakeDataset`: samples of tokens, labels and a loss mask, a deterministic function of the
     sample index (any index: reserve ids read past the main stream).
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_recover.faults.schedule import flip_bit, flip_target
-from megatron_recover.megatron.audit import LedgerAudit
-from megatron_recover.megatron.data import batch_checksum
+from megatron_recover.megatron.data.audit import DatasetAudit
+from megatron_recover.megatron.data.datasets import batch_checksum
 from megatron_recover.policy import ADAPTIVE, PolicyConfig, WorkloadPolicy
 from megatron_recover.policy.speed import StragglerConfig
 from megatron_recover.recovery import ResilientTrainer, StepReport, TrainerParts
@@ -68,7 +68,7 @@ class FakeDataset:
         return {"tokens": tokens, "labels": torch.roll(tokens, -1), "loss_mask": loss_mask}
 
 
-def sample_range(audit: LedgerAudit, iteration: int, microbatch_id: int) -> range:
+def sample_range(audit: DatasetAudit, iteration: int, microbatch_id: int) -> range:
     """The samples of microbatch `microbatch_id` of `iteration` (Megatron's order; reserve ids
     past the main stream)."""
     mbs = audit.mbs
@@ -244,7 +244,7 @@ class FakeFaults:
                 self.world.arm(self.rank, ops=0)
 
 
-class RecordingAudit(LedgerAudit):
+class RecordingAudit(DatasetAudit):
     """The real audit, keeping each committed ledger (what actually happened)."""
 
     def __init__(self, *args, **kwargs):
@@ -348,7 +348,7 @@ def run_lockstep(setup: Setup, timeout_s: float = 60.0) -> tuple[dict[int, RankR
     return runs, world
 
 
-def expected_gradient(setup: Setup, audit: LedgerAudit, iteration: int, totals) -> torch.Tensor:
+def expected_gradient(setup: Setup, audit: DatasetAudit, iteration: int, totals) -> torch.Tensor:
     """The gradient a commit of `totals` must step on, from the dataset alone: each held id's
     gradient as often as the ledger holds it, divided as the policy divides (drop-and-go
     rescales by B over the committed count)."""
@@ -365,7 +365,7 @@ def expected_gradient(setup: Setup, audit: LedgerAudit, iteration: int, totals) 
     return torch.cat(buckets)
 
 
-def failure_free_gradient(audit: LedgerAudit, iteration: int) -> torch.Tensor:
+def failure_free_gradient(audit: DatasetAudit, iteration: int) -> torch.Tensor:
     """Ids 0..B-1 of the iteration, each once: the failure-free run's gradient."""
     total = torch.zeros(sum(BUCKETS), dtype=torch.float64)
     for k in range(audit.b):

@@ -57,7 +57,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     """A GPTModel with `ScaledFinalNorm` as its final norm, built with the run's `config`."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_recover.megatron.gpt import get_args, layer_specs
+    from megatron_recover.megatron.adapters.gpt import get_args, layer_specs
 
     args = get_args()
     options = args.cfg.model  # the model's arguments (a ModelConfig)

@@ -230,7 +230,7 @@ def check_state(group, rank: int, n: int, marker: Path) -> dict:
     """`broadcast_state` with small packs and chunks; then, with 4 ranks, a join's transfer
     (`standby.transfer`) whose donor dies in the middle of the tensors: the next survivor
     sends, and both joiners hold the state."""
-    from megatron_recover.megatron import standby
+    from megatron_recover.recovery.membership import standby
     from megatron_recover.recovery.membership import transfer
 
     transfer.PACK_BYTES = 16384  # the RNG state shares a pack, the big tensor goes alone

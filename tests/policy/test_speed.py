@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_recover.policy import PolicyConfig, WorkloadPolicy
-from megatron_recover.policy.simulator import SlowReplica, simulate
+from megatron_recover.policy.replay import SlowReplica, simulate
 from megatron_recover.policy.speed import (
     SpeedState,
     StragglerConfig,

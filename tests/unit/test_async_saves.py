@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_recover.megatron import dist_checkpoint
+from megatron_recover.megatron.persistence import torch_dist as dist_checkpoint
 
 pytestmark = pytest.mark.unit
 

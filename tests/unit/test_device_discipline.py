@@ -16,7 +16,7 @@ import tempfile
 import pytest
 import torch
 
-from megatron_recover.megatron.arguments import parse_args
+from megatron_recover.megatron.config.arguments import parse_args
 from megatron_recover.testing.fake_ulfm import FakeGroup, FakeWorld
 
 pytestmark = pytest.mark.unit
@@ -45,8 +45,8 @@ def places():
 
     import pretrain_gpt_recover as entry
     from megatron_recover import runtime
-    from megatron_recover.megatron import run
-    from megatron_recover.megatron.adapter import DDPBuffers
+    from megatron_recover.megatron.app import run
+    from megatron_recover.megatron.adapters.trainer_parts import DDPBuffers
     from megatron_recover.recovery.gradients import GradientRecovery
     from megatron_recover.testing import cpu_emulation_enabled, on_device
 
@@ -108,7 +108,7 @@ def test_parameters_inputs_buckets_and_snapshots_are_on_the_device():
 
 
 def test_a_model_left_on_the_host_is_caught(monkeypatch):
-    from megatron_recover.megatron import devices
+    from megatron_recover.megatron.adapters import devices
 
     monkeypatch.setattr(devices, "model_to_device", lambda model: model)
     missed = off_device(places())
@@ -119,7 +119,7 @@ def test_a_model_left_on_the_host_is_caught(monkeypatch):
 
 
 def test_a_batch_left_on_the_host_is_caught(monkeypatch):
-    from megatron_recover.megatron import devices
+    from megatron_recover.megatron.adapters import devices
 
     monkeypatch.setattr(devices, "batch_to_device", lambda batch: batch)
     missed = off_device(places())

@@ -1,4 +1,4 @@
-"""A rank's device and its groups by role (megatron_recover/megatron/devices.py, groups.py): the
+"""A rank's device and its groups by role (megatron_recover/megatron/adapters/devices.py, groups.py): the
 node-local rank from the launcher's variables and the device it binds; on a CUDA plan megatron's
 own groups are NCCL and no control collective runs on them; on a CPU plan everything is gloo or
 ulfm; the control groups are gloo mirrors, distinct from the training groups they mirror.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import groups
+from megatron_recover.megatron.adapters import groups
 
 pytestmark = pytest.mark.unit
 
@@ -68,7 +68,7 @@ def test_a_mirror_is_a_gloo_group_of_the_same_ranks_distinct_from_its_original()
 
 
 def test_the_node_local_rank_comes_from_the_launcher():
-    from megatron_recover.megatron.devices import NodePlace, device_index, devices_needed
+    from megatron_recover.megatron.adapters.devices import NodePlace, device_index, devices_needed
 
     # Open MPI's own variables win over Slurm's, which under mpirun name the daemon's task.
     place = NodePlace.from_environment({"OMPI_COMM_WORLD_LOCAL_RANK": "3",
@@ -85,7 +85,7 @@ def test_the_node_local_rank_comes_from_the_launcher():
 
 
 def test_binding_sets_the_device_and_refuses_a_node_short_of_devices():
-    from megatron_recover.megatron.devices import NodePlace, bind
+    from megatron_recover.megatron.adapters.devices import NodePlace, bind
     from megatron_recover.testing import cpu_emulation_enabled
 
     with cpu_emulation_enabled(device_count=2):

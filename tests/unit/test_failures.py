@@ -1,4 +1,4 @@
-"""The classification of errors raised on a rank (megatron_recover/failures.py,
+"""The classification of errors raised on a rank (megatron_recover/errors.py,
 docs/failures.md), and the failure schedule's actions that raise.
 
 Run: .venv/bin/python -m pytest tests/unit/test_failures.py   (no MPI; seconds)
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_recover import failures
+from megatron_recover import errors
 from megatron_recover.collective import CollectiveTimeout
 from megatron_recover.faults.schedule import InjectedError, ScheduledFaults, load_schedule
 
@@ -19,27 +19,27 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("error, kind", [
-    (CollectiveTimeout("a ulfm wait outlived the bound"), failures.PEER_LOST),
-    (dist.DistBackendError("a peer died"), failures.PEER_LOST),
-    (dist.DistNetworkError("connection reset"), failures.PEER_LOST),
+    (CollectiveTimeout("a ulfm wait outlived the bound"), errors.PEER_LOST),
+    (dist.DistBackendError("a peer died"), errors.PEER_LOST),
+    (dist.DistNetworkError("connection reset"), errors.PEER_LOST),
     (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
-     failures.DEVICE),
-    (failures.DeviceFault("injected"), failures.DEVICE),
-    (failures.NonFiniteResult("found NaN in local grad norm"), failures.DEVICE),
-    (failures.NonFiniteLoss("found NaN in local forward loss calculation"), failures.PROGRAM),
-    (failures.SilentCorruption("a fingerprint two replicas contradict"), failures.DEVICE),
-    (failures.UnresolvedCorruption("no third replica"), failures.PROGRAM),
-    (ValueError("a bad sample"), failures.PROGRAM),
-    (torch.cuda.OutOfMemoryError("at this batch shape"), failures.PROGRAM),
+     errors.DEVICE),
+    (errors.DeviceFault("injected"), errors.DEVICE),
+    (errors.NonFiniteResult("found NaN in local grad norm"), errors.DEVICE),
+    (errors.NonFiniteLoss("found NaN in local forward loss calculation"), errors.PROGRAM),
+    (errors.SilentCorruption("a fingerprint two replicas contradict"), errors.DEVICE),
+    (errors.UnresolvedCorruption("no third replica"), errors.PROGRAM),
+    (ValueError("a bad sample"), errors.PROGRAM),
+    (torch.cuda.OutOfMemoryError("at this batch shape"), errors.PROGRAM),
     # gloo's only report of a dead peer: its text is not read.
-    (RuntimeError("Connection closed by peer [127.0.0.1]:1234"), failures.PROGRAM),
+    (RuntimeError("Connection closed by peer [127.0.0.1]:1234"), errors.PROGRAM),
     # mpirun is gone (the job is being torn down): writing to the terminal fails.
-    (OSError(errno.EIO, "Input/output error"), failures.PEER_LOST),
-    (BrokenPipeError(errno.EPIPE, "Broken pipe"), failures.PEER_LOST),
-    (FileNotFoundError(errno.ENOENT, "no such file"), failures.PROGRAM),
+    (OSError(errno.EIO, "Input/output error"), errors.PEER_LOST),
+    (BrokenPipeError(errno.EPIPE, "Broken pipe"), errors.PEER_LOST),
+    (FileNotFoundError(errno.ENOENT, "no such file"), errors.PROGRAM),
 ])
 def test_typed_errors_are_classified(error, kind):
-    assert failures.classify(error) == kind
+    assert errors.classify(error) == kind
 
 
 def test_an_error_raised_from_a_typed_one_takes_its_kind():
@@ -49,16 +49,16 @@ def test_an_error_raised_from_a_typed_one_takes_its_kind():
         except RuntimeError as inner:
             raise RuntimeError("megatron's schedule failed") from inner
     except RuntimeError as outer:
-        assert failures.classify(outer) == failures.PEER_LOST
+        assert errors.classify(outer) == errors.PEER_LOST
 
 
 def test_an_untyped_error_is_a_lost_peer_when_mpi_reports_one():
     error = RuntimeError("Connection closed by peer")
-    assert failures.classify(error, lambda: True) == failures.PEER_LOST
-    assert failures.classify(ValueError("x"), lambda: True) == failures.PEER_LOST
+    assert errors.classify(error, lambda: True) == errors.PEER_LOST
+    assert errors.classify(ValueError("x"), lambda: True) == errors.PEER_LOST
     asked = []
-    assert failures.classify(failures.DeviceFault("x"), lambda: asked.append(1)) == (
-        failures.DEVICE)
+    assert errors.classify(errors.DeviceFault("x"), lambda: asked.append(1)) == (
+        errors.DEVICE)
     assert not asked  # MPI is asked only when no typed kind is found
 
 
@@ -101,8 +101,8 @@ def hook(monkeypatch):
 
 
 def test_a_program_error_under_recover_ends_the_job_with_its_place(hook):
-    failures.note(4, 8)
-    seen = hook(ValueError("a bad sample"), policy=failures.ABORT)
+    errors.note(4, 8)
+    seen = hook(ValueError("a bad sample"), policy=errors.ABORT)
     assert seen["ended_job"]
     assert seen["status"]["state"] == "error" and seen["status"]["ended_job"] is True
     assert (seen["status"]["iteration"], seen["status"]["microbatch_id"]) == (4, 8)
@@ -110,12 +110,12 @@ def test_a_program_error_under_recover_ends_the_job_with_its_place(hook):
 
 
 def test_what_leaves_the_rank_instead(hook):
-    failures.note(4, 8)
-    cases = [(ValueError("x"), failures.SURVIVE, False, "left"),  # asked to survive
+    errors.note(4, 8)
+    cases = [(ValueError("x"), errors.SURVIVE, False, "left"),  # asked to survive
              (ValueError("x"), None, False, "error"),  # stock run: stops as before
-             (dist.DistBackendError("a peer died"), failures.ABORT, False, "left"),
-             (RuntimeError("Connection closed by peer"), failures.ABORT, True, "left"),
-             (failures.DeviceFault("x"), failures.ABORT, False, "left")]
+             (dist.DistBackendError("a peer died"), errors.ABORT, False, "left"),
+             (RuntimeError("Connection closed by peer"), errors.ABORT, True, "left"),
+             (errors.DeviceFault("x"), errors.ABORT, False, "left")]
     for error, policy, peer, state in cases:
         seen = hook(error, policy=policy, peer=peer)
         assert not seen["ended_job"], error
@@ -129,7 +129,7 @@ def test_a_program_error_while_mpirun_is_gone_only_leaves(hook, monkeypatch):
     from megatron_recover import runtime
 
     monkeypatch.setattr(runtime, "_open_mpi_daemon", lambda: None)
-    seen = hook(ValueError("x"), policy=failures.ABORT)
+    seen = hook(ValueError("x"), policy=errors.ABORT)
     assert not seen["ended_job"]
     assert "ended_job" not in seen["status"]
 
@@ -138,20 +138,20 @@ def test_a_failing_classification_still_takes_the_rank_down(hook, monkeypatch):
     def broken(*args):
         raise RuntimeError("MPI is gone")
 
-    monkeypatch.setattr(failures, "classify", broken)
-    seen = hook(ValueError("x"), policy=failures.ABORT)
+    monkeypatch.setattr(errors, "classify", broken)
+    seen = hook(ValueError("x"), policy=errors.ABORT)
     assert not seen["ended_job"]
-    assert seen["status"]["state"] == "left" and seen["status"]["kind"] == failures.PEER_LOST
+    assert seen["status"]["state"] == "left" and seen["status"]["kind"] == errors.PEER_LOST
 
 
 def test_the_place_is_described():
-    failures.note(None)
-    assert failures.describe(failures.where()) == "outside the training iterations"
-    failures.note(4)
-    assert failures.describe(failures.where()) == (
+    errors.note(None)
+    assert errors.describe(errors.where()) == "outside the training iterations"
+    errors.note(4)
+    assert errors.describe(errors.where()) == (
         "in iteration 4, outside a microbatch's forward and backward")
-    failures.note(4, 8)
-    assert failures.describe(failures.where()) == "in iteration 4, microbatch 8"
+    errors.note(4, 8)
+    assert errors.describe(errors.where()) == "in iteration 4, microbatch 8"
 
 
 def test_schedule_actions_raise_where_they_are_due(tmp_path):
@@ -167,10 +167,10 @@ def test_schedule_actions_raise_where_they_are_due(tmp_path):
     with pytest.raises(InjectedError):
         program.at("backward", 2)
     device = ScheduledFaults(entries, 1, 0, 1, tmp_path / "markers")
-    with pytest.raises(failures.DeviceFault):
+    with pytest.raises(errors.DeviceFault):
         device.at("pre-forward", 3)
-    assert failures.classify(failures.DeviceFault("x")) == failures.DEVICE
-    assert failures.classify(InjectedError("x")) == failures.PROGRAM
+    assert errors.classify(errors.DeviceFault("x")) == errors.DEVICE
+    assert errors.classify(InjectedError("x")) == errors.PROGRAM
 
 
 def test_the_nan_action_poisons_once_and_only_at_backward(tmp_path):

@@ -10,6 +10,9 @@
    round core (`recovery.round`) nor the trainer (the core hands itself to their hooks), and the
    core imports no particular check, only their protocol (`checks.base`): a new check is a new
    module and one line of the registry.
+5. The glue's subpackages import downward only, in the order data, adapters, config,
+   persistence, app (the application on top), and `adapters/hooks.py`, which patched
+   megatron-core imports, imports nothing of megatron-core or of ours.
 
 Every import statement counts: at module level, inside functions, under `if TYPE_CHECKING:`, and
 relative ones. `from pkg import name` imports the module `pkg.name` when there is one, else `pkg`;
@@ -202,6 +205,32 @@ def test_the_core_knows_the_checks_protocol_only():
            if bad.split("(imports ")[1].rstrip(")") in particular]
     assert not bad, ("the round core imports a particular check; it consults the registered "
                      "ones through checks.base only:\n" + "\n".join(bad))
+
+
+GLUE_ORDER = tuple(f"megatron_recover.megatron.{sub}"
+                   for sub in ("data", "adapters", "config", "persistence", "app"))
+HOOKS = "megatron_recover.megatron.adapters.hooks"
+
+
+def test_the_glue_subpackages_import_downward_only():
+    modules = package_modules(REPO)
+    for sub in GLUE_ORDER:
+        assert any(_within(m, (sub,)) for m in modules), f"{sub} holds no module"
+    bad = [line for i, sub in enumerate(GLUE_ORDER)
+           for line in violations((sub,), GLUE_ORDER[i + 1:])]
+    assert not bad, ("a subpackage of the glue imports one above it (order: "
+                     + ", ".join(s.rpartition(".")[2] for s in GLUE_ORDER) + "):\n"
+                     + "\n".join(bad))
+    unplaced = [m for m in modules if _within(m, ("megatron_recover.megatron",))
+                and m != "megatron_recover.megatron" and not _within(m, GLUE_ORDER)]
+    assert not unplaced, f"glue modules outside the subpackages: {unplaced}"
+
+
+def test_the_hooks_import_nothing_of_megatron_or_ours():
+    modules = package_modules(REPO)
+    bad = [str(i) for i in imports_of(HOOKS, modules, REPO)
+           if _within(i.module, ("megatron", PACKAGE))]
+    assert not bad, "the hooks patched megatron-core imports must import neither:\n" + "\n".join(bad)
 
 
 def test_the_rules_see_every_kind_of_import(tmp_path):

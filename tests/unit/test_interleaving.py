@@ -14,7 +14,7 @@ ledgers differ from the other chunk's, which the commit lane reports as poison.
 import pytest
 import torch
 
-from megatron_recover.megatron import interleaving
+from megatron_recover.megatron.adapters import interleaving
 from megatron_recover.recovery.gradients import GradientRecovery
 
 pytestmark = pytest.mark.unit

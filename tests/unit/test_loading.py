@@ -1,4 +1,4 @@
-"""Megatron-LM's load flags resolved into one plan (`megatron_recover.megatron.loading`).
+"""Megatron-LM's load flags resolved into one plan (`megatron_recover.megatron.persistence.loading`).
 
 Run: .venv/bin/python -m pytest tests/unit/test_loading.py   (no MPI; seconds)
 """
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_recover.megatron.config import CheckpointConfig
-from megatron_recover.megatron.loading import TRACKER, LoadPlan, plan
+from megatron_recover.megatron.config.train_config import CheckpointConfig
+from megatron_recover.megatron.persistence.loading import TRACKER, LoadPlan, plan
 
 pytestmark = pytest.mark.unit
 
@@ -90,8 +90,8 @@ MEGATRON_LM_READS = {
 def test_the_common_state_holds_what_megatron_lms_loader_reads():
     import argparse
 
-    from megatron_recover.megatron.arguments import parse_args
-    from megatron_recover.megatron.checkpoint_common import check_data_position, megatron_common
+    from megatron_recover.megatron.config.arguments import parse_args
+    from megatron_recover.megatron.persistence.common import check_data_position, megatron_common
 
     cfg = parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
                      "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 8 "

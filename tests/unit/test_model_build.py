@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_recover.megatron import mcore_config
-from megatron_recover.megatron.arguments import parse_args
+from megatron_recover.megatron.config import mcore_config
+from megatron_recover.megatron.config.arguments import parse_args
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +47,7 @@ def one_rank():
 
 
 def test_rotary_base_and_percent_reach_the_model(one_rank):
-    from megatron_recover.megatron.gpt import build_gpt, seed_stage
+    from megatron_recover.megatron.adapters.gpt import build_gpt, seed_stage
 
     cfg = config("--position-embedding-type", "rope", "--rotary-base", "500000",
                  "--rotary-percent", "0.5")
@@ -60,7 +60,7 @@ def test_rotary_base_and_percent_reach_the_model(one_rank):
 
 
 def test_seed_is_megatrons_per_stage_seed(one_rank):
-    from megatron_recover.megatron.gpt import seed_stage
+    from megatron_recover.megatron.adapters.gpt import seed_stage
 
     seed_stage(1234)  # pipeline stage 0 of 1: the seed itself
     drawn = (random.random(), float(np.random.rand()), float(torch.rand(1)))
@@ -95,15 +95,15 @@ def test_on_a_load_the_scheduler_values_come_from_where_megatron_lm_says():
 
 def test_the_loss_check_and_the_nan_gradient_of_the_failure_schedule():
     from pretrain_gpt_recover import loss_func
-    from megatron_recover import failures
-    from megatron_recover.megatron.gpt import _loss_func
+    from megatron_recover import errors
+    from megatron_recover.megatron.adapters.gpt import _loss_func
 
     user_loss = partial(loss_func, torch.ones(1, 4))  # the entry's, its loss mask bound
     never = lambda: False  # noqa: E731
     output = torch.tensor([[1.0, 2.0, float("nan"), 3.0]])
-    with pytest.raises(failures.NonFiniteLoss, match="found NaN in local forward loss"):
+    with pytest.raises(errors.NonFiniteLoss, match="found NaN in local forward loss"):
         _loss_func(user_loss, 0, never, never, False, True, output)
-    with pytest.raises(failures.NonFiniteLoss, match="found Inf in local forward loss"):
+    with pytest.raises(errors.NonFiniteLoss, match="found Inf in local forward loss"):
         _loss_func(user_loss, 0, never, never, False, True,
                    output.nan_to_num(posinf=0) + float("inf"))
     loss, _ = _loss_func(user_loss, 0, never, never, False, False, output)  # unchecked: it passes
@@ -120,7 +120,7 @@ def test_the_seams_are_held_to_megatron_lms_contract(one_rank):
     """A user's model provider must build with the run's `config`; a loss function must return
     Megatron-LM's (loss sum, token count, report). The entry's provider passes."""
     import pretrain_gpt_recover as entry
-    from megatron_recover.megatron.gpt import (
+    from megatron_recover.megatron.adapters.gpt import (
         build_gpt,
         build_model_chunks,
         get_args,
@@ -155,8 +155,8 @@ def test_buckets_are_reduced_in_the_order_backward_completes_them(one_rank, extr
     for a dense model and one with MoE layers (whose expert weights sit inside their layers)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from megatron_recover.megatron.adapter import DDPBuffers, bucket_kinds
-    from megatron_recover.megatron.gpt import build_gpt, seed_stage
+    from megatron_recover.megatron.adapters.trainer_parts import DDPBuffers, bucket_kinds
+    from megatron_recover.megatron.adapters.gpt import build_gpt, seed_stage
 
     cfg = config(*extra)
     seed_stage(cfg.seed)

@@ -10,7 +10,8 @@ import argparse
 import pytest
 import torch
 
-from megatron_recover.megatron import hooks, moe_arguments
+from megatron_recover.megatron.adapters import hooks
+from megatron_recover.megatron.config import moe_arguments
 from megatron_recover.recovery.checks.side_sums import SideSums
 from megatron_recover.recovery.lane import CommitLane, LaneHead
 from megatron_recover.recovery.ledger import Entry, LaneLayout, Ledger

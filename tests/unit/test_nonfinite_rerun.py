@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from megatron_recover.failures import NonFiniteData, NonFiniteResult
+from megatron_recover.errors import NonFiniteData, NonFiniteResult
 from megatron_recover.recovery.rerun import (
     CHECKER,
     DATA,

@@ -3,7 +3,7 @@
 Run: .venv/bin/python -m pytest tests/unit -m unit   (no MPI, no GPU; well under a minute)
 
 Each case runs the real `ResilientTrainer`, `GradientRecovery`, `WorkloadPolicy` and
-`LedgerAudit` on threads (`megatron_recover.testing.lockstep`) and checks, from what happened
+`DatasetAudit` on threads (`megatron_recover.testing.lockstep`) and checks, from what happened
 (`megatron_recover.testing.invariants.check_run`): every scheduled kill that must fire fired,
 every survivor committed every iteration, the ledger audit held, each stepped gradient is the
 sum of the gradients its ledger names and, in exact mode, the failure-free gradient bitwise, and

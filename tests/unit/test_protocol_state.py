@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint, snapshot
+from megatron_recover.megatron.persistence import torch_format as checkpoint, snapshots as snapshot
 from megatron_recover.policy import Layout, PolicyConfig, WorkloadPolicy
 from megatron_recover.policy.adaptive import AdaptiveLayout
 from megatron_recover.policy.speed import SpeedState, StragglerConfig

@@ -1,4 +1,4 @@
-"""The ledger audit's expected side in shares (megatron_recover/megatron/audit.py): contributors
+"""The ledger audit's expected side in shares (megatron_recover/megatron/data/audit.py): contributors
 to a lane each read a disjoint share of the iteration's samples; the summed shares give the
 same verdicts as one rank reading them all, and a share that is missing or wrong is reported.
 
@@ -7,9 +7,9 @@ Run: .venv/bin/python -m pytest tests/unit/test_shared_audit.py (CPU only, secon
 
 import pytest
 
-from megatron_recover.megatron import run
-from megatron_recover.megatron.arguments import parse_args
-from megatron_recover.megatron.audit import LedgerAudit
+from megatron_recover.megatron.app import run
+from megatron_recover.megatron.config.arguments import parse_args
+from megatron_recover.megatron.data.audit import DatasetAudit
 from megatron_recover.recovery.ledger import LaneTotals
 
 pytestmark = pytest.mark.unit
@@ -23,7 +23,7 @@ def audit():
                       "--train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
                       "--vocab-size 64").split(), world_size=1, cuda_available=False)
     source, _ = run.microbatch_source(cfg)
-    return LedgerAudit(source.dataset, global_batch_size=B, micro_batch_size=1,
+    return DatasetAudit(source.dataset, global_batch_size=B, micro_batch_size=1,
                        main_samples=cfg.train_samples, policy="static", mode="exact")
 
 

@@ -12,7 +12,7 @@ the failure-free gradient computed from the dataset alone.
 
 import pytest
 
-from megatron_recover.failures import Straggler
+from megatron_recover.errors import Straggler
 from megatron_recover.policy.speed import StragglerConfig
 from megatron_recover.testing.invariants import check_run
 from megatron_recover.testing.lockstep import (

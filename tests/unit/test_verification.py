@@ -9,7 +9,7 @@ Run: .venv/bin/python -m pytest tests/unit/test_verification.py   (no MPI; secon
 import pytest
 import torch
 
-from megatron_recover.failures import SilentCorruption, UnresolvedCorruption
+from megatron_recover.errors import SilentCorruption, UnresolvedCorruption
 from megatron_recover.faults.schedule import flip_bit
 from megatron_recover.recovery.verification import (
     WIDTH,

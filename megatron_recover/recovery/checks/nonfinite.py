@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_recover.failures import NonFiniteData, NonFiniteResult
+from megatron_recover.errors import NonFiniteData, NonFiniteResult
 from megatron_recover.recovery.checks.base import HOLD, Check, COMMIT
 from megatron_recover.recovery.rerun import (
     CHECKER,

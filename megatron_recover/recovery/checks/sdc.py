@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_recover.failures import SilentCorruption, UnresolvedCorruption
+from megatron_recover.errors import SilentCorruption, UnresolvedCorruption
 from megatron_recover.recovery.checks.base import COMMIT, HOLD, Check
 from megatron_recover.recovery.lane import replica_flags, replica_set
 from megatron_recover.recovery.verification import (

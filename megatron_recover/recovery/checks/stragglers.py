@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from megatron_recover.failures import Straggler
+from megatron_recover.errors import Straggler
 from megatron_recover.recovery.checks.base import Check
 
 

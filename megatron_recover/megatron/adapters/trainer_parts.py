@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_recover import failures
-from megatron_recover.megatron import hooks
+from megatron_recover import errors
+from megatron_recover.megatron.adapters import hooks
 from megatron_recover.recovery import ResilientTrainer, TrainerParts
 
 
@@ -162,7 +162,7 @@ class TorchControl:
 
 class SchedulePass:
     """The micro-pass runner (`gpt.MicrobatchPass.run`) as a `PassRunner`: the divisor goes to
-    the patched schedules' loss hook; what the rank runs goes to `failures.note` (an error's
+    the patched schedules' loss hook; what the rank runs goes to `errors.note` (an error's
     report names its iteration and microbatch)."""
 
     def __init__(self, run):
@@ -170,9 +170,9 @@ class SchedulePass:
 
     def __call__(self, iteration, ids, divisor, losses, tokens, padding, sink) -> None:
         hooks.set_loss_divisor(divisor)
-        failures.note(iteration)  # the forward step notes each microbatch it consumes
+        errors.note(iteration)  # the forward step notes each microbatch it consumes
         self._run(iteration, ids, losses, tokens, padding, sink)
-        failures.note(iteration)
+        errors.note(iteration)
 
 
 def build_trainer(*, chunks, optimizer, scheduler, micro_batch_size: int, run_pass,

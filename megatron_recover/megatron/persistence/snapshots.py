@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import groups, loading
-from megatron_recover.megatron import state as training_state
+from megatron_recover.megatron.adapters import groups
+from megatron_recover.megatron.persistence import loading
+from megatron_recover.megatron.persistence import training_state
 from megatron_recover.recovery.membership import transfer
 from megatron_recover.recovery.protocol_state import ProtocolState
 

@@ -7,14 +7,14 @@ run can continue, is `recovery.protocol_state.ProtocolState`, as a standby's joi
 import time
 from dataclasses import dataclass, replace
 
-from megatron_recover.megatron import (
-    checkpoint,
-    dist_checkpoint,
+from megatron_recover.megatron.persistence import (
+    torch_format as checkpoint,
+    torch_dist as dist_checkpoint,
     loading,
-    mcore_config,
-    snapshot,
+    snapshots as snapshot,
 )
-from megatron_recover.megatron.rank_setup import RankSetup
+from megatron_recover.megatron.config import mcore_config
+from megatron_recover.megatron.app.rank_setup import RankSetup
 from megatron_recover.policy import ADAPTIVE, WorkloadPolicy
 from megatron_recover.recovery.protocol_state import ProtocolState, resume_policy
 

@@ -53,8 +53,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint_common, groups, loading
-from megatron_recover.megatron import state as training_state
+from megatron_recover.megatron.persistence import common as checkpoint_common, loading
+from megatron_recover.megatron.adapters import groups
+from megatron_recover.megatron.persistence import training_state
 
 TRACKER = loading.TRACKER
 FORMAT_FILE = "metadata.json"  # what dist_checkpointing writes last into a complete checkpoint

@@ -13,10 +13,11 @@ import psutil
 import torch.distributed as dist
 
 from megatron_recover import runtime
-from megatron_recover.megatron import groups, mcore_config
-from megatron_recover.megatron.evaluation import EvalPass, result_of
-from megatron_recover.megatron.report import IntervalStats, failure_lines, model_flops
-from megatron_recover.megatron.writers import (
+from megatron_recover.megatron.adapters import groups
+from megatron_recover.megatron.config import mcore_config
+from megatron_recover.megatron.app.evaluation import EvalPass, result_of
+from megatron_recover.megatron.app.report import IntervalStats, failure_lines
+from megatron_recover.megatron.app.writers import (
     MetricWriters,
     moe_scalars,
     training_scalars,
@@ -24,8 +25,8 @@ from megatron_recover.megatron.writers import (
 )
 
 if TYPE_CHECKING:
-    from megatron_recover.megatron.gpt import MicrobatchPass
-    from megatron_recover.megatron.rank_setup import RankSetup
+    from megatron_recover.megatron.adapters.gpt import MicrobatchPass
+    from megatron_recover.megatron.app.rank_setup import RankSetup
     from megatron_recover.recovery import ResilientTrainer
 
 
@@ -93,7 +94,7 @@ class Progress:
             # The W&B run every writer resumes.
             dist.broadcast_object_list(run_id, src=0, group=groups.world_control())
         self.writers = MetricWriters(cfg, run_id[0])
-        self.flops = (model_flops(cfg.model, mcore_config.padded_vocab_size(cfg, vocab_size), 1)
+        self.flops = (mcore_config.model_flops(cfg.model, mcore_config.padded_vocab_size(cfg, vocab_size), 1)
                       if cfg.logging.log_throughput else None)
 
     def is_writer(self) -> bool:

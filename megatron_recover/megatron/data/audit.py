@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_recover.megatron.data import batch_checksum
+from megatron_recover.megatron.data.datasets import batch_checksum
 from megatron_recover.policy import ADAPTIVE, RESERVE
 from megatron_recover.recovery import LaneTotals
 
 
-class LedgerAudit:
+class DatasetAudit:
     """Checks one position's summed lane each round; keeps the run's committed reserve ids.
 
     dataset: megatron's training-split dataset (`MicrobatchSource.dataset`), indexed by sample.

@@ -9,7 +9,6 @@ here parses, validates or imports torch.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,17 +368,6 @@ class ParallelConfig:
         return self.dp_ranks_per_replica * self.model_parallel_size
 
 
-def split_is_valid(split) -> bool:
-    """Whether megatron-core's parse_and_normalize_split reads `split` (its numbers, as floats)
-    into one to three weights with a positive training weight; it only asserts otherwise."""
-    try:
-        weights = ([float(w) for w in re.findall(r"[.0-9]+", split)]
-                   if isinstance(split, str) else [])
-    except ValueError:  # "1.2.3", "."
-        return False
-    return 1 <= len(weights) <= 3 and weights[0] > 0
-
-
 @dataclass(frozen=True)
 class DataConfig:
     """Where samples and tokens come from (megatron-core GPTDataset + tokenizer)."""
@@ -492,7 +480,7 @@ class RecoverConfig:
     (refused at start-up unless the MPI reports CUDA support) instead of staging them."""
     program_errors: str
     """--recover-program-errors: "abort" (default; a program error ends the job) or "survive"
-    (it takes only its rank down); see megatron_recover/failures.py."""
+    (it takes only its rank down); see megatron_recover/errors.py."""
     cross_replica_backend: str
     """--cross-replica-backend: the data-parallel group's backend ("ulfm" with --recover)."""
     standby_replicas: int

@@ -1,5 +1,5 @@
 """What a checkpoint holds besides the model and optimizer state, in Megatron-LM's terms, for
-both formats (`dist_checkpoint.py`: torch_dist; `checkpoint.py`: torch): the common keys of its
+both formats (`torch_dist.py`: torch_dist; `torch_format.py`: torch): the common keys of its
 save_checkpoint, its names of the random number generators, the data position its loader takes,
 and the key of the --recover state.
 
@@ -9,8 +9,8 @@ The facts come from Megatron-LM's megatron/training/checkpointing.py at core_v0.
 
 import argparse
 
-from megatron_recover.megatron import state as training_state
-from megatron_recover.megatron.report import model_flops
+from megatron_recover.megatron.persistence import training_state
+from megatron_recover.megatron.config.mcore_config import model_flops
 
 RECOVERY_KEY = "recover_state"  # the --recover state, beside Megatron-LM's keys
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version

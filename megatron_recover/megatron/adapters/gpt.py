@@ -29,10 +29,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from megatron_recover import failures
-from megatron_recover.megatron import devices, hooks, interleaving
-from megatron_recover.megatron.data import BATCH_KEYS, batch_checksum
-from megatron_recover.megatron.norms import Norm
+from megatron_recover import errors
+from megatron_recover.megatron.adapters import devices, hooks, interleaving
+from megatron_recover.megatron.data.datasets import BATCH_KEYS, batch_checksum
+from megatron_recover.megatron.adapters.norms import Norm
 
 _SEED_STRIDE = 1_000_003  # > any B: (iteration, id) pairs map to distinct seeds
 _MAX_STAGES = 1024  # > any pipeline depth: each stage's dropout draws from its own seeds
@@ -299,14 +299,14 @@ def _loss_func(user_loss, microbatch_id, on_first_loss, overflow, per_token, che
     loss mask bound) wrapped in what --recover needs: the mean over the microbatch's loss tokens
     or, `per_token` (--calculate-per-token-loss), their sum with the token count, which the
     schedule then leaves undivided. `check_finite`: Megatron-LM's check of the loss sum for NaN
-    and inf (check_for_nan_in_loss_and_grad), raising `failures.NonFiniteLoss`. `bad_sample()`:
+    and inf (check_for_nan_in_loss_and_grad), raising `errors.NonFiniteLoss`. `bad_sample()`:
     the failure schedule makes this microbatch's loss NaN."""
     if bad_sample():
         output_tensor = output_tensor * float("nan")
     loss, count = loss_and_tokens(user_loss(output_tensor))
     if check_finite and not torch.isfinite(loss):
         kind = "NaN" if torch.isnan(loss) else "Inf"
-        raise failures.NonFiniteLoss(f"found {kind} in local forward loss calculation")
+        raise errors.NonFiniteLoss(f"found {kind} in local forward loss calculation")
     tokens = count.to(torch.int)
     # Reported: the sum over the loss tokens, whatever the flag; the logged loss is the
     # committed sum over the committed tokens, as Megatron-LM logs it. A copy: the schedule
@@ -374,7 +374,7 @@ class MicrobatchPass:
         microbatch_id = batch["microbatch_id"]
         padding = batch.get("padding", False)
         if not padding:
-            failures.note(batch["iteration"], microbatch_id)
+            errors.note(batch["iteration"], microbatch_id)
         # Every batch consumed is in the ledger, except padding that cannot contribute (its
         # loss mask is empty, read from the batch itself).
         if sink is not None and (not padding or batch["loss_mask"].any()):

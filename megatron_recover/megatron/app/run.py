@@ -29,20 +29,16 @@ from megatron_recover.faults.schedule import (
     StandbyFaults,
 )
 from megatron_recover.hang import LAST_RESORT_FACTOR
-from megatron_recover.megatron import (
-    dist_checkpoint,
-    groups,
-    joins,
-    mcore_config,
-    moe_losses,
-    resume,
-    snapshot,
-)
-from megatron_recover.megatron import standby
-from megatron_recover.megatron import state as training_state
-from megatron_recover.megatron.adapter import bucket_kinds, build_trainer
-from megatron_recover.megatron.audit import LedgerAudit
-from megatron_recover.megatron.gpt import (
+from megatron_recover.megatron.persistence import snapshots as snapshot
+from megatron_recover.megatron.persistence import torch_dist as dist_checkpoint
+from megatron_recover.megatron.adapters import groups, moe_losses
+from megatron_recover.megatron.app import joins, resume
+from megatron_recover.megatron.config import mcore_config
+from megatron_recover.recovery.membership import standby
+from megatron_recover.megatron.persistence import training_state
+from megatron_recover.megatron.adapters.trainer_parts import bucket_kinds, build_trainer
+from megatron_recover.megatron.data.audit import DatasetAudit
+from megatron_recover.megatron.adapters.gpt import (
     MicrobatchPass,
     build_model_chunks,
     process_groups,
@@ -50,9 +46,9 @@ from megatron_recover.megatron.gpt import (
     synced_inside_replica,
     wrap_ddp,
 )
-from megatron_recover.megatron.loop import ResilientStepper, StockStepper, run_loop
-from megatron_recover.megatron.progress import ExitRequests, Progress
-from megatron_recover.megatron.rank_setup import RankSetup
+from megatron_recover.megatron.app.loop import ResilientStepper, StockStepper, run_loop
+from megatron_recover.megatron.app.progress import ExitRequests, Progress
+from megatron_recover.megatron.app.rank_setup import RankSetup
 from megatron_recover.policy import (
     EXACT,
     RESERVE,
@@ -184,8 +180,8 @@ def _optimizer_and_scheduler(cfg, ddp_chunks, pg_collection):
 
 def microbatch_source(cfg):
     """(MicrobatchSource, the model's unpadded vocabulary size) for the run's data arguments."""
-    from megatron_recover.megatron.data import MicrobatchSource, MicrobatchSourceConfig
-    from megatron_recover.megatron.tokenizer import (
+    from megatron_recover.megatron.data.datasets import MicrobatchSource, MicrobatchSourceConfig
+    from megatron_recover.megatron.data.tokenizers import (
         build_arguments,
         build_tokenizer,
         model_vocab_size,
@@ -444,7 +440,7 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
         check_finite=cfg.precision.check_for_nan_in_loss_and_grad,
         computes_loss=parallel_state.is_pipeline_last_stage(),
         replica=replica, replica_of_rank=replica_of_rank, faults=micro_pass.faults,
-        audit=LedgerAudit(source.dataset, global_batch_size=cfg.global_batch_size,
+        audit=DatasetAudit(source.dataset, global_batch_size=cfg.global_batch_size,
                           micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
                           policy=cfg.recover.policy, mode=cfg.recover.mode,
                           rampup_batch_size=cfg.rampup_batch_size,

@@ -56,12 +56,12 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_recover.megatron.config import split_is_valid
 from megatron_recover.policy.rampup import GlobalBatches
 from megatron_recover.recovery.ledger import CHECKSUM_MODULUS
 
@@ -72,6 +72,17 @@ DEFAULT_SPLIT = "969,30,1"
 DEFAULT_SEED = 1234
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def split_is_valid(split) -> bool:
+    """Whether megatron-core's parse_and_normalize_split reads `split` (its numbers, as floats)
+    into one to three weights with a positive training weight; it only asserts otherwise."""
+    try:
+        weights = ([float(w) for w in re.findall(r"[.0-9]+", split)]
+                   if isinstance(split, str) else [])
+    except ValueError:  # "1.2.3", "."
+        return False
+    return 1 <= len(weights) <= 3 and weights[0] > 0
 
 
 def batch_checksum(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> int:
@@ -89,7 +100,7 @@ def batch_checksum(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
 class MicrobatchSourceConfig:
     """Everything that decides which samples a microbatch id holds; validated on creation.
 
-    tokenizer: from `megatron_recover.megatron.tokenizer.build_tokenizer` (needs eod, vocab_size,
+    tokenizer: from `megatron_recover.megatron.data.tokenizers.build_tokenizer` (needs eod, vocab_size,
         unique_identifiers); it must be the one the data was preprocessed with.
     sequence_length: tokens per sample (--seq-length).
     micro_batch_size: samples per microbatch (--micro-batch-size).

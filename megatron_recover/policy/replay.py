@@ -35,7 +35,7 @@ from megatron_recover.policy.layout import (
     MINOR_SPARE,
     PolicyConfig,
 )
-from megatron_recover.policy.records import IterationResult, NoSurvivorsError
+from megatron_recover.policy.decisions import IterationResult, NoSurvivorsError
 from megatron_recover.policy.workload import WorkloadPolicy
 
 REDUCE = "reduce"

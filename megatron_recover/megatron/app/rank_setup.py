@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_recover import collective
-from megatron_recover.megatron.dist_checkpoint import ReplicaWriters
+from megatron_recover.megatron.persistence.torch_dist import ReplicaWriters
 
 
 _save_groups = {}  # (ranks, members' key) -> the ulfm group over them that saves

@@ -6,7 +6,7 @@ megatron-core's names as Megatron-LM's own set-up does (megatron/training at cor
 
 from __future__ import annotations
 
-from megatron_recover.megatron.config import TrainConfig
+from megatron_recover.megatron.config.train_config import TrainConfig
 
 
 def padded_vocab_size(cfg: TrainConfig, vocab_size: int) -> int:
@@ -175,3 +175,20 @@ def to_policy_config(cfg: TrainConfig):
                         straggler=StragglerConfig(recover.straggler_threshold,
                                                   recover.straggler_window,
                                                   recover.evict_slower_than))
+
+
+def model_flops(model, padded_vocab_size: int, batch_size: int) -> float:
+    """Megatron-LM's model FLOPs of one iteration of a dense GPT (its
+    num_floating_point_operations): forward and backward are 3 x the forward's 2 FLOPs per
+    multiply-add, over the query/key/value and output projections (keys and values per query
+    group), the attention scores and their values (half of them: the causal mask, as Megatron-LM
+    core_v0.16.1 counts), the MLP (x 3/2 gated with SwiGLU) and the logits, for batch_size
+    sequences of seq_length tokens. `model` is a ModelConfig."""
+    s, h, layers = model.seq_length, model.hidden_size, model.num_layers
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    query_ratio = model.kv_channels * heads / h
+    attention = (1 + groups / heads + s / (2 * h)) * query_ratio
+    mlp = model.ffn_hidden_size / h * (1.5 if model.swiglu else 1.0)
+    logits = padded_vocab_size / (2 * layers * h)
+    return 12 * batch_size * s * layers * h * h * (attention + mlp + logits)

@@ -31,8 +31,8 @@ from functools import partial
 
 import torch
 
-from megatron_recover.megatron import devices, hooks, interleaving
-from megatron_recover.megatron.gpt import loss_and_tokens, one_batch
+from megatron_recover.megatron.adapters import devices, hooks, interleaving
+from megatron_recover.megatron.adapters.gpt import loss_and_tokens, one_batch
 
 
 @dataclass

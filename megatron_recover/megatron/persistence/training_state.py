@@ -1,6 +1,6 @@
-"""The complete training state of one rank, defined once: what a node snapshot (`snapshot.py`)
+"""The complete training state of one rank, defined once: what a node snapshot (`snapshots.py`)
 and a standby's join (`standby.py`, `run.py`) carry, and the parts a checkpoint stores under
-Megatron-LM's keys (`checkpoint.py`, `dist_checkpoint.py`).
+Megatron-LM's keys (`torch_format.py`, `torch_dist.py`).
 
 `capture()` is this rank's model, optimizer (the loss scaler and, with the distributed optimizer,
 this shard's main parameters and Adam moments, which its state_dict leaves out), learning-rate

@@ -16,18 +16,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import (
-    checkpoint,
-    checkpoint_common,
-    dist_checkpoint,
-    groups,
+from megatron_recover.megatron.persistence import (
+    torch_format as checkpoint,
+    common as checkpoint_common,
+    torch_dist as dist_checkpoint,
     loading,
-    moe_losses,
 )
-from megatron_recover.megatron import state as training_state
-from megatron_recover.megatron.progress import ExitRequests, Progress
-from megatron_recover.megatron.rank_setup import RankSetup
-from megatron_recover.megatron.report import RecoverLog
+from megatron_recover.megatron.adapters import groups, moe_losses
+from megatron_recover.megatron.persistence import training_state
+from megatron_recover.megatron.app.progress import ExitRequests, Progress
+from megatron_recover.megatron.app.rank_setup import RankSetup
+from megatron_recover.megatron.app.report import RecoverLog
 from megatron_recover.recovery import ResilientTrainer
 from megatron_recover.recovery.protocol_state import capture
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from megatron_recover.megatron.config import MoEConfig
+from megatron_recover.megatron.config.train_config import MoEConfig
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 DISPATCHERS = ("allgather", "alltoall")

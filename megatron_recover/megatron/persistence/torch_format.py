@@ -1,7 +1,7 @@
 """--recover's `--ckpt-format torch`: Megatron-LM's per-rank torch files, written after failures
 and resumed on fewer replicas; and the protocol state every --recover checkpoint carries.
 
-Two formats, as Megatron-LM's --ckpt-format: torch_dist (the default; `dist_checkpoint.py`
+Two formats, as Megatron-LM's --ckpt-format: torch_dist (the default; `torch_dist.py`
 writes and reads it, and it is the format stock runs use) and torch, this module's files, in
 Megatron-LM's layout (megatron/training/checkpointing.py at core_v0.16.1):
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_recover.megatron import checkpoint_common, loading
-from megatron_recover.megatron import state as training_state
+from megatron_recover.megatron.persistence import common as checkpoint_common, loading
+from megatron_recover.megatron.persistence import training_state
 from megatron_recover.recovery.protocol_state import ProtocolState
 
 TRACKER = loading.TRACKER

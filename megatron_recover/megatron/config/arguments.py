@@ -8,7 +8,7 @@ use instead, or accepted with no effect and named at start-up with the reason. A
 argument is an argparse error (exit status 2), as in Megatron-LM.
 
 `parse_args` raises `ValueError` for every user mistake it can see, all of them in one message,
-one line each. The dataclasses live in `config.py`; megatron-core's config objects are built
+one line each. The dataclasses live in `train_config.py`; megatron-core's config objects are built
 from them in `mcore_config.py`.
 """
 
@@ -20,8 +20,9 @@ import signal
 from pathlib import Path
 
 from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S
-from megatron_recover.megatron import argument_table, interleaving, moe_arguments
-from megatron_recover.megatron.config import (
+from megatron_recover.megatron.config import argument_table, moe_arguments
+from megatron_recover.megatron.adapters import interleaving
+from megatron_recover.megatron.config.train_config import (
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -33,11 +34,11 @@ from megatron_recover.megatron.config import (
     PrecisionConfig,
     RecoverConfig,
     TrainConfig,
-    split_is_valid,
 )
-from megatron_recover.megatron.tokenizer import ARGUMENTS as TOKENIZER_ARGUMENTS
-from megatron_recover.megatron.tokenizer import TIKTOKEN, TIKTOKEN_PATTERNS, TOKENIZER_TYPES
-from megatron_recover.megatron.tokenizer import flag as tokenizer_flag
+from megatron_recover.megatron.data.datasets import split_is_valid
+from megatron_recover.megatron.data.tokenizers import ARGUMENTS as TOKENIZER_ARGUMENTS
+from megatron_recover.megatron.data.tokenizers import TIKTOKEN, TIKTOKEN_PATTERNS, TOKENIZER_TYPES
+from megatron_recover.megatron.data.tokenizers import flag as tokenizer_flag
 from megatron_recover.policy.rampup import GlobalBatches
 from megatron_recover.policy.speed import DEFAULT_WINDOW as DEFAULT_STRAGGLER_WINDOW
 

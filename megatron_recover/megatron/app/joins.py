@@ -9,9 +9,9 @@ as a live replica's is.
 import time
 from dataclasses import dataclass
 
-from megatron_recover.megatron import standby
-from megatron_recover.megatron import state as training_state
-from megatron_recover.megatron.rank_setup import RankSetup
+from megatron_recover.recovery.membership import standby
+from megatron_recover.megatron.persistence import training_state
+from megatron_recover.megatron.app.rank_setup import RankSetup
 from megatron_recover.recovery import ResilientTrainer
 from megatron_recover.recovery.membership import transfer
 from megatron_recover.recovery.protocol_state import ProtocolState, capture
