@@ -163,60 +163,13 @@ class Round:
             failed_locally = bool(self.recovery.wait())
             if reduction is None:
                 reduction = self._reduction_timing(self._schedule_end)
-            lane = self._lane(iteration, losses, tokens)
-            lane_record = p.group.allreduce(lane).wait()
-            ok = int(not failed_locally and not lane_record.has_failure
-                     and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
-            agreed = p.group.consensus([ok]).wait()
-            round_ok = not agreed.failed_ranks and agreed.census[0] == agreed.size
-            head, totals, views = self.lane.decode_head(lane), None, {}
-            if round_ok:  # this position's round succeeded everywhere: the committed ledger
-                totals = self.lane.decode_ledger(lane)
-                summed = self.lane.decode_parts(lane)
-                views = {c.name: c.view(self, iteration, summed.get(c.name), totals, head)
-                         for c in self.checks}
-            verdict = self.verdict(agreed, head, not round_ok,
-                                   {k: v for k, v in views.items() if v is not None})
+            agreed, verdict, totals = self._agree(iteration, losses, tokens, failed_locally)
             holding = self._holding(verdict)
             if verdict.commit and holding is None:
                 self.last_progress = time.time()
                 break
-            detected = time.time()
-            cause = None
-            if verdict.commit:  # no failure, but a check holds the round
-                new_dead = holding.act(self, iteration, verdict.parts.get(holding.name),
-                                       events, detected)
-                ranks = self.ranks_of(new_dead)
-                cause = holding.cause
-                if not new_dead:  # nothing to evict: reduce the same contributions again
-                    self._blocking_restore(iteration, work)
-                    events[-1]["restored"] = time.time()
-                    continue
-            else:
-                new_dead = sorted(verdict.dead - self.dead_replicas)
-                ranks = list(agreed.failed_ranks)
-                for check in self.checks:
-                    new_dead = check.on_failure(self, iteration, new_dead)
-            if new_dead:
-                self.dead_replicas.update(new_dead)
-                decision = p.policy.on_failure(new_dead)
-                work = p.policy.work(p.replica)
-                events.append({"event": "failure", "replicas": new_dead,
-                               "ranks": ranks, "epoch": agreed.epoch,
-                               "detected": detected, "repaired": detected,
-                               "since_last_progress_s": detected - self.last_progress,
-                               "restore": decision.restore_mode, "g_ext": decision.g_ext,
-                               "promotions": [list(x) for x in decision.promotions]})
-                if cause is not None:
-                    events[-1]["cause"] = cause
-                if decision.boundary:
-                    self._extension_pass(iteration, work, losses, tokens)
-                    events[-1]["restored"] = time.time()
-                    continue
-            else:
-                events.append({"event": "retry", "epoch": agreed.epoch, "detected": detected})
-            self._blocking_restore(iteration, work)
-            events[-1]["restored"] = time.time()
+            work = self._recover(iteration, work, agreed, verdict, holding, events, losses,
+                                 tokens)
 
         report = self._commit(iteration, totals, verdict, agreed, start, events)
         report.reduction = reduction
@@ -224,6 +177,73 @@ class Round:
         report.quotas = {r: len(w.first_pass) for r, w in state.work.items()
                          if w.contributes_first_pass}
         return report
+
+    def _agree(self, iteration: int, losses: dict[int, float], tokens: dict[int, int],
+               failed_locally: bool):
+        """Steps 2 to 4: sum the commit lane, agree on the failure record, and combine the
+        positions' views into the replica's verdict. Returns (the agreed record, the verdict,
+        the committed ledger's totals at this position: None when its round failed)."""
+        p = self.p
+        lane = self._lane(iteration, losses, tokens)
+        lane_record = p.group.allreduce(lane).wait()
+        ok = int(not failed_locally and not lane_record.has_failure
+                 and self.recovery.all_reduced() and lane_record.epoch == p.group.epoch)
+        agreed = p.group.consensus([ok]).wait()
+        round_ok = not agreed.failed_ranks and agreed.census[0] == agreed.size
+        head, totals, views = self.lane.decode_head(lane), None, {}
+        if round_ok:  # this position's round succeeded everywhere: the committed ledger
+            totals = self.lane.decode_ledger(lane)
+            summed = self.lane.decode_parts(lane)
+            views = {c.name: c.view(self, iteration, summed.get(c.name), totals, head)
+                     for c in self.checks}
+        verdict = self.verdict(agreed, head, not round_ok,
+                               {k: v for k, v in views.items() if v is not None})
+        return agreed, verdict, totals
+
+    def _recover(self, iteration: int, work, agreed, verdict: Verdict, holding: Check | None,
+                 events: list[dict], losses: dict[int, float], tokens: dict[int, int]):
+        """Step 5, for a round that did not commit: the holding check acts (when no replica
+        failed) or the checks hear of the failure; new dead replicas go to the policy, then a
+        blocking restore or an extension pass posts the reductions of the next round. Returns
+        this replica's work for it."""
+        p = self.p
+        detected = time.time()
+        cause = None
+        if verdict.commit:  # no failure, but a check holds the round
+            new_dead = holding.act(self, iteration, verdict.parts.get(holding.name),
+                                   events, detected)
+            ranks = self.ranks_of(new_dead)
+            cause = holding.cause
+            if not new_dead:  # nothing to evict: reduce the same contributions again
+                self._blocking_restore(iteration, work)
+                events[-1]["restored"] = time.time()
+                return work
+        else:
+            new_dead = sorted(verdict.dead - self.dead_replicas)
+            ranks = list(agreed.failed_ranks)
+            for check in self.checks:
+                new_dead = check.on_failure(self, iteration, new_dead)
+        if new_dead:
+            self.dead_replicas.update(new_dead)
+            decision = p.policy.on_failure(new_dead)
+            work = p.policy.work(p.replica)
+            events.append({"event": "failure", "replicas": new_dead,
+                           "ranks": ranks, "epoch": agreed.epoch,
+                           "detected": detected, "repaired": detected,
+                           "since_last_progress_s": detected - self.last_progress,
+                           "restore": decision.restore_mode, "g_ext": decision.g_ext,
+                           "promotions": [list(x) for x in decision.promotions]})
+            if cause is not None:
+                events[-1]["cause"] = cause
+            if decision.boundary:
+                self._extension_pass(iteration, work, losses, tokens)
+                events[-1]["restored"] = time.time()
+                return work
+        else:
+            events.append({"event": "retry", "epoch": agreed.epoch, "detected": detected})
+        self._blocking_restore(iteration, work)
+        events[-1]["restored"] = time.time()
+        return work
 
     def _holding(self, verdict: Verdict) -> Check | None:
         """The check that acts on a committable round: the first registered that holds it."""
