@@ -7,7 +7,10 @@ exact; the ledger is checked, the fault shown to have fired, and the user's seam
 run: the head scale is among the trained parameters, and each rank noted its provider and its
 forward step in training and in evaluation.
 
-Run: `make test`. CPU only; 3 oversubscribed one-rank replicas, two runs of 4 iterations.
+Run: `make test-long` (two more mpirun jobs, about a minute; `make test` keeps the seams' unit
+tests in tests/unit/test_entry_point.py and test_model_build.py, and every end-to-end run there
+goes through the entry's default seams). CPU only; 3 oversubscribed one-rank replicas, two runs
+of 4 iterations.
 """
 
 import json
@@ -25,7 +28,7 @@ from tests.training_harness import (
     run_training,
 )
 
-pytestmark = [pytest.mark.mpi, pytest.mark.e2e]
+pytestmark = [pytest.mark.mpi, pytest.mark.e2e, pytest.mark.long]
 SCRIPT = Path(__file__).parent / "data" / "user_gpt_recover.py"
 TIMEOUT_S = 240
 REPLICAS = 3
