@@ -51,7 +51,11 @@ class Segments:
         self.end = start
 
     def join(self, parts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The segments' values in order: `parts[name]`, or zeros where a name has none."""
+        """The segments' values in order: `parts[name]`, or zeros where a name has none or
+        None (a check that sends nothing). A value for a name no segment has is refused."""
+        stray = {name for name, part in parts.items() if part is not None} - set(self.at)
+        if stray:
+            raise ValueError(f"no segment named {sorted(stray)}")
         out = []
         for name, (begin, end) in self.at.items():
             part = parts.get(name)

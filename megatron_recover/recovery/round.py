@@ -196,8 +196,7 @@ class Round:
             summed = self.lane.decode_parts(lane)
             views = {c.name: c.view(self, iteration, summed.get(c.name), totals, head)
                      for c in self.checks}
-        verdict = self.verdict(agreed, head, not round_ok,
-                               {k: v for k, v in views.items() if v is not None})
+        verdict = self.verdict(agreed, head, not round_ok, views)
         return agreed, verdict, totals
 
     def _recover(self, iteration: int, work, agreed, verdict: Verdict, holding: Check | None,
@@ -278,8 +277,7 @@ class Round:
             token_sum = sum(n * tokens.get(k, 0) for (_, k, _), n in sent.entries.items())
         head = LaneHead(loss_sum, token_sum, self.p.wants_exit())
         parts = {c.name: c.lane(self, iteration, sent) for c in self.checks if c.lane_size}
-        lane = self.lane.encode(head, sent, iteration, poison=int(not consistent),
-                                parts={k: v for k, v in parts.items() if v is not None})
+        lane = self.lane.encode(head, sent, iteration, poison=int(not consistent), parts=parts)
         if self.p.shard_control is not None:
             self.p.shard_control.sum(lane)  # intra-replica, as the reduce-scatter
         return lane

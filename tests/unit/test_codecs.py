@@ -98,6 +98,10 @@ def test_segments_follow_the_registered_sizes_and_a_wrong_size_is_refused():
     assert parts["a"].tolist() == [0.0, 0.0] and parts["b"].tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="segment 'a' holds 2"):
         lane.encode(LaneHead(0.0, 0, False), None, 3, parts={"a": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"no segment named \['c'\]"):
+        lane.encode(LaneHead(0.0, 0, False), None, 3, parts={"c": torch.zeros(1), "a": None})
+    assert torch.equal(lane.encode(LaneHead(0.0, 0, False), None, 3, parts={"c": None}),
+                       lane.encode(LaneHead(0.0, 0, False), None, 3))
     with pytest.raises(ValueError, match="two segments"):
         VerdictCodec(2, [("a", 1), ("a", 1)])
 
