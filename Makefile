@@ -1,8 +1,9 @@
 # megatron-recover: `make demo` runs the main job, `make test` the test suite (CI runs it).
 # Every target does the steps it needs and is incremental: stamps in .venv record what is done.
 
-# python3.11 where it runs, else python3 (NVIDIA's PyTorch container: Python 3.12, a CUDA torch).
-PYTHON ?= $(shell python3.11 -c '' > /dev/null 2>&1 && echo python3.11 || echo python3)
+# A Python 3.12 (megatron-core 0.19 needs it): python3.12, python3 (NVIDIA's PyTorch container:
+# Python 3.12, a CUDA torch) or pyenv's 3.12, the first that runs (scripts/find_python.sh).
+PYTHON ?= $(shell scripts/find_python.sh)
 VENV   := .venv
 # make setup's torch (scripts/install_deps.sh, docs/install-gpu.md): TORCH=auto takes $(PYTHON)'s
 # torch when it is a CUDA build (a venv with --system-site-packages, so Transformer Engine and
@@ -23,6 +24,8 @@ PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 setup: $(VENV)/.package-stamp
 
 $(VENV)/.deps-stamp: requirements.txt scripts/install_deps.sh
+	@test -n "$(PYTHON)" || { echo "make: no Python 3.12 found (python3.12, python3, pyenv's 3.12):" \
+	    "give make PYTHON=/path/to/python3.12" >&2; exit 1; }
 	TORCH=$(TORCH) WHEELS=$(abspath $(WHEELS)) scripts/install_deps.sh $(PYTHON) $(VENV)
 	touch $@
 

@@ -37,7 +37,7 @@ def main() -> int:
     lib_dirs = mpicc_dirs(args.mpicc, "libdirs")
     if not any((Path(d) / "mpi-ext.h").exists() for d in include_dirs):
         sys.exit(f"{args.mpicc} reports no mpi-ext.h in {include_dirs}: need Open MPI 5 with ULFM")
-    cflags = ["-O2", "-std=c++17"]
+    cflags = ["-O2", "-std=c++20"]
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
         name="_ulfm_backend",
