@@ -549,7 +549,7 @@ def checkpoint_problems(directory: Path, save_interval: int) -> list[str]:
     problems = []
     for iteration in sorted({*range(save_interval, ITERATIONS + 1, save_interval), ITERATIONS}):
         path = directory / f"iter_{iteration:07d}"
-        for name in ("metadata.json", "common.pt", "recover_state.json"):
+        for name in ("metadata.json", "recover_state.json"):
             if not (path / name).is_file():
                 problems.append(f"checkpoint: {path / name} is missing")
     tracker = directory / "latest_checkpointed_iteration.txt"

@@ -20,7 +20,9 @@ JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--eval-iters", "0",
        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
        "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-2", "--mock-data",
-       "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1",
+       # 129 ids pad to 256 rows at TP=1 and TP=2 alike (Megatron-LM pads to a multiple of
+       # 128 x TP), so a checkpoint resharded between them keeps its output layer's softmax.
+       "--tokenizer-type", "NullTokenizer", "--vocab-size", "129", "--log-interval", "1",
        "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 

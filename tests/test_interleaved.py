@@ -89,7 +89,7 @@ def test_a_stock_run_resumed_from_its_checkpoint_trains_as_the_failure_free_run(
     resilient = run_training(tmp_path / "recover", 2, [*job, "--save", str(ckpt),
                                                        "--save-interval", "2"],
                              timeout_s=TIMEOUT_S)
-    assert (ckpt / "iter_0000002" / "common.pt").is_file()
+    assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # a torch_dist checkpoint
     stock = launch(LaunchConfig(2, [*ENTRY, *job, "--load", str(ckpt), "--ckpt-step", "2"],
                                 tmp_path / "stock", timeout_s=TIMEOUT_S))
     assert stock.succeeded, stock.output[-4000:]

@@ -140,7 +140,7 @@ MUTATION_JOB = [*JOB[:JOB.index("--global-batch-size")], "--global-batch-size", 
                 "NullTokenizer", "--vocab-size", "128", "--log-interval", "1",
                 "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
                 "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
-AUX_SCALE = "loss_scale * cp_group_size / recover_hooks.loss_divisor(num_microbatches)"
+AUX_SCALE = "loss_scale * cp_size_for_scaling / recover_hooks.loss_divisor(num_microbatches)"
 
 
 def megatron_with_aux_scale_per_pass(where: Path) -> Path:
@@ -153,7 +153,7 @@ def megatron_with_aux_scale_per_pass(where: Path) -> Path:
     schedules = copy / "pipeline_parallel" / "schedules.py"
     text = schedules.read_text()
     assert text.count(AUX_SCALE) == 1
-    schedules.write_text(text.replace(AUX_SCALE, "loss_scale * cp_group_size / num_microbatches"))
+    schedules.write_text(text.replace(AUX_SCALE, "loss_scale * cp_size_for_scaling / num_microbatches"))
     return where
 
 

@@ -1,7 +1,8 @@
 """The MoE router's auxiliary losses, per microbatch and per iteration, as Megatron-LM logs them.
 
-megatron-core's router adds each layer's auxiliary losses (the coefficient divided out) to a
-tracker during forward (`save_to_aux_losses_tracker`): name -> one value per layer.
+megatron-core's router records each layer's auxiliary losses (the coefficient divided out) in its
+MoE metrics tracker during forward (`moe_logging.get_moe_metrics_tracker`): name -> one value
+per layer.
 Megatron-LM's training_log then averages them: the sum over the iteration's microbatches and
 the tracker's layers, over the MoE layers, divided by the microbatches of a data-parallel rank
 and averaged over the data-parallel ranks: the global batch's mean.
@@ -22,10 +23,13 @@ microbatch's (megatron sums them over the TP group), its z_loss is the mean over
 import torch
 
 
-def tracker():
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+def _values(name: str):
+    """The per-layer values megatron-core's MoE metrics tracker holds for `name` (a tensor of
+    one entry per layer), or None before a router recorded it."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    return get_moe_layer_wise_logging_tracker()
+    entry = get_moe_metrics_tracker().metrics.get(name)
+    return None if entry is None else entry.values
 
 
 class AuxLossRecorder:
@@ -42,9 +46,9 @@ class AuxLossRecorder:
     def before_forward(self) -> None:
         """Empty the tracker: what it holds after the forward is that microbatch's."""
         for name in self.names:
-            entry = tracker().get(name)
-            if entry is not None:
-                entry["values"].zero_()
+            values = _values(name)
+            if values is not None:
+                values.zero_()
 
     def after_forward(self, iteration: int, microbatch_id: int) -> None:
         """Keep the microbatch's values where they are (with model chunks, summed over its
@@ -52,9 +56,9 @@ class AuxLossRecorder:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         parts = []
         for name in self.names:
-            entry = tracker().get(name)
+            values = _values(name)
             parts.append(torch.zeros(self.num_layers, dtype=torch.float64, device=device)
-                         if entry is None else entry["values"].detach().double().clone())
+                         if values is None else values.detach().double().clone())
         values = torch.cat(parts)
         key = (iteration, microbatch_id)
         self._device[key] = values + self._device[key] if key in self._device else values

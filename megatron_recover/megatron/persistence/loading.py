@@ -114,3 +114,25 @@ def model_mismatch(path, error: Exception) -> str:
     return (f"--load: the model in {path} does not match this run's ({detail}); load it with "
             "the model arguments it was written with (--num-layers, --hidden-size, "
             "--vocab-size or the tokenizer, ...)")
+
+
+def load_optimizer_state(optimizer, state: dict, path) -> None:
+    """`optimizer.load_state_dict(state)`, with the one error a user can fix said plainly.
+
+    megatron-core 0.19 matches a checkpoint's parameter groups to this run's by their learning
+    and weight-decay settings (`max_lr`, `min_lr`, `start_wd`, `end_wd`, ...; its
+    `param_group_identifier_keys`): a run resumed with another --lr, --min-lr, --decoupled-lr or
+    weight decay finds no group to load into, and the distributed optimizer raises a bare
+    KeyError. megatron-core 0.16.1 loaded such a checkpoint and kept its old rates.
+    """
+    try:
+        optimizer.load_state_dict(state)
+    except (KeyError, ValueError) as error:
+        if not isinstance(error, KeyError) and "parameter group" not in str(error):
+            raise
+        raise ValueError(
+            f"--load: the optimizer state in {path} has parameter groups with other learning-"
+            "rate or weight-decay settings than this run's (megatron-core matches them on "
+            "max_lr, min_lr, start_wd, end_wd): resume with the --lr, --min-lr, --decoupled-lr, "
+            "--decoupled-min-lr, --weight-decay, --start-weight-decay and --end-weight-decay "
+            "it was saved with, or load the model alone with --no-load-optim") from error

@@ -377,8 +377,12 @@ def save(directory, iteration: int, chunks, optimizer, scheduler, common: dict,
             _commit(directory, iteration, start)
 
     with world():
+        # megatron-core's own asynchronous writer ("mcore"), not its default since 0.19
+        # (NVIDIA Resiliency Extension's, a package we do not install): `AsyncSaves` runs the
+        # request's writer and reads its results queue.
         request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy,
-                                          async_sharded_save=saves is not None)
+                                          async_sharded_save=saves is not None,
+                                          async_strategy="mcore")
         if saves is not None:
             saves.start(request, results, complete, agree)
             _report(f"scheduled an async checkpoint save at iteration {iteration:7d} to "
@@ -475,7 +479,7 @@ def load(plan, chunks, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
         raise ValueError(loading.model_mismatch(path, error)) from error
     if plan.optimizer:
         with torch.no_grad():  # fp32 distributed-optimizer main parameters are model views
-            optimizer.load_state_dict(state["optimizer"])
+            loading.load_optimizer_state(optimizer, state["optimizer"], path)
         training_state.restore_steps(optimizer)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:

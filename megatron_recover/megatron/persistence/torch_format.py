@@ -184,7 +184,7 @@ def load(plan, chunks, optimizer, scheduler, position: tuple[int, ...], pipeline
     except (RuntimeError, KeyError) as error:  # missing keys and chunks, size mismatches
         raise ValueError(loading.model_mismatch(model_file, error)) from error
     if plan.optimizer:
-        optimizer.load_state_dict(saved["optimizer"])
+        loading.load_optimizer_state(optimizer, saved["optimizer"], model_file)
         if training_state.distributed_optimizers(optimizer):
             _load_parameter_state(optimizer, optimizer_file)
         scheduler.load_state_dict(saved.get("lr_scheduler") or saved["opt_param_scheduler"])
