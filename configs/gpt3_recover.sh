@@ -43,8 +43,9 @@ GPT_MODEL_ARGS=(
 TRAINING_ARGS=(
     --micro-batch-size 1
     --global-batch-size 16
-    # The original's --rampup-batch-size is dropped: Megatron-LM itself refuses a batch-size
-    # ramp-up with --train-iters (ramp-up is for sample-based runs, --train-samples).
+    # The original's --rampup-batch-size is dropped: Megatron-LM core_v0.19.0 ignores it
+    # (deprecated; megatron-recover refuses it). A ramp is --step-batch-size-schedule, with
+    # --train-samples and without --global-batch-size.
     --train-iters 40
     --weight-decay 0.1
     --adam-beta1 0.9

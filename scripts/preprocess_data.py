@@ -9,9 +9,11 @@ Other tokenizers (megatron_recover/megatron/data/tokenizers.py says what each wr
       --tokenizer-model MODEL_FILE
   --tokenizer-type TikTokenizer --tokenizer-model VOCAB.json [--tiktoken-pattern v1|v2]
       [--vocab-size V] [--tiktoken-num-special-tokens N] [--tokenizer-special-tokens T ...]
-  --tokenizer-type NullTokenizer --vocab-size V
-Ids are megatron-core's tokenizers', as Megatron-LM's preprocessing writes them without
---legacy-tokenizer (for Llama2Tokenizer: no BOS is prepended).
+  --tokenizer-type NullTokenizer --vocab-size V [--null-tokenizer-eod-id E]
+Ids are those Megatron-LM core_v0.19.0's preprocessing writes, from megatron-core's tokenizer
+classes (GPT2BPETokenizer: our own class, GPT-2's byte-level BPE from the local files, since
+megatron-core's asks the Hugging Face Hub); e.g. HuggingFaceTokenizer keeps the special tokens its
+tokenizer adds (a Llama tokenizer's BOS), Llama2Tokenizer prepends no BOS.
 
 Output, for each json key K: {prefix}_{K}_document.bin and .idx, written by megatron-core's
 `IndexedDatasetBuilder` as Megatron-LM writes them, so `--data-path {prefix}_{K}_document` works
@@ -52,8 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local directory; the "
                        "SentencePiece types: the model file; TikTokenizer: the vocabulary .json")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..V-1, EOD is V; "
-                       "TikTokenizer: the vocabulary size (default 2**17)")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids are 0..V-1, EOD is "
+                       "V-1 (or --null-tokenizer-eod-id); TikTokenizer: the vocabulary size "
+                       "(default 2**17)")
     group.add_argument("--tiktoken-pattern", choices=("v1", "v2"),
                        help="TikTokenizer: the pre-tokenization regex (default v2)")
     group.add_argument("--tiktoken-num-special-tokens", type=int,
@@ -61,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-special-tokens", nargs="+",
                        help="TikTokenizer: the special tokens (default <unk> <s> </s> <mask> "
                        "<pad> <cls> <sep>)")
+    group.add_argument("--null-tokenizer-eod-id", type=int,
+                       help="NullTokenizer: the end-of-document id (default V-1)")
+    group.add_argument("--null-tokenizer-pad-id", type=int,
+                       help="NullTokenizer: the pad id (default -1, none; not written by "
+                       "preprocessing, accepted as Megatron-LM's tool does)")
     group = parser.add_argument_group("input and output")
     group.add_argument("--input", required=True, help="JSONL file, one document a line")
     group.add_argument("--json-keys", nargs="+", default=["text"],
@@ -91,6 +99,8 @@ def tokenizer_arguments(args: argparse.Namespace) -> dict:
         "tiktoken_pattern": args.tiktoken_pattern,
         "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
         "tokenizer_special_tokens": args.tokenizer_special_tokens,
+        "null_tokenizer_eod_id": args.null_tokenizer_eod_id,
+        "null_tokenizer_pad_id": args.null_tokenizer_pad_id,
     }
     return {"tokenizer_type": args.tokenizer_type, **given}
 

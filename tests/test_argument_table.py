@@ -2,8 +2,8 @@
 of Megatron-LM's two example job scripts run under --recover.
 
 Run:  .venv/bin/python -m pytest tests/test_argument_table.py -q -p no:cacheprovider
-Hardware: a CPU. The table checks are in-process (seconds): each of the 681 names of
-Megatron-LM's parser at core_v0.16.1 (tests/data/, source named there) is given on a command line
+Hardware: a CPU. The table checks are in-process (seconds): each of the 846 names of
+Megatron-LM's parser at core_v0.19.0 (tests/data/, source named there) is given on a command line
 and must do what its status says: refused names stop with a ValueError that names them,
 no-effect names parse and are named at start-up, implemented names are the parser's. The
 example-script tests (marked mpi) run 4 oversubscribed ranks under a hard timeout: the Llama-3
@@ -23,7 +23,7 @@ from tests.training_harness import assert_ledger_held, loss_rdiff, run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGATRON_NAMES = [line.split()[0] for line in
-                  (ROOT / "tests/data/megatron_lm_core_v0.16.1_arguments.txt").read_text().splitlines()
+                  (ROOT / "tests/data/megatron_lm_core_v0.19.0_arguments.txt").read_text().splitlines()
                   if line.startswith("--")]
 SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
          "--micro-batch-size 2 --train-iters 20 --lr 1e-3 --mock-data --vocab-size 100").split()
@@ -35,13 +35,13 @@ def parse(*extra):
 
 
 def test_every_megatron_argument_has_one_status():
-    assert len(MEGATRON_NAMES) == len(set(MEGATRON_NAMES)) == 681
+    assert len(MEGATRON_NAMES) == len(set(MEGATRON_NAMES)) == 846
     missing = [name for name in MEGATRON_NAMES if name not in TABLE]
     assert not missing, f"no status: {missing}"
     counts = {status: sum(TABLE[n].status == status for n in MEGATRON_NAMES)
               for status in (IMPLEMENTED, REFUSED, NO_EFFECT)}
-    print(f"Megatron-LM's 681 arguments: {counts}")
-    assert sum(counts.values()) == 681
+    print(f"Megatron-LM's 846 arguments: {counts}")
+    assert sum(counts.values()) == 846
     # Whatever the table knows beyond Megatron-LM's names is ours, and said to be.
     assert {n for n in TABLE if n not in MEGATRON_NAMES} == {
         n for n, e in TABLE.items() if e.status == OURS}
@@ -222,12 +222,19 @@ def corpus(tmp_path_factory):
             "merges": str(out / "merges.txt")}
 
 
-def test_gpt3_script_ramp_up_with_train_iters_is_refused_as_megatron_does(tmp_path, corpus):
-    argv = [*gpt3_argv(tmp_path, corpus), "--rampup-batch-size", "16", "16", "5859375",
-            "--recover"]
-    with pytest.raises(ValueError) as info:
-        parse_args(argv, world_size=4, cuda_available=False)
-    assert "expected no batch-size rampup for iteration-based training" in str(info.value)
+def test_gpt3_script_batch_size_schedule_is_refused_as_megatron_lm_refuses_it(tmp_path, corpus):
+    # Megatron-LM core_v0.19.0's GPT-3 example passes both --global-batch-size and
+    # --step-batch-size-schedule, which its own argument validation refuses; and the
+    # deprecated --rampup-batch-size of earlier releases is refused with the way forward.
+    schedule = ["--step-batch-size-schedule", "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"]
+    for extra, expected in ((schedule, "Cannot specify both --step-batch-size-schedule and "
+                                       "--global-batch-size"),
+                            (["--rampup-batch-size", "16", "16", "5859375"],
+                             "--rampup-batch-size: deprecated by Megatron-LM 0.19")):
+        with pytest.raises(ValueError) as info:
+            parse_args([*gpt3_argv(tmp_path, corpus), *extra, "--recover"], world_size=4,
+                       cuda_available=False)
+        assert expected in str(info.value)
 
 
 @pytest.mark.mpi

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S
-from megatron_recover.megatron.config.arguments import LEGACY_DEFAULT_SPLIT, parse_args
+from megatron_recover.megatron.config import argument_table
+from megatron_recover.megatron.config.arguments import LEGACY_DEFAULT_SPLIT, build_parser, parse_args
 from megatron_recover.megatron.config.mcore_config import (
     padded_vocab_size,
     to_ddp_config,
@@ -361,54 +362,95 @@ def test_sample_based_training():
     assert to_scheduler_kwargs(wsd)["wsd_decay_steps"] == 8
 
 
-def megatron_lm_train_iters(train_samples, rampup, gbs, mbs, dp):
-    """Megatron-LM's update_train_iters, driving megatron-core's own calculator: the sizes of
-    the ramp iterations and the iteration count (written here independently of our schedule)."""
-    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+def megatron_lm_train_iters(train_samples, schedule, seq_length, mbs, dp):
+    """Megatron-LM core_v0.19.0's update_train_iters, driving megatron-core's own calculator as
+    its set_global_variables builds it (thresholds in tokens of --seq-length): the size of each
+    iteration it trains (written here independently of our schedule)."""
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
-    calculator = RampupBatchsizeNumMicroBatchesCalculator(gbs, mbs, dp, False, -1, *rampup)
+    calculator = StepBatchsizeNumMicroBatchesCalculator(mbs, dp, False, -1, schedule, seq_length)
     sizes, consumed = [], 0
-    while consumed <= rampup[2]:
+    while consumed < train_samples:
         calculator.update(consumed, consistency_check=True)  # divisible by mbs x dp, too
         sizes.append(calculator.get_current_global_batch_size())
         consumed += sizes[-1]
-    return sizes, len(sizes) + (train_samples - consumed) // gbs
+    return sizes
 
 
-@pytest.mark.parametrize("rampup, train_samples", [
-    ((8, 8, 64), 400), ((8, 8, 60), 400), ((8, 8, 1), 100), ((4, 4, 100), 1000)])
-def test_rampup_batch_size_follows_megatron_lm(rampup, train_samples):
-    """--rampup-batch-size START INCREMENT SAMPLES with sample-based training: the iteration
-    count, each iteration's global batch, the policy's B per iteration and the schedule's steps
-    in samples are Megatron-LM's."""
-    world_size = 2 if rampup[0] == 4 else 4
-    cfg = small("--train-samples", str(train_samples), "--rampup-batch-size",
-                *map(str, rampup), "--lr-decay-samples", "90", "--lr-warmup-samples", "10",
-                drop=("--train-iters",), world_size=world_size)
-    sizes, iterations = megatron_lm_train_iters(train_samples, rampup, 16, 2,
-                                                cfg.data_parallel_size)
-    assert min(sizes) == rampup[0]
-    assert cfg.train_iters == iterations and cfg.rampup_batch_size == rampup
+SCHEDULE_ONLY = ("--train-iters", "--global-batch-size")  # what a schedule's argv drops
+
+
+@pytest.mark.parametrize("schedule, train_samples, world_size", [
+    ("0:8 2048:16", 400, 4),  # 2048 tokens of --seq-length 32: 64 samples
+    ("0:8 2047:16", 400, 4),  # 63 samples
+    ("0:4 100:8 3.2K:12 9.6K:16", 1000, 2),
+    ("0:8 9.6K:16 32K:32", 250, 4),  # --train-samples ends inside the 16s: 32 never reached
+    ("0:16", 41, 4)])  # one step: a partial last batch is trained whole
+def test_step_batch_size_schedule_follows_megatron_lm(schedule, train_samples, world_size):
+    """--step-batch-size-schedule with sample-based training: the iteration count, each
+    iteration's global batch, the policy's B per iteration and the learning-rate schedule in
+    samples are Megatron-LM core_v0.19.0's; evaluation and checkpoints keep its default
+    --global-batch-size (mbs x dp)."""
+    cfg = small("--train-samples", str(train_samples), "--step-batch-size-schedule", schedule,
+                "--lr-decay-samples", "90", "--lr-warmup-samples", "10", drop=SCHEDULE_ONLY,
+                world_size=world_size)
+    sizes = megatron_lm_train_iters(train_samples, schedule, 32, 2, cfg.data_parallel_size)
+    assert cfg.train_iters == len(sizes) and cfg.step_batch_size_schedule == schedule
     batches = cfg.global_batches
-    assert [batches.size(t) for t in range(1, len(sizes) + 3)] == sizes + [16, 16]
-    assert batches.consumed_after(cfg.train_iters) <= train_samples
-    assert batches.consumed_after(cfg.train_iters) + 16 > train_samples
+    assert [batches.size(t) for t in range(1, len(sizes) + 1)] == sizes
+    assert batches.first_sample(cfg.train_iters) < train_samples
+    assert cfg.main_samples == batches.consumed_after(cfg.train_iters) >= train_samples
+    assert cfg.train_samples == train_samples  # the split Megatron-LM asks for
+    final = int(schedule.split()[-1].split(":")[1])
+    assert cfg.global_batch_size == final and cfg.b == final // 2
+    assert cfg.eval_global_batch_size == 2 * cfg.data_parallel_size
     policy = to_policy_config(cfg)
-    assert [policy.b_at(t) for t in range(1, len(sizes) + 2)] == [s // 2 for s in sizes] + [8]
+    assert [policy.b_at(t) for t in range(1, len(sizes) + 1)] == [s // 2 for s in sizes]
     assert to_scheduler_kwargs(cfg)["lr_decay_steps"] == 90  # the schedule stays in samples
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--rampup-batch-size", "8", "8"], "expects three values"),
-    (["--rampup-batch-size", "8", "8", "0"], "ramp_samples must be an integer >= 1"),
-    (["--rampup-batch-size", "16", "8", "64"], "must be a positive multiple of the step"),
-    (["--rampup-batch-size", "6", "4", "64"], "must be a positive multiple of the step"),
-    (["--rampup-batch-size", "12", "4", "64"], "not divisible by --micro-batch-size 2 x "
-     "data-parallel size 4: choose a start and an increment that are multiples of 8"),
-    (["--rampup-batch-size", "8", "8", "640"], "ends inside the batch-size ramp-up"),
+SAMPLES = ("--train-samples", "400")
+
+
+@pytest.mark.parametrize("extra, drop, expected", [
+    (["--step-batch-size-schedule", "0:8 2048:16", *SAMPLES], ("--train-iters",),
+     "Cannot specify both --step-batch-size-schedule and --global-batch-size"),
+    (["--step-batch-size-schedule", "0:8 2048:16"], ("--global-batch-size",),
+     "--step-batch-size-schedule with --train-iters: Megatron-LM core_v0.19.0 counts"),
+    (["--step-batch-size-schedule", "0:8 2048", *SAMPLES], SCHEDULE_ONLY,
+     'Invalid schedule entry "2048". Expected format: "THRESHOLD:BATCH_SIZE"'),
+    (["--step-batch-size-schedule", "0:8 2kb:16", *SAMPLES], SCHEDULE_ONLY,
+     'Invalid schedule entry "2kb:16": '),
+    (["--step-batch-size-schedule", "64:8 2048:16", *SAMPLES], SCHEDULE_ONLY,
+     "first schedule entry must have threshold 0, got 2"),
+    (["--step-batch-size-schedule", "0:8 2048:16 2050:32", *SAMPLES], SCHEDULE_ONLY,
+     "schedule thresholds must be strictly increasing, got 64 before 64"),
+    (["--step-batch-size-schedule", "0:8 1:16", *SAMPLES], SCHEDULE_ONLY,  # 1 token: sample 0
+     "schedule thresholds must be strictly increasing, got 0 before 0"),
+    (["--step-batch-size-schedule", "0:8 2048:0", *SAMPLES], SCHEDULE_ONLY,
+     "batch size must be positive, got 0"),
+    (["--step-batch-size-schedule", "0:8 2048:12", *SAMPLES], SCHEDULE_ONLY,
+     "the global batch sizes [12] are not divisible by --micro-batch-size 2 x data-parallel "
+     "size 4 (megatron-core asserts it"),
+    (["--step-batch-size-schedule", "0:16 2048:8", *SAMPLES], SCHEDULE_ONLY,
+     "the global batch size decreases from 16 to 8 at 64 samples"),
 ])
-def test_rampup_batch_size_refused_where_megatron_lm_asserts(extra, expected):
-    assert expected in refused("--train-samples", "400", *extra, drop=("--train-iters",))
+def test_step_batch_size_schedule_refused_where_megatron_lm_refuses(extra, drop, expected):
+    """Megatron-LM's refusal, megatron-core's parsing and validation errors (its messages) and
+    its divisibility assertion, at start-up; and what the policy cannot lay out."""
+    message = refused(*extra, drop=drop)
+    assert expected in message, message
+
+
+@pytest.mark.parametrize("values", [["16", "16", "5859375"], ["8", "8"], ["x"], []])
+def test_rampup_batch_size_is_refused_as_deprecated(values):
+    """Megatron-LM core_v0.19.0 accepts --rampup-batch-size and ignores it (megatron-core 0.19
+    has no ramp-up calculator): refused here, whatever its values and training unit."""
+    reason = argument_table.table(build_parser())["--rampup-batch-size"].reason
+    assert reason.startswith("deprecated by Megatron-LM 0.19, whose calculator ignores")
+    for drop, extra in (((), ()), (("--train-iters",), ("--train-samples", "400"))):
+        message = refused(*extra, "--rampup-batch-size", *values, drop=drop)
+        assert f"--rampup-batch-size: {reason}" in message
 
 
 @pytest.mark.parametrize("extra, drop, expected", [
@@ -474,14 +516,14 @@ def test_the_interleaved_schedule_refuses_what_megatron_refuses(extra, expected)
         assert text in message, (text, message)
 
 
-def test_every_global_batch_of_a_ramp_up_must_fit_the_interleaved_schedule():
+def test_every_global_batch_of_a_schedule_must_fit_the_interleaved_schedule():
     interleaved = ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
                    "--pipeline-model-parallel-size", "2", "--train-samples", "2000"]
-    # The ramp-up's first global batch (4) gives each data-parallel rank 1 microbatch (< PP).
-    message = refused(*interleaved, "--rampup-batch-size", "4", "4", "200",
-                      drop=("--train-iters",))
+    # The schedule's first global batch (4) gives each data-parallel rank 1 microbatch (< PP).
+    message = refused(*interleaved, "--step-batch-size-schedule", "0:4 3200:16",
+                      drop=SCHEDULE_ONLY)
     assert "refuses a global batch of 4 samples (1 micro-batches per data-parallel rank)" in message
-    small(*interleaved, "--rampup-batch-size", "8", "8", "200", drop=("--train-iters",))
+    small(*interleaved, "--step-batch-size-schedule", "0:8 3200:16", drop=SCHEDULE_ONLY)
 
 
 def test_the_interleaved_schedule_is_configured_as_megatron_lm_configures_it():
@@ -521,8 +563,8 @@ def test_the_interleaved_schedule_is_configured_as_megatron_lm_configures_it():
       "--moe-token-dispatcher-type", "alltoall"],
      ["gloo's all-gather refuses", "--moe-token-dispatcher-type allgather"]),
     (["--rampup-batch-size", "16", "16", "5859375"],
-     ["--rampup-batch-size with --train-iters",
-      "expected no batch-size rampup for iteration-based training", "give --train-samples"]),
+     ["--rampup-batch-size: deprecated by Megatron-LM 0.19",
+      "give the ramp as --step-batch-size-schedule"]),
     (["--overlap-param-gather", "--overlap-grad-reduce"],
      ["--overlap-param-gather only works with the distributed optimizer",
       "add --use-distributed-optimizer"]),

@@ -26,6 +26,7 @@ import numpy
 import pytest
 import torch
 
+from megatron_recover.megatron.data.audit import DatasetAudit
 from megatron_recover.megatron.data.datasets import LOCK_NAME, MicrobatchSource, MicrobatchSourceConfig
 from megatron_recover.megatron.data.tokenizers import build_tokenizer
 from tests.policy.test_rampup import megatron_batches
@@ -135,9 +136,14 @@ def test_null_tokenizer_round_trip(tmp_path):
     preprocess(jsonl, tmp_path / "null", ["--tokenizer-type", "NullTokenizer",
                                           "--vocab-size", "100"], "--append-eod")
     data = indexed(tmp_path / "null_text_document")
-    assert [list(data[0]), list(data[1])] == [[5, 6, 7, 100], [0, 99, 100]]
+    # megatron-core 0.19: the vocabulary is --vocab-size ids, its last one EOD.
+    assert [list(data[0]), list(data[1])] == [[5, 6, 7, 99], [0, 99, 99]]
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
-    assert (tokenizer.eod, tokenizer.vocab_size) == (100, 101)
+    assert (tokenizer.eod, tokenizer.vocab_size) == (99, 100)
+    preprocess(jsonl, tmp_path / "eod", ["--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                         "100", "--null-tokenizer-eod-id", "0"], "--append-eod")
+    data = indexed(tmp_path / "eod_text_document")
+    assert [list(data[0]), list(data[1])] == [[5, 6, 7, 0], [0, 99, 0]]
 
 
 def test_hugging_face_tokenizer_matches_gpt2_files(demo, gpt2, tmp_path):
@@ -169,7 +175,7 @@ def test_bad_lines_stop_and_leave_no_output(demo, tmp_path, line, message):
 
 def test_null_ids_outside_the_vocabulary_are_refused(tmp_path):
     jsonl = write_jsonl(tmp_path / "ids.jsonl", [{"text": "1 2"}, {"text": "3 101"}])
-    with pytest.raises(ValueError, match=r"line 2: token id out of range \[0, 101\)"):
+    with pytest.raises(ValueError, match=r"line 2: token id out of range \[0, 100\)"):
         preprocess(jsonl, tmp_path / "null", ["--tokenizer-type", "NullTokenizer",
                                               "--vocab-size", "100"])
 
@@ -194,6 +200,10 @@ def test_missing_input_is_refused(demo, tmp_path):
     (dict(tokenizer_type="NullTokenizer", vocab_size=0), "--vocab-size >= 1"),
     (dict(tokenizer_type="NullTokenizer", vocab_size=10, vocab_file="v.json"),
      "does not use --vocab-file"),
+    (dict(tokenizer_type="NullTokenizer", vocab_size=10, null_tokenizer_eod_id=10),
+     "--null-tokenizer-eod-id must be an id of the vocabulary, 0..9"),
+    (dict(tokenizer_type="Llama2Tokenizer", tokenizer_model="m", null_tokenizer_pad_id=0),
+     "does not use --null-tokenizer-pad-id"),
     (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="gpt2"),
      "needs a local --tokenizer-model"),
 ])
@@ -365,25 +375,56 @@ def test_mock_data(gpt2):
     assert torch.equal(batch["tokens"], second.microbatch(2, 3)["tokens"])
 
 
-def test_ramp_up_iterations_take_their_own_global_batch(demo, gpt2):
-    """With --rampup-batch-size 2 2 6 (GBS 8, mbs 2) each iteration holds the samples
-    megatron-core's calculator gives it (2, 4, then 8), starting where the previous one ended;
-    ids beyond an iteration's B are refused, and reserve ids start after the main stream."""
-    ramped = MicrobatchSource(source_config(demo, gpt2, rampup_batch_size=(2, 2, 6),
+SCHEDULE = "0:2 64:4 0.2K:8"  # tokens of SEQ 32: 2 samples from 0, 4 from 2, 8 from 6
+
+
+def test_schedule_iterations_take_their_own_global_batch(demo, gpt2):
+    """With --step-batch-size-schedule "0:2 64:4 0.2K:8" (mbs 2, last step 8) each iteration
+    holds the samples megatron-core's calculator gives it (2, 4, then 8), starting where the
+    previous one ended; ids beyond an iteration's B are refused, and reserve ids start after the
+    main stream."""
+    ramped = MicrobatchSource(source_config(demo, gpt2, step_batch_size_schedule=SCHEDULE,
                                             train_iters=6, reserve_microbatches=2))
-    batches = megatron_batches(2, 2, 6, GBS, iterations=6)
+    batches = megatron_batches(SCHEDULE, SEQ, iterations=6)
     sizes = [size for _, size in batches]
     assert sizes[:3] == [2, 4, 8]
     for t, (start, size) in enumerate(batches, start=1):
         ranges = [ramped.sample_range(t, k) for k in range(size // MBS)]
         assert [i for r in ranges for i in r] == list(range(start, start + size))
-        if size < GBS:  # ids B_t..B-1 do not exist in a ramp iteration (B and up: reserve)
+        if size < GBS:  # ids B_t..B-1 do not exist before the last step (B and up: reserve)
             with pytest.raises(ValueError, match=f"outside 0..{size // MBS - 1} "):
                 ramped.sample_range(t, size // MBS)
-    assert ramped.config.main_samples == sum(sizes)
+    assert ramped.config.main_samples == sum(sizes) == 38
+    # The ledger audit's expected side steps megatron-core's calculator itself, tokens and all.
+    audit = DatasetAudit(ramped.dataset, global_batch_size=GBS, micro_batch_size=MBS,
+                         main_samples=38, policy="static", mode="exact",
+                         step_batch_size_schedule=SCHEDULE, seq_length=SEQ)
+    assert [audit.global_batch(t) for t in range(1, 7)] == batches
     assert ramped.sample_range(2, GBS // MBS) == range(sum(sizes), sum(sizes) + MBS)
-    with pytest.raises(ValueError, match="less than the 38 samples 6 iterations consume"):
-        source_config(demo, gpt2, rampup_batch_size=(2, 2, 6), train_iters=6, train_samples=37)
+    # Megatron-LM runs the last iteration of a schedule whole past --train-samples: the split is
+    # asked for 37 samples, the main stream reads 38, the reserve stream starts after them.
+    past = source_config(demo, gpt2, step_batch_size_schedule=SCHEDULE, train_iters=6,
+                         train_samples=37)
+    assert (past.split_samples, past.main_samples) == (37, 38)
+    # Without a schedule the iterations' whole batches lie in the split.
+    with pytest.raises(ValueError, match="less than the 40 samples 5 iterations consume"):
+        source_config(demo, gpt2, train_iters=5, train_samples=39)
+    with pytest.raises(ValueError, match="global_batch_size 16 is not the last step"):
+        source_config(demo, gpt2, step_batch_size_schedule=SCHEDULE, global_batch_size=16)
+
+
+def test_evaluation_reads_its_own_global_batch(demo, gpt2):
+    """With a schedule Megatron-LM evaluates eval_iters batches of its default global batch
+    size (mbs x dp): eval_global_batch_size, here 4 samples, 2 microbatches an iteration."""
+    source = MicrobatchSource(source_config(
+        demo, gpt2, step_batch_size_schedule=SCHEDULE, eval_iters=3, evaluations=2,
+        eval_global_batch_size=4))
+    assert source.eval_microbatches == 3 * 4 // MBS
+    second = source.eval_microbatch("valid", 2, 0)
+    assert torch.equal(second["tokens"], torch.stack(
+        [source.eval_datasets["valid"][i]["tokens"] for i in range(12, 14)]))
+    with pytest.raises(ValueError, match="outside 0..5"):
+        source.eval_microbatch("valid", 1, 6)
 
 
 @pytest.mark.parametrize("iteration, microbatch_id, message", [

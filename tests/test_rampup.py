@@ -1,13 +1,16 @@
-"""Batch-size ramp-up (--rampup-batch-size) with sample-based training, end to end.
+"""Batch-size schedules (--step-batch-size-schedule) with sample-based training, end to end.
 
 Run: `make test`. CPU only; three 4-rank runs, each under a hard timeout (about a minute here).
-The ramp takes the global batch 4 -> 4 -> 8 -> 12 -> 16 samples (megatron-core's calculator says
-so; the test asks it). Replica 1 dies inside a bucket all-reduce of iteration 3, the first ramp
-step, and replica 3 in the backward of iteration 5, the step to the full batch, so the survivors
-re-lay out for a new B twice with fewer replicas. The failure run must commit each iteration's own
-B (the ledger, checked against megatron-core's calculator and the dataset) and equal the
-failure-free ramped run; that run must equal stock Megatron (no --recover, megatron-core's own
-microbatch calculator installed as Megatron-LM's loop does).
+The schedule "0:4 261:8 0.52K:12 896:16" (thresholds in tokens of --seq-length 32: samples 0, 8,
+16 and 28) takes the global batch 4 -> 4 -> 8 -> 12 -> 16 samples (megatron-core 0.19's
+StepBatchsizeNumMicroBatchesCalculator says so; the test asks it), and --train-samples 50 ends
+inside the last iteration, which Megatron-LM core_v0.19.0's update_train_iters runs whole.
+Replica 1 dies inside a bucket all-reduce of iteration 3, the first step up, and replica 3 in the
+backward of iteration 5, the step to the full batch, so the survivors re-lay out for a new B twice
+with fewer replicas. The failure run must commit each iteration's own B (the ledger, checked
+against megatron-core's calculator and the dataset) and equal the failure-free run; that run must
+equal stock Megatron (no --recover, megatron-core's own calculator installed as Megatron-LM's
+set_global_variables does).
 """
 
 import json
@@ -30,11 +33,11 @@ from tests.training_harness import (
 )
 
 TIMEOUT_S = 240
-GBS, RAMPUP, TRAIN_SAMPLES = 16, (4, 4, 24), 60
+SEQ, SCHEDULE_TEXT, TRAIN_SAMPLES = 32, "0:4 261:8 0.52K:12 896:16", 50
 JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--eval-iters", "0",
-       "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
-       "--global-batch-size", str(GBS), "--rampup-batch-size", *map(str, RAMPUP),
+       "--seq-length", str(SEQ), "--max-position-embeddings", "32", "--micro-batch-size", "1",
+       "--step-batch-size-schedule", SCHEDULE_TEXT,
        "--lr-decay-samples", "48",
        "--lr-warmup-samples", "8", *STABLE_LR, "--lr-decay-style", "cosine",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
@@ -47,11 +50,12 @@ FULL_BATCH_FAILURE = "  - {iteration: 5, replica: 3, local_rank: 0, location: ba
 SCHEDULE = "entries:\n" + RAMP_STEP_FAILURE + FULL_BATCH_FAILURE
 
 
-def expected_batches() -> list[tuple[int, int]]:
+def expected_batches(train_samples: int = TRAIN_SAMPLES) -> list[tuple[int, int]]:
     """(first sample, size) of each iteration Megatron-LM trains: megatron-core's calculator,
-    and update_train_iters' count (the whole global batches in --train-samples)."""
-    batches = megatron_batches(*RAMPUP, GBS, iterations=20)
-    return [b for b in batches if sum(b) <= TRAIN_SAMPLES]
+    and update_train_iters' count (every iteration that starts before --train-samples are
+    consumed)."""
+    batches = megatron_batches(SCHEDULE_TEXT, SEQ, iterations=20)
+    return [b for b in batches if b[0] < train_samples]
 
 
 def printed(output: str, field: str) -> list[int]:
@@ -61,7 +65,7 @@ def printed(output: str, field: str) -> list[int]:
 @pytest.mark.timeout(60)
 def test_megatron_cores_calculator_answers_from_the_policy_under_recover():
     """What megatron code asking get_num_microbatches() gets once the resilient trainer is set
-    up: this rank's share of the iteration's B, following the ramp-up."""
+    up: this rank's share of the iteration's B, following the schedule's steps."""
     from types import SimpleNamespace
 
     from megatron.core import num_microbatches_calculator as megatron_calculator
@@ -88,8 +92,8 @@ def test_megatron_cores_calculator_answers_from_the_policy_under_recover():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The failure-free ramped run under --recover."""
-    return run_training(tmp_path_factory.mktemp("rampup") / "reference", 4, [*JOB, *WHOLE_RUN],
+    """The failure-free scheduled run under --recover."""
+    return run_training(tmp_path_factory.mktemp("schedule") / "reference", 4, [*JOB, *WHOLE_RUN],
                         timeout_s=TIMEOUT_S)
 
 
@@ -97,10 +101,11 @@ def reference(tmp_path_factory):
 @pytest.mark.mpi
 @pytest.mark.e2e
 @pytest.mark.timeout(4 * TIMEOUT_S)
-def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, reference, figures):
+def test_schedule_with_failures_in_its_steps_is_exact(tmp_path, reference, figures):
     batches = expected_batches()
     sizes = [size for _, size in batches]
     assert sizes == [4, 4, 8, 12, 16, 16]  # what the schedule above is meant to exercise
+    assert sum(sizes) > TRAIN_SAMPLES  # the last iteration runs past --train-samples
 
     stock = launch(LaunchConfig(4, [*ENTRY, *JOB, *WHOLE_RUN], tmp_path / "stock",
                                 timeout_s=TIMEOUT_S))
@@ -114,7 +119,8 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, reference, figur
     stock_losses = printed_values(stock.output, "lm loss")
     loss = max(abs(r["loss"] - s) / abs(s) for r, s in zip(reference.records, stock_losses))
     params = param_rdiff(reference.params(0), torch.load(tmp_path / "stock/rank-0.params.pt"))
-    figures.append(f"ramp-up, --recover failure-free vs stock Megatron: loss {loss:.2e}, "
+    figures.append(f"batch-size schedule, --recover failure-free vs stock Megatron: loss "
+                   f"{loss:.2e}, "
                    f"parameters {params:.2e}")
     assert len(stock_losses) == len(sizes) and loss <= EXACT_RTOL and params <= EXACT_RTOL
 
@@ -127,22 +133,23 @@ def test_ramp_up_with_failures_in_ramp_steps_is_exact(tmp_path, reference, figur
     assert not bad, f"ledger invariant violated: {bad}"
     assert [r["B"] for r in run.records] == sizes
     assert [r["lr"] for r in run.records] == [r["lr"] for r in reference.records]
-    loss, params = assert_exact(run, reference, "ramp-up, two failures in ramp steps")
-    figures.append(f"ramp-up, two failures in ramp steps vs failure-free: loss {loss:.2e}, "
-                   f"parameters {params:.2e}")
+    loss, params = assert_exact(run, reference, "batch-size schedule, two failures in its steps")
+    figures.append(f"batch-size schedule, two failures in its steps vs failure-free: loss "
+                   f"{loss:.2e}, parameters {params:.2e}")
 
 
 @pytest.mark.long
 @pytest.mark.mpi
 @pytest.mark.e2e
 @pytest.mark.timeout(3 * TIMEOUT_S)
-def test_ramp_up_resumes_from_a_checkpoint_written_after_a_failure(tmp_path, reference,
-                                                                     figures):
-    """A first launch trains the ramp phase (its 28 samples) and loses replica 1 in the first
-    ramp step; the checkpoint it writes at the end resumes on two replicas with the whole
-    --train-samples (a resumed job's sizes must divide by its data-parallel size, as at any
+def test_schedule_resumes_from_a_checkpoint_written_after_a_failure(tmp_path, reference,
+                                                                    figures):
+    """A first launch trains the steps before the last (their 28 samples) and loses replica 1
+    in the first step up; the checkpoint it writes at the end resumes on two replicas with the
+    whole --train-samples (a resumed job's sizes must divide by its data-parallel size, as at any
     start), and the first iteration after it lays them out for the full B."""
     ramp_samples = sum(size for _, size in expected_batches()[:4])
+    assert len(expected_batches(ramp_samples)) == 4
     ckpt = tmp_path / "ckpt"
     first = run_training(tmp_path / "first", 4, [
         *JOB, "--train-samples", str(ramp_samples), "--save", str(ckpt), "--save-interval",
@@ -162,6 +169,6 @@ def test_ramp_up_resumes_from_a_checkpoint_written_after_a_failure(tmp_path, ref
     assert all(r["invariant_ok"] and r["contributions"] == 16 for r in resumed.records)
     loss = loss_rdiff(resumed.records, reference.records[4:])
     params = max(param_rdiff(resumed.params(r), reference.params(0)) for r in range(2))
-    figures.append(f"ramp-up, resumed on 2 replicas after the ramp phase: loss {loss:.2e}, "
-                   f"parameters {params:.2e}")
+    figures.append(f"batch-size schedule, resumed on 2 replicas after its steps up: loss "
+                   f"{loss:.2e}, parameters {params:.2e}")
     assert loss <= EXACT_RTOL and params <= EXACT_RTOL

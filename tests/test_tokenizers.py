@@ -3,8 +3,10 @@
 tiktoken vocabulary, and a SentencePiece model; nothing is downloaded):
 
 - each type's ids, end-of-document id and vocabulary against its library called directly
-  (sentencepiece, tiktoken), and the vocabulary Megatron-LM gives the model (its legacy
-  classes' size: SentencePieceTokenizer appends five pieces to this model);
+  (sentencepiece, tiktoken, transformers), and against Megatron-LM core_v0.19.0's tokenizer for
+  the same flags (megatron.training's tokenizer flags handed to megatron-core's build_tokenizer,
+  as its training and preprocessing do), the model's vocabulary included: the tokenizer's
+  vocab_size for every type;
 - bad tokenizer input refused, saying what to change; datasets made with another vocabulary
   refused at start-up, one corpus of a blend included;
 - the data arguments of Megatron-LM's Mixtral example (Llama2Tokenizer, --mock-data,
@@ -16,6 +18,7 @@ Run: `make test` (the e2e runs are one CPU rank each, under a hard timeout; GPT2
 and GPTSentencePieceTokenizer's run in `make test-long`).
 """
 
+import argparse
 import base64
 import json
 import subprocess
@@ -27,7 +30,8 @@ import pytest
 
 from megatron_recover.megatron.config.arguments import parse_args
 from megatron_recover.megatron.data.datasets import MicrobatchSourceConfig
-from megatron_recover.megatron.data.tokenizers import build_tokenizer, model_vocab_size
+from megatron_recover.megatron.config.mcore_config import padded_vocab_size
+from megatron_recover.megatron.data.tokenizers import build_tokenizer
 from tests.training_harness import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +67,35 @@ def sentence_piece(demo):
     return sentencepiece.SentencePieceProcessor(model_file=str(demo / "sentencepiece.model"))
 
 
+def hugging_face_with_bos(demo) -> Path:
+    """The demo's Hugging Face tokenizer with a post-processor that prepends BOS, as Llama's."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    directory = demo / "hf_bos"
+    if not directory.exists():
+        tokenizer = Tokenizer.from_file(str(demo / "hf_tokenizer" / "tokenizer.json"))
+        bos = "<|endoftext|>"
+        tokenizer.post_processor = TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos,
+                                eos_token=bos).save_pretrained(str(directory))
+    return directory
+
+
+def megatron_lm(argv):
+    """(tokenizer, args) of Megatron-LM core_v0.19.0 for these tokenizer flags: its parser's
+    tokenizer group (what its tools/preprocess_data.py reads) and megatron-core's
+    build_tokenizer, which its training and its preprocessing call."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as build
+    from megatron.training.arguments import _add_tokenizer_args
+
+    args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(argv)
+    args.rank, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 0, 128, 1
+    return build(args), args
+
+
 # ----------------------------------------------------------------------------- each type
 
 
@@ -77,21 +110,64 @@ def test_sentence_piece_types_encode_as_the_model_does(demo, kind):
     assert tokenizer.vocab_size == model.get_piece_size()
 
 
-def test_model_vocabulary_is_megatron_lms_legacy_size(demo):
-    model = sentence_piece(demo)
-    pieces = model.get_piece_size()
-    # The demo model has <unk> <s> </s>, no pad piece and none of <CLS> <SEP> <EOD> <MASK>:
-    # Megatron-LM's legacy SentencePieceTokenizer appends those four and <PAD>.
-    assert model.pad_id() == -1
-    assert all(model.piece_to_id(p) == model.unk_id() for p in ("<CLS>", "<SEP>", "<EOD>",
-                                                                 "<MASK>", "<PAD>"))
-    path = str(demo / "sentencepiece.model")
-    expected = {"SentencePieceTokenizer": pieces + 5, "GPTSentencePieceTokenizer": pieces,
-                "Llama2Tokenizer": pieces}
-    for kind, size in expected.items():
-        assert model_vocab_size(kind, build_tokenizer(kind, tokenizer_model=path)) == size, kind
-    tiktoken = build_tokenizer("TikTokenizer", **tiktoken_options(demo))
-    assert model_vocab_size("TikTokenizer", tiktoken) == tiktoken.vocab_size
+def test_hugging_face_ids_keep_the_special_tokens_the_tokenizer_adds(demo):
+    from transformers import AutoTokenizer
+
+    directory = hugging_face_with_bos(demo)
+    reference = AutoTokenizer.from_pretrained(str(directory))
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(directory))
+    bos = reference.bos_token_id
+    for text in TEXTS:
+        ids = tokenizer.tokenize(text)
+        # megatron-core 0.19's include_special_tokens (Megatron-LM's default): the tokenizer's
+        # own encoding, BOS first; an empty text is [BOS].
+        assert ids == reference(text).input_ids == [bos, *reference.encode(
+            text, add_special_tokens=False)], text
+    assert tokenizer.eod == reference.eos_token_id
+
+
+def _megatron_lm_cases(demo) -> dict:
+    sp = ["--tokenizer-model", str(demo / "sentencepiece.model")]
+    options = tiktoken_options(demo)
+    return {
+        **{kind: (kind, sp) for kind in SENTENCE_PIECE_TYPES},
+        "HuggingFaceTokenizer": ("HuggingFaceTokenizer",
+                                 ["--tokenizer-model", str(demo / "hf_tokenizer")]),
+        "HuggingFaceTokenizer with BOS": ("HuggingFaceTokenizer",
+                                          ["--tokenizer-model", str(hugging_face_with_bos(demo))]),
+        "TikTokenizer": ("TikTokenizer", [
+            "--tokenizer-model", options["tokenizer_model"], "--tiktoken-pattern", "v1",
+            "--vocab-size", str(options["vocab_size"]),
+            "--tiktoken-num-special-tokens", str(TIKTOKEN_SPECIALS)]),
+        "NullTokenizer": ("NullTokenizer", ["--vocab-size", "300"]),
+        "NullTokenizer with ids": ("NullTokenizer", ["--vocab-size", "300",
+                                                     "--null-tokenizer-eod-id", "7",
+                                                     "--null-tokenizer-pad-id", "8"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                                  "Llama2Tokenizer", "HuggingFaceTokenizer",
+                                  "HuggingFaceTokenizer with BOS", "TikTokenizer",
+                                  "NullTokenizer", "NullTokenizer with ids"])
+def test_each_type_is_megatron_lms(demo, case):
+    from megatron_recover.megatron.app import run
+
+    kind, flags = _megatron_lm_cases(demo)[case]
+    theirs, args = megatron_lm(["--tokenizer-type", kind, *flags])
+    cfg = parse_args([*MODEL, "--mock-data", "--tokenizer-type", kind, *flags],
+                     world_size=1, cuda_available=False)
+    source, vocab_size = run.microbatch_source(cfg)
+    ours = source.config.tokenizer
+    texts = ["5 6 7", "299 0"] if kind == "NullTokenizer" else TEXTS
+    for text in texts:
+        assert ours.tokenize(text) == theirs.tokenize(text), text
+    assert (ours.eod, ours.pad, ours.vocab_size) == (theirs.eod, theirs.pad, theirs.vocab_size)
+    # The model's vocabulary: the tokenizer's, padded as Megatron-LM pads it.
+    assert vocab_size == theirs.vocab_size
+    assert padded_vocab_size(cfg, vocab_size) == args.padded_vocab_size
+    # The same keyword arguments, so the same identity (for the same absolute paths).
+    assert ours.unique_identifiers == theirs.unique_identifiers
 
 
 def _tiktoken_reference(demo, pattern_name: str):
@@ -210,11 +286,29 @@ def test_tiktoken_flags_without_tiktoken_are_named_at_start_up(demo):
     assert cfg.data.tiktoken_pattern is None
     cfg = parse_args([*MODEL, "--mock-data", "--tokenizer-type", "TikTokenizer",
                       "--tokenizer-model", str(demo / "tiktoken.json"), "--tiktoken-pattern",
-                      "v1", "--tiktoken-special-tokens", "<unk>", "<s>", "</s>"],
+                      "v1", "--tokenizer-special-tokens", "<unk>", "<s>", "</s>"],
                      world_size=1, cuda_available=False)
     assert cfg.data.tokenizer_special_tokens == ("<unk>", "<s>", "</s>")
-    assert any("--tiktoken-special-tokens is Megatron-LM's deprecated name" in line
-               for line in cfg.notices)
+
+
+def test_null_tokenizer_flags(demo):
+    cfg = parse_args([*MODEL, "--mock-data", "--vocab-size", "64", "--null-tokenizer-eod-id",
+                      "5", "--null-tokenizer-pad-id", "6"], world_size=1, cuda_available=False)
+    assert (cfg.data.null_tokenizer_eod_id, cfg.data.null_tokenizer_pad_id) == (5, 6)
+    problems = startup_problems(["--mock-data", "--vocab-size", "64",
+                                 "--null-tokenizer-eod-id", "64"])
+    assert [line.strip() for line in problems] == [
+        "--null-tokenizer-eod-id 64: must be an id of the vocabulary, 0..63 (--vocab-size 64)"]
+    with pytest.raises(ValueError, match="--null-tokenizer-eod-id must be an id of the "
+                       "vocabulary, 0..63"):
+        build_tokenizer("NullTokenizer", vocab_size=64, null_tokenizer_eod_id=-1)
+    # Only NullTokenizer reads them, as in Megatron-LM: named at start-up, not used.
+    cfg = parse_args([*MODEL, "--mock-data", "--tokenizer-type", "Llama2Tokenizer",
+                      "--tokenizer-model", str(demo / "sentencepiece.model"),
+                      "--null-tokenizer-pad-id", "6"], world_size=1, cuda_available=False)
+    assert ("megatron-recover: --null-tokenizer-pad-id has no effect with --tokenizer-type "
+            "Llama2Tokenizer (only NullTokenizer reads it, as in Megatron-LM)") in cfg.notices
+    assert cfg.data.null_tokenizer_pad_id is None
 
 
 def _preprocessed(demo, tmp_path, name, tokenizer_args) -> str:
@@ -235,7 +329,7 @@ def test_datasets_of_another_vocabulary_are_refused(demo, tmp_path):
     sentence_piece_data = _preprocessed(demo, tmp_path, "sp", sp_args)
     gpt2_data = str(demo / "corpus_text_document")
     # SentencePiece ids run up to the model's size; a 300-id tokenizer cannot have made them.
-    null = build_tokenizer("NullTokenizer", vocab_size=299)
+    null = build_tokenizer("NullTokenizer", vocab_size=300)
     largest = int(numpy.fromfile(sentence_piece_data + ".bin", dtype=numpy.uint16).max())
     assert largest >= null.vocab_size
     with pytest.raises(ValueError, match=f"{sentence_piece_data}: token id {largest} among its "
@@ -325,10 +419,8 @@ def test_each_tokenizer_preprocesses_and_trains(demo, tmp_path, kind):
         *MODEL, *tokenizer_args, "--data-path", str(tmp_path / "data_text_document"),
         "--split", "100,0,0"], timeout_s=150)
     assert [r["iteration"] for r in run.records] == [1]
-    # The model's vocabulary, from the tokenizer's own files (and Megatron-LM's legacy
-    # SentencePieceTokenizer's five appended pieces), padded to a multiple of 128.
-    expected = {"GPT2BPETokenizer": 512, "HuggingFaceTokenizer": 512, "NullTokenizer": 301,
-                "SentencePieceTokenizer": sentence_piece(demo).get_piece_size() + 5,
+    # The model's vocabulary, the tokenizer's (from its own files), padded to a multiple of 128.
+    expected = {"GPT2BPETokenizer": 512, "HuggingFaceTokenizer": 512, "NullTokenizer": 300,
                 "TikTokenizer": tiktoken_options(demo)["vocab_size"]}.get(
                     kind, sentence_piece(demo).get_piece_size())
     padded = -(-expected // 128) * 128

@@ -12,7 +12,8 @@ Files, in reading order:
   adaptive.py   the adaptive policy: drop-and-go (Algorithm 8), the comparison baseline
   speed.py      stragglers: quotas by measured speed, hysteresis, eviction (StragglerConfig)
   workload.py   WorkloadPolicy (what the glue holds) and the megatron-style microbatch calculator
-  rampup.py     batch-size ramp-up: the global batch of every iteration (GlobalBatches, ramp_up)
+  rampup.py     batch-size schedules: the global batch of every iteration (GlobalBatches,
+                parse_step_schedule)
   replay.py     simulate a run under a failure schedule and slowdowns (FailureEvent, SlowReplica)
   plan_cli.py   `megatron-recover plan`
 """
@@ -45,7 +46,7 @@ from megatron_recover.policy.decisions import (
     ReplicaWork,
     rank_work,
 )
-from megatron_recover.policy.rampup import GlobalBatches, ramp_up
+from megatron_recover.policy.rampup import GlobalBatches, parse_step_schedule
 from megatron_recover.policy.replay import FailureEvent, IterationReport, parse_failure, simulate
 from megatron_recover.policy.workload import PolicyNumMicroBatchesCalculator, WorkloadPolicy
 
@@ -79,7 +80,7 @@ __all__ = [
     "advance_layout",
     "initial_layout",
     "parse_failure",
-    "ramp_up",
+    "parse_step_schedule",
     "rank_work",
     "simulate",
 ]

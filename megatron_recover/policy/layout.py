@@ -40,9 +40,9 @@ class PolicyConfig:
     mode: "exact" (default; spares shadow ids, lost ids are recomputed, so every iteration commits
         the failure-free ids) or "reserve" (the paper's behaviour: spares run ids of a separate
         reserve stream, a dead replica's ids are dropped). Only the static policy has modes.
-    ramp: B of each iteration of a batch-size ramp-up (--rampup-batch-size), iteration 1 first,
-        non-decreasing, each a multiple of w_init and at most B; every later iteration has B.
-        Empty: B in every iteration.
+    ramp: B of each iteration before the last step of a batch-size schedule
+        (--step-batch-size-schedule), iteration 1 first, non-decreasing, each a multiple of
+        w_init and at most B; every later iteration has B. Empty: B in every iteration.
     straggler: how the static policy's layout follows the replicas' measured speed
         (`speed.StragglerConfig`; the default measures nothing and never moves work).
     """

@@ -57,7 +57,8 @@ class ProtocolState:
     live_replicas: tuple[int, ...]
     """The layout's replicas, increasing (repeated for people: recover_state.json)."""
     ramp: tuple[int, ...] = ()
-    """B of each ramp-up iteration (--rampup-batch-size), iteration 1 first; empty: none."""
+    """B of each iteration before a batch-size schedule's last step (--step-batch-size-schedule),
+    iteration 1 first; empty: none."""
     last_committed: int | None = None
     """The policy's last committed iteration; None (the default) reads as `iteration`, which
     it equals at every capture (a checkpoint without protocol state starts a fresh policy at

@@ -1,8 +1,9 @@
-"""Batch-size ramp-up in layer 3: the schedule against megatron-core's calculator, and the policies
-re-laying out at each ramp step under failures.
+"""Batch-size schedules (--step-batch-size-schedule) in layer 3: the global batches against
+megatron-core 0.19's StepBatchsizeNumMicroBatchesCalculator over many random schedules, and the
+policies re-laying out at each schedule step under failures.
 
-Pure Python apart from the first test, which imports megatron-core's calculator (skipped without
-it); a few seconds: `python -m pytest tests/policy/test_rampup.py -q`.
+Pure Python apart from the tests that import megatron-core's calculator (skipped without it); a
+few seconds: `python -m pytest tests/policy/test_rampup.py -q`.
 """
 
 import pytest
@@ -16,21 +17,31 @@ from megatron_recover.policy import (
     PolicyConfig,
     PolicyNumMicroBatchesCalculator,
     WorkloadPolicy,
-    ramp_up,
+    parse_step_schedule,
 )
+from megatron_recover.policy.rampup import MAX_RAMP_ITERATIONS
 from tests.policy.test_policy_properties import reference_algorithm7
 
 SETTINGS = dict(deadline=None, max_examples=300,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def megatron_batches(start, increment, ramp_samples, gbs, iterations):
+def _calculator_module():
+    return pytest.importorskip("megatron.core.num_microbatches_calculator",
+                               reason="megatron-core is not installed")
+
+
+def megatron_calculator(schedule, seq_length):
+    """megatron-core's own calculator of `schedule` (data-parallel size and micro-batch size 1:
+    only the global batch sizes are read)."""
+    return _calculator_module().StepBatchsizeNumMicroBatchesCalculator(
+        1, 1, False, -1, schedule, seq_length)
+
+
+def megatron_batches(schedule, seq_length, iterations):
     """(first sample, size) of iterations 1.. as Megatron-LM's loop sees them: megatron-core's
     calculator updated with the consumed samples before each iteration."""
-    module = pytest.importorskip("megatron.core.num_microbatches_calculator",
-                                 reason="megatron-core is not installed")
-    calculator = module.RampupBatchsizeNumMicroBatchesCalculator(
-        gbs, 1, 1, False, -1, start, increment, ramp_samples)
+    calculator = megatron_calculator(schedule, seq_length)
     batches, consumed = [], 0
     for _ in range(iterations):
         calculator.update(consumed, consistency_check=False)
@@ -39,30 +50,149 @@ def megatron_batches(start, increment, ramp_samples, gbs, iterations):
     return batches
 
 
-@pytest.mark.parametrize("start, increment, ramp_samples, gbs", [
-    (16, 16, 5859375 // 1000, 1536),  # the GPT-3 example's ramp, a thousandth of its samples
-    (8, 8, 64, 16), (8, 8, 60, 16), (4, 4, 1, 16), (3, 5, 97, 23), (1, 1, 1000, 64)])
-def test_schedule_is_megatron_cores(start, increment, ramp_samples, gbs):
-    batches = GlobalBatches(gbs, ramp_up(start, increment, ramp_samples, gbs))
-    iterations = len(batches.ramp) + 5
-    expected = megatron_batches(start, increment, ramp_samples, gbs, iterations)
-    ours = [(batches.first_sample(t), batches.size(t)) for t in range(1, iterations + 1)]
+def megatron_train_iters(schedule, seq_length, train_samples):
+    """Megatron-LM core_v0.19.0's update_train_iters with a step schedule, on megatron-core's
+    calculator."""
+    calculator = megatron_calculator(schedule, seq_length)
+    iterations = consumed = 0
+    while consumed < train_samples:
+        calculator.update(consumed, consistency_check=False)
+        consumed += calculator.get_current_global_batch_size()
+        iterations += 1
+    return iterations
+
+
+def _last_threshold(schedule, seq_length):
+    return megatron_calculator(schedule, seq_length).schedule[-1][0]
+
+
+def assert_matches_megatron(schedule, seq_length):
+    """Our global batches of `schedule` are megatron-core's, iteration by iteration, up to 5
+    iterations past the one that reaches the last step (then constant in both); or, where
+    megatron-core's sizes decrease, we refuse the schedule."""
+    last = _last_threshold(schedule, seq_length)
+    calculator = megatron_calculator(schedule, seq_length)
+    expected, consumed = [], 0
+    while not expected or expected[-1][0] < last or len(expected) < 5:
+        calculator.update(consumed, consistency_check=False)
+        expected.append((consumed, calculator.get_current_global_batch_size()))
+        consumed += expected[-1][1]
+    expected += [(consumed + i * expected[-1][1], expected[-1][1]) for i in range(5)]
+    sizes = [size for _, size in expected]
+    if sizes != sorted(sizes):
+        with pytest.raises(ValueError, match="global batch size decreases"):
+            GlobalBatches.of_schedule(schedule, seq_length)
+        return None
+    batches = GlobalBatches.of_schedule(schedule, seq_length)
+    ours = [(batches.first_sample(t), batches.size(t)) for t in range(1, len(expected) + 1)]
     assert ours == expected
-    assert batches.ramp[0] == start and all(s == gbs for _, s in expected[len(batches.ramp):])
-    # Megatron-LM's update_train_iters: the ramp phase is every iteration starting at or before
-    # the ramp's samples.
-    assert [first <= ramp_samples for first, _ in expected] == [
-        t <= len(batches.ramp) for t in range(1, iterations + 1)]
+    assert batches.global_batch_size == sizes[-1] and batches.stepped
+    # The ramp is every iteration before the last step's size holds for good.
+    assert all(size < sizes[-1] for size in batches.ramp)
+    assert batches.sizes == tuple(sorted(set(sizes)))
+    return batches
 
 
-def test_schedule_refuses_what_megatron_cannot_run():
-    for args in ((0, 8, 64, 16), (8, 0, 64, 16), (8, 8, 0, 16), (16, 8, 64, 16), (8, 3, 64, 16),
-                 (24, 8, 64, 16)):
-        with pytest.raises(ValueError):
-            ramp_up(*args)
-    with pytest.raises(ValueError, match="end inside the batch-size ramp-up"):
-        GlobalBatches(16, (8, 8, 16)).iterations_in(31)
-    assert GlobalBatches(16, (8, 8, 16)).iterations_in(32 + 47) == 3 + 2
+@pytest.mark.parametrize("schedule, seq_length", [
+    ("0:768 250B:1536 500B:3072 750B:6144", 4096),  # megatron-core's docstring example
+    ("0:768 61035156:1536 122070312:3072 183105468:6144", None),  # the same in samples
+    ("0:4 261:8 0.52K:12 896:16", 32),  # tests/test_rampup.py's: 4, 4, 8, 12, 16, ...
+    ("896:16,0:4 , 0.52K:12 261:8", 32),  # the same, unsorted, with commas
+    ("0:16", 2048), ("0:8 1:16", 1), ("0:8 10:16 12:32", None),  # 16 is never used
+    ("0:2 1k:4 1.5K:6 2K:8", 3), ("0:1 10:1 20:3", None)])
+def test_schedule_is_megatron_cores(schedule, seq_length):
+    assert assert_matches_megatron(schedule, seq_length) is not None
+
+
+@st.composite
+def schedules(draw, decreasing=False):
+    """A schedule string megatron-core accepts: thresholds drawn in samples and written in
+    tokens (or samples, without a sequence length) with a remainder the floor division drops,
+    sometimes with a K suffix, entries shuffled and separated by spaces or commas; sizes
+    non-decreasing, or with `decreasing` half of the time."""
+    seq_length = draw(st.sampled_from([None, 1, 3, 32, 2048]))
+    count = draw(st.integers(1, 6))
+    thresholds = [0] + sorted(draw(st.sets(st.integers(1, 400), min_size=count - 1,
+                                          max_size=count - 1)))
+    sizes = draw(st.lists(st.integers(1, 64), min_size=count, max_size=count))
+    if not decreasing or draw(st.booleans()):  # half of them may decrease
+        sizes.sort()
+    entries = []
+    for threshold, size in zip(thresholds, sizes):
+        value = threshold if seq_length is None else (
+            threshold * seq_length + draw(st.integers(0, seq_length - 1)))
+        text = str(value)
+        if value and value % 1000 == 0 and draw(st.booleans()):
+            text = f"{value // 1000}{draw(st.sampled_from(['K', 'k']))}"
+        entries.append(f"{text}:{size}")
+    entries = draw(st.permutations(entries))
+    separator = draw(st.sampled_from([" ", ",", " , ", "  "]))
+    return separator.join(entries), seq_length
+
+
+@settings(**SETTINGS)
+@given(schedules(decreasing=True))
+def test_random_schedules_are_megatron_cores(drawn):
+    """Any schedule megatron-core accepts: the same steps parsed, and the same global batch in
+    every iteration (refused here only where megatron-core's sizes decrease)."""
+    schedule, seq_length = drawn
+    assert list(parse_step_schedule(schedule, seq_length)) == \
+        megatron_calculator(schedule, seq_length).schedule
+    assert_matches_megatron(schedule, seq_length)
+
+
+@settings(**SETTINGS)
+@given(schedules(), st.integers(1, 3000))
+def test_train_samples_give_megatron_lms_iterations(drawn, train_samples):
+    """--train-samples -> --train-iters as Megatron-LM core_v0.19.0's update_train_iters: the
+    iterations that start before train_samples are consumed (the last may run past them)."""
+    schedule, seq_length = drawn
+    batches = GlobalBatches.of_schedule(schedule, seq_length)
+    iterations = batches.iterations_in(train_samples)
+    assert iterations == megatron_train_iters(schedule, seq_length, train_samples)
+    assert batches.first_sample(iterations) < train_samples <= batches.consumed_after(iterations)
+
+
+def test_a_constant_batch_trains_its_whole_batches():
+    """Without a schedule Megatron-LM trains train_samples // global batch size iterations."""
+    for samples in (16, 31, 32, 47, 100):
+        assert GlobalBatches.of(16).iterations_in(samples) == samples // 16
+    # A one-step schedule of the same size runs a partial last batch whole, as Megatron-LM.
+    assert GlobalBatches.of_schedule("0:16", None).iterations_in(47) == 3
+
+
+@pytest.mark.parametrize("schedule", [
+    "", " , ", "0:8 100", "0:8 abc:16", "0:8 100:x", "0:8 inf:16", "0:8 nan:16", "40:8",
+    "1K:8 64:4", "0:8 0:16", "0:8 100:16 100:32", "0:0", "0:8 100:-16", "-5:8 0:8"])
+def test_schedules_megatron_core_refuses_are_refused_with_its_message(schedule):
+    """A schedule megatron-core's calculator refuses (ValueError or an assertion) is a
+    ValueError here, with megatron-core's message where it has one."""
+    module = _calculator_module()
+    with pytest.raises((ValueError, AssertionError, OverflowError)) as theirs:
+        module.StepBatchsizeNumMicroBatchesCalculator(1, 1, False, -1, schedule, 32)
+    with pytest.raises(ValueError) as ours:
+        parse_step_schedule(schedule, 32)
+    message = str(theirs.value)
+    if isinstance(theirs.value, AssertionError) or message.startswith("Invalid schedule"):
+        assert str(ours.value) == message
+    else:  # a number float() refuses: its message, after the entry's
+        assert str(ours.value).endswith(message)
+
+
+def test_tokens_become_samples_by_floor_division():
+    assert parse_step_schedule("0:4 63:8 64:16 1.5K:32", 32) == (
+        (0, 4), (1, 8), (2, 16), (46, 32))
+    with pytest.raises(ValueError, match="strictly increasing, got 0 before 0"):
+        parse_step_schedule("0:4 31:8", 32)  # 31 tokens: sample 0 again
+
+
+def test_what_the_policy_cannot_lay_out_is_refused():
+    with pytest.raises(ValueError, match="decreases from 16 to 8 at 64 samples"):
+        GlobalBatches.of_schedule("0:16 64:8", None)
+    # A step no iteration starts in does not count.
+    assert GlobalBatches.of_schedule("0:8 10:4 16:16", None).sizes == (8, 16)
+    with pytest.raises(ValueError, match=f"more than {MAX_RAMP_ITERATIONS:,} iterations"):
+        GlobalBatches.of_schedule("0:1 1T:2", None)
 
 
 @st.composite

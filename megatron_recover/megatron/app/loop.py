@@ -96,8 +96,12 @@ class StockStepper:
         self.setup = setup
         self.micro_pass = micro_pass
         self.exits = exits
-        init_num_microbatches_calculator(rank, cfg.rampup_batch_size, cfg.global_batch_size,
-                                         cfg.micro_batch_size, cfg.data_parallel_size)
+        # As Megatron-LM core_v0.19.0's set_global_variables: the schedule's thresholds in
+        # tokens of --seq-length.
+        init_num_microbatches_calculator(
+            rank, None, cfg.global_batch_size, cfg.micro_batch_size, cfg.data_parallel_size,
+            step_batch_size_schedule=cfg.step_batch_size_schedule,
+            seq_length=cfg.model.seq_length)
         self.first_iteration = 1
         start = time.time()
         plan = loading.plan(cfg.checkpoint, say=loading.printer(rank))

@@ -92,15 +92,23 @@ def _load(cfg, plan, setup: RankSetup) -> ProtocolState:
     return ProtocolState.initial(mcore_config.to_policy_config(cfg), iteration)
 
 
+def _ramp_text(ramp) -> str:
+    """A batch-size schedule's B per iteration before its last step, shortened."""
+    if not ramp:
+        return "no smaller batches"
+    shown = ", ".join(map(str, ramp[:8])) + (", ..." if len(ramp) > 8 else "")
+    return f"{len(ramp)} iterations of {shown}"
+
+
 def resumed_policy(cfg, state: ProtocolState, num_replicas: int):
     """(policy, replica id of each data-parallel rank) continuing a checkpoint or snapshot on
     `num_replicas` replicas, keeping B. Original replica ids are reused: the survivors' first."""
     config = mcore_config.to_policy_config(cfg)
     if cfg.b != state.b or config.ramp != state.ramp:
         raise ValueError(f"resuming: the checkpoint or snapshot has B = {state.b} microbatches "
-                         f"per iteration (ramp-up {list(state.ramp)}), this run {cfg.b} (ramp-up "
-                         f"{list(config.ramp)}): keep --global-batch-size, --micro-batch-size "
-                         "and --rampup-batch-size")
+                         f"per iteration (before it {_ramp_text(state.ramp)}), this run {cfg.b} "
+                         f"(before it {_ramp_text(config.ramp)}): keep --global-batch-size, "
+                         "--micro-batch-size and --step-batch-size-schedule")
     if (cfg.recover.policy, cfg.recover.mode) != (state.policy, state.mode):
         raise ValueError(f"resuming: the checkpoint or snapshot ran --recover-policy "
                          f"{state.policy} --recover-mode {state.mode}; resume with the same")

@@ -181,18 +181,16 @@ def _optimizer_and_scheduler(cfg, ddp_chunks, pg_collection):
 def microbatch_source(cfg):
     """(MicrobatchSource, the model's unpadded vocabulary size) for the run's data arguments."""
     from megatron_recover.megatron.data.datasets import MicrobatchSource, MicrobatchSourceConfig
-    from megatron_recover.megatron.data.tokenizers import (
-        build_arguments,
-        build_tokenizer,
-        model_vocab_size,
-    )
+    from megatron_recover.megatron.data.tokenizers import build_arguments, build_tokenizer
 
     d = cfg.data
     given = {"vocab_file": d.vocab_file, "merge_file": d.merge_file,
              "tokenizer_model": d.tokenizer_model, "vocab_size": d.vocab_size,
              "tiktoken_pattern": d.tiktoken_pattern,
              "tiktoken_num_special_tokens": d.tiktoken_num_special_tokens,
-             "tokenizer_special_tokens": d.tokenizer_special_tokens}
+             "tokenizer_special_tokens": d.tokenizer_special_tokens,
+             "null_tokenizer_eod_id": d.null_tokenizer_eod_id,
+             "null_tokenizer_pad_id": d.null_tokenizer_pad_id}
     tokenizer = build_tokenizer(d.tokenizer_type, **build_arguments(d.tokenizer_type, given))
     # Reserve mode draws extra ids (B + j): at most one spare per replica and iteration.
     reserve = cfg.train_iters * cfg.b if cfg.recover.mode == RESERVE else 0
@@ -200,7 +198,9 @@ def microbatch_source(cfg):
         tokenizer=tokenizer, sequence_length=cfg.model.seq_length,
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.train_iters, train_samples=cfg.train_samples,
-        rampup_batch_size=cfg.rampup_batch_size, blend=d.blend, blend_per_split=d.blend_per_split,
+        step_batch_size_schedule=cfg.step_batch_size_schedule,
+        eval_global_batch_size=cfg.eval_global_batch_size,
+        blend=d.blend, blend_per_split=d.blend_per_split,
         eval_iters=cfg.evaluation.iters,
         evaluations=cfg.evaluation.evaluations(cfg.train_iters),
         split=d.split, seed=cfg.seed,
@@ -208,7 +208,8 @@ def microbatch_source(cfg):
         reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.create_attention_mask,
         mmap_bin_files=d.mmap_bin_files))
-    return source, model_vocab_size(d.tokenizer_type, tokenizer)
+    # The model's vocabulary is the tokenizer's, for every type (Megatron-LM core_v0.19.0).
+    return source, tokenizer.vocab_size
 
 
 def marker_path(cfg) -> Path:
@@ -441,9 +442,10 @@ def _resilient_trainer(cfg, setup: RankSetup, source, micro_pass: MicrobatchPass
         computes_loss=parallel_state.is_pipeline_last_stage(),
         replica=replica, replica_of_rank=replica_of_rank, faults=micro_pass.faults,
         audit=DatasetAudit(source.dataset, global_batch_size=cfg.global_batch_size,
-                          micro_batch_size=cfg.micro_batch_size, main_samples=cfg.train_samples,
+                          micro_batch_size=cfg.micro_batch_size, main_samples=cfg.main_samples,
                           policy=cfg.recover.policy, mode=cfg.recover.mode,
-                          rampup_batch_size=cfg.rampup_batch_size,
+                          step_batch_size_schedule=cfg.step_batch_size_schedule,
+                          seq_length=cfg.model.seq_length,
                           committed_reserve=continued.committed_reserve if continued else ()),
         restore=cfg.recover.restore, wants_exit=wants_exit,
         verification=(Verification(cfg.recover.sdc_check_rate, cfg.seed,

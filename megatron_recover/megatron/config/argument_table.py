@@ -13,7 +13,7 @@ one has exactly one status:
 
 The refused and no-effect entries live here, grouped by reason; the implemented ones are the
 parser's. `docs/arguments.md` is generated from this module (`scripts/argument_table.py`), and a
-test checks it against the code and every name of Megatron-LM's parser at core_v0.16.1.
+test checks it against the code and every name of Megatron-LM's parser at core_v0.19.0.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ _NO_EFFECT_GROUPS = (
      "--exit-signal-handler-for-dataloader"),
     ("NVIDIA's one-logger telemetry is not used", "--no-one-logger --one-logger-project:1 "
      "--one-logger-run-name:1 --one-logger-async --app-tag-run-name:1 --app-tag-run-version:1"),
-    ("Megatron-LM's straggler detector (it reports) is not used: under --recover, "
-     "--recover-straggler-threshold measures every replica's speed and moves work away from a "
-     "slow one, --recover-evict-slower-than evicts it; a frozen rank is detected by "
+    ("Megatron-LM's straggler detector and GPU sniff test (they report) are not used: under "
+     "--recover, --recover-straggler-threshold measures every replica's speed and moves work "
+     "away from a slow one, --recover-evict-slower-than evicts it; a frozen rank is detected by "
      "--recover-hang-timeout",
      "--log-straggler --disable-straggler-on-startup --straggler-ctrlr-port:1 "
-     "--straggler-minmax-count:1"),
+     "--straggler-minmax-count:1 --gpu-sniff-test-interval:1"),
     ("rendezvous, ranks and timeouts come from MPI (mpirun); a hung peer is bounded by "
      "--recover-hang-timeout", "--distributed-timeout-minutes:1 "
      "--distributed-timeout-seconds-after-init:1 --local-rank:1"),
@@ -75,8 +75,7 @@ _NO_EFFECT_GROUPS = (
      "--no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs "
      "--no-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-bulk-dgrad "
      "--disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs "
-     "--disable-tp-comm-split-ag --disable-tp-comm-split-rs "
-     "--no-async-tensor-model-parallel-allreduce --disable-async-tensor-model-parallel-allreduce"),
+     "--disable-tp-comm-split-ag --disable-tp-comm-split-rs"),
     ("memory and scheduling knobs of the data loader and the garbage collector; the samples "
      "and their order do not depend on them", "--num-workers:1 "
      "--dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
@@ -87,12 +86,25 @@ _NO_EFFECT_GROUPS = (
      "no NCCL communicator options", "--nccl-communicator-config-path:1 --use-sharp "
      "--sharp-enabled-group:1 --high-priority-stream-groups:* "
      "--ddp-pad-buckets-for-high-nccl-busbw --disable-symmetric-registration"),
+    ("NCCL flight-recorder dumps (debugging output, written only when a dump path is set) are "
+     "not configured by megatron-recover: set PyTorch's TORCH_NCCL_* and TORCH_FR_* environment "
+     "variables instead; training is unchanged", "--flight-recorder-dump-path:1 "
+     "--flight-recorder-include-stack-trace --flight-recorder-trace-buffer-size:1 "
+     "--disable-flight-recorder-dump-on-timeout --no-flight-recorder-dump-on-timeout "
+     "--disable-flight-recorder-extra-dump-on-exec --no-flight-recorder-extra-dump-on-exec "
+     "--disable-flight-recorder-include-only-active --no-flight-recorder-include-only-active"),
     ("with --overlap-grad-reduce every pipeline stage here already starts its gradient "
-     "reductions as its buckets fill, which is what this flag selects", "--no-align-grad-reduce"),
+     "reductions as its buckets fill, which is what this flag selects",
+     "--no-align-grad-reduce --disable-align-grad-reduce"),
     ("only read with CPU optimizer offload, which is refused", "--no-pin-cpu-grads "
      "--no-pin-cpu-params"),
     ("only read with --profile, which is refused", "--profile-step-start:1 --profile-step-end:1 "
-     "--profile-ranks:*"),
+     "--profile-ranks:* --nvtx-ranges --record-shapes --pytorch-profiler-collect-shapes "
+     "--pytorch-profiler-collect-callstack --pytorch-profiler-collect-chakra"),
+    ("MoE router decision traces are not written (a logging sink); training is unchanged",
+     "--moe-routing-trace-path:1 --moe-routing-trace-capture-hidden-states "
+     "--moe-routing-trace-capture-logits --moe-routing-trace-dump-weights "
+     "--moe-routing-trace-max-training-iters:1"),
     ("megatron-core's own GPT model is the only model here (Megatron-LM's default)",
      "--use-mcore-models"),
     ("a CUDA matmul setting; with bf16 on CPU there is no reduced-precision reduction to turn off",
@@ -103,6 +115,18 @@ _NO_EFFECT_GROUPS = (
      "--no-position-embedding"),
     ("checkpoint reads and writes are spread over the ranks already (each rank its own shard)",
      "--ckpt-fully-parallel-load --ckpt-fully-parallel-save"),
+    ("which ranks share the reading and writing of a torch_dist checkpoint, and how they "
+     "exchange it; the checkpoint read or written is the same (a stock save here is spread over "
+     "the data-parallel group, Megatron-LM's default)",
+     "--ckpt-fully-parallel-load-exchange-algo:1 --ckpt-fully-parallel-load-process-group:1 "
+     "--ckpt-fully-parallel-save-process-group:1"),
+    ("--async-save here runs megatron-core's checkpoint writer in megatron-recover's own forked "
+     "process: Megatron-LM's choice of asynchronous implementation (nvrx or mcore), its writer "
+     "threads, the writer's CPU and I/O priorities and its shared-memory staging do not apply; "
+     "the checkpoint written is the same", "--async-strategy:1 --async-ckpt-cpu-priority:1 "
+     "--async-ckpt-io-priority:1 --async-ckpt-use-cpu-shm --dist-ckpt-workers:1"),
+    ("only read when loading fp8/fp4 (quantized) parameters, which are refused",
+     "--disable-stream-ckpt-dequant --no-stream-ckpt-dequant"),
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -113,14 +137,20 @@ _GPU = "needs a CUDA device"
 _REFUSED_GROUPS = (
     ("activation recomputation of MoE layers alone is not supported: use "
      "--recompute-activations (selective) or drop it", "--moe-layer-recompute"),
-    ("the router's expert bias is updated from the token counts of the ranks that ran each "
-     "microbatch, which a failure changes; use --moe-aux-loss-coeff for load balancing",
-     "--moe-router-enable-expert-bias --moe-router-bias-update-rate"),
+    ("the router's expert bias (and quantile balancing's) is updated from the token counts of "
+     "the ranks that ran each microbatch, which a failure changes; use --moe-aux-loss-coeff for "
+     "load balancing", "--moe-router-enable-expert-bias --moe-router-bias-update-rate "
+     "--moe-router-quantile-balancing-ema"),
     ("the input jitter is not supported; drop it", "--moe-input-jitter-eps"),
-    ("DeepEP and HybridEP (the flex dispatcher's kernels) are not supported: use "
-     "--moe-token-dispatcher-type alltoall", "--moe-enable-deepep --moe-deepep-num-sms "
+    ("DeepEP, HybridEP and NCCL EP (the flex dispatcher's backends) and the expert-parallel "
+     "communication overlap are not supported: use --moe-token-dispatcher-type alltoall",
+     "--moe-enable-deepep --moe-deepep-num-sms "
      "--moe-hybridep-num-sms --moe-flex-dispatcher-backend --overlap-moe-expert-parallel-comm "
-     "--ep-overlap-early-attn-memory-release"),
+     "--ep-overlap-early-attn-memory-release --moe-flex-dispatcher-num-sms "
+     "--moe-expert-rank-capacity-factor --moe-hybridep-num-blocks-permute "
+     "--moe-hybridep-num-blocks-unpermute --moe-hybridep-num-sms-preprocessing "
+     "--moe-hybridep-pad-uneven-dispatch-inputs --moe-permute-fusion-into-hybridep "
+     "--moe-ncclep-static-shape --moe-ncclep-zero-copy --high-priority-a2a-comm-stream"),
     ("the shared expert's gate and its overlap with the dispatch are not supported: drop them "
      "(a shared expert runs without a gate, after the dispatch)",
      "--moe-shared-expert-gate --moe-shared-expert-overlap"),
@@ -128,10 +158,15 @@ _REFUSED_GROUPS = (
      "scratch or --load an MoE checkpoint", "--moe-use-upcycling --moe-upcycling-granularity"),
     ("only with fp8 or fp4, which are refused", "--moe-router-padding-for-fp8 "
      "--moe-router-padding-for-quantization"),
-    ("benchmark-only routing, latent experts, routing replay, the legacy grouped GEMM and CUDA "
-     "graphs for inference are not supported; drop them", "--moe-router-force-load-balancing "
-     "--moe-latent-size --moe-enable-routing-replay --moe-use-legacy-grouped-gemm "
-     "--moe-extended-tp --moe-pad-experts-for-cuda-graph-inference --moe-apply-probs-on-input"),
+    ("benchmark-only routing, latent experts, routing replay, the paged activation stash, "
+     "block-interleaved GLU layouts, single grouped expert parameters and CUDA graphs for "
+     "inference are not supported; drop them", "--moe-router-force-load-balancing "
+     "--moe-router-force-biased --moe-latent-size --moe-enable-routing-replay "
+     "--moe-pad-experts-for-cuda-graph-inference --moe-apply-probs-on-input --moe-paged-stash "
+     "--moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda "
+     "--moe-paged-stash-page-size --moe-mlp-glu-interleave-size "
+     "--moe-shared-expert-glu-interleave-size --moe-single-grouped-bias "
+     "--moe-single-grouped-weight"),
     ("context parallelism splits a microbatch's sequence over ranks that a replica failure "
      "would cut apart, and megatron-core's local attention needs CP = 1; use "
      "--context-parallel-size 1 (the default, accepted)", "--context-parallel-size=1 "
@@ -147,13 +182,14 @@ _REFUSED_GROUPS = (
      "--fp8-amax-compute-algo --fp8-param-gather --fp8-quantizer-factory --disable-fp8-wgrad "
      "--no-fp8-wgrad --fp4-format --fp4-recipe --fp4-param-gather --fp4-quantizer-factory "
      "--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16 "
-     "--keep-fp8-transpose-cache --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file"),
+     "--keep-fp8-transpose-cache --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file "
+     "--fp8-output-proj"),
     (f"tensor-parallel communication overlap {_GPU} and Transformer Engine's userbuffers; drop it",
      "--tp-comm-overlap --tp-comm-overlap-cfg --tp-comm-overlap-rs-dgrad "
      "--tp-comm-bootstrap-backend --use-nccl-ub --symmetric-ar-type"),
     (f"CUDA graphs {_GPU}, and a captured graph cannot follow a schedule that changes when a "
      "replica fails; drop it", "--enable-cuda-graph --cuda-graph-impl --cuda-graph-warmup-steps "
-     "--external-cuda-graph --cuda-graph-scope"),
+     "--external-cuda-graph --cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph"),
     (f"the CUDA profiler (nsys) {_GPU}; profile with py-spy or torch.profiler around "
      "pretrain_gpt_recover.py instead", "--profile --use-pytorch-profiler "
      "--record-memory-history --memory-snapshot-path"),
@@ -161,7 +197,9 @@ _REFUSED_GROUPS = (
      "whose memory it relieves; drop it", "--cpu-offloading-num-layers "
      "--fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size "
      "--optimizer-cpu-offload --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d "
-     "--use-torch-optimizer-for-cpu-offload"),
+     "--use-torch-optimizer-for-cpu-offload --activation-offload-fraction "
+     "--cpu-offloading-retain-pinned-cpu-buffers --delay-offload-until-cuda-graph "
+     "--delta-offload-bytes-across-pp-ranks --fine-grained-offloading-max-inflight-offloads"),
     ("FSDP shards parameters over the data-parallel ranks, so a dead replica would take its "
      "shard with it; use --use-distributed-optimizer with --num-distributed-optimizer-instances "
      "(optimizer state sharded within each replica)", "--use-megatron-fsdp --use-torch-fsdp2 "
@@ -169,23 +207,41 @@ _REFUSED_GROUPS = (
      "--enable-full-sharding-in-hsdp --fsdp-double-buffer --fsdp-manual-registration "
      "--torch-fsdp2-no-reshard-after-forward --suggested-communication-unit-size "
      "--init-model-with-meta-device --disable-strict-fsdp-dtensor-load "
-     "--no-strict-fsdp-dtensor-load"),
+     "--no-strict-fsdp-dtensor-load --megatron-fsdp-enable-fine-grained-param-gather "
+     "--megatron-fsdp-grad-comm-dtype --megatron-fsdp-main-grads-dtype "
+     "--megatron-fsdp-main-params-dtype --megatron-fsdp-max-pool-double-buffer "
+     "--fsdp-db-use-persist-buf-on-alloc-fail"),
+    ("weight sharding beyond tensor parallelism (GTP) is not supported: weights are split over "
+     "--tensor-model-parallel-size (experts: --expert-tensor-parallel-size) ranks; drop it",
+     "--tensor-parallel-num-weight-shards --expert-tensor-parallel-num-weight-shards"),
+    ("chunking the MLP along the sequence is not supported: use --mlp-chunks-for-training 1 "
+     "(the default, accepted)", "--mlp-chunks-for-training=1"),
     ("changes how gradients are reduced or divided, while --recover sums exactly B microbatch "
      "gradients and divides once; drop it", "--ddp-average-in-collective "
      "--ddp-reduce-scatter-with-fp32-accumulation --ddp-num-buckets --create-all-gather-group "
      "--overlap-param-gather-with-optimizer-step --disable-gloo-process-groups "
      "--use-tp-pp-dp-mapping --lazy-mpu-init --fake-process-group "
      "--pipeline-model-parallel-comm-backend --use-ring-exchange-p2p "
-     "--no-scatter-gather-tensors-in-pipeline --defer-embedding-wgrad-compute "
-     "--wgrad-deferral-limit --delay-wgrad-compute"),
+     "--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute "
+     "--overlap-dispatch-backward-with-experts-wgrad "
+     "--ddp-param-name-patterns-for-fp32-local-accumulation"),
     ("it rounds a global batch down to a multiple of micro-batch x data-parallel size; here "
-     "every global batch, ramp-up included, must be such a multiple, as Megatron-LM requires "
-     "without the flag (and the batch stays B after failures by design): choose sizes that "
-     "divide and drop it", "--decrease-batch-size-if-needed"),
+     "every global batch, those of --step-batch-size-schedule included, must be such a "
+     "multiple, as Megatron-LM requires without the flag (and the batch stays B after failures "
+     "by design): choose sizes that divide and drop it", "--decrease-batch-size-if-needed"),
+    ("deprecated by Megatron-LM 0.19, whose calculator ignores it and trains at "
+     "--global-batch-size; drop it for that run, or give the ramp as "
+     "--step-batch-size-schedule", "--rampup-batch-size"),
+    ("evaluation runs with the training --micro-batch-size and --global-batch-size, every "
+     "--eval-interval iterations from the first and at the end; other evaluation batch sizes "
+     "and a later first evaluation are not supported: drop it", "--eval-micro-batch-size "
+     "--eval-global-batch-size --start-eval-at-iter"),
     ("Adam is the only optimizer (Megatron-LM's default); use --optimizer adam or drop it",
-     "--optimizer=adam --sgd-momentum --muon-momentum --muon-use-nesterov --muon-no-split-qkv "
+     "--optimizer=adam --sgd-momentum --muon-momentum --muon-no-split-qkv "
      "--muon-num-ns-steps --muon-scale-mode --muon-fp32-matmul-prec --muon-tp-mode "
-     "--muon-extra-scale-factor --use-precision-aware-optimizer --main-grads-dtype "
+     "--muon-extra-scale-factor --muon-nesterov --muon-coefficient-type --muon-scalar-optimizer "
+     "--no-use-layer-wise-param-layout --lion-beta1 --lion-beta2 "
+     "--use-precision-aware-optimizer --main-grads-dtype "
      "--main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype"),
     ("weight decay applies to every parameter but biases and norms (Megatron's default rule); "
      "other rules are not supported", "--no-weight-decay-cond-type --apply-wd-to-qk-layernorm"),
@@ -198,7 +254,7 @@ _REFUSED_GROUPS = (
      "complete state (model, optimizer, RNG, scheduler, data position); drop it",
      "--auto-detect-ckpt-format --ckpt-assume-constant-structure "
      "--ckpt-convert-format --ckpt-convert-save --ckpt-convert-update-legacy-dist-opt-format "
-     "--disable-ckpt-fully-parallel-save --no-ckpt-fully-parallel-save "
+     "--no-ckpt-fully-parallel-save "
      "--dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 --dist-ckpt-strictness "
      "--distrib-optim-fully-reshardable-mem-efficient "
      "--load-main-params-from-ckpt --no-save-optim --no-save-rng "
@@ -206,13 +262,16 @@ _REFUSED_GROUPS = (
      "--non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir "
      "--non-persistent-save-interval "
      "--replication --replication-factor --replication-jump --save-dgrads-interval "
-     "--save-wgrads-interval --save-retain-interval --use-checkpoint-args "
+     "--save-wgrads-interval --save-activations-interval --save-params-interval "
+     "--save-tokens-per-expert-interval --save-retain-interval --use-checkpoint-args "
      "--use-mp-args-from-checkpoint-args --use-persistent-ckpt-worker "
      "--disable-use-tokenizer-model-from-checkpoint-args "
-     "--no-use-tokenizer-model-from-checkpoint-args"),
+     "--no-use-tokenizer-model-from-checkpoint-args --override-ckpt-iteration --verify-integrity "
+     "--disable-ckpt-load-validate-sharding-integrity --no-ckpt-load-validate-sharding-integrity"),
     ("not supported: the job trains for --train-iters / --train-samples (or until an --exit-* "
      "flag stops it) and evaluates the one validation split of --split; drop it",
-     "--skip-train --test-mode --iterations-to-skip --full-validation --multiple-validation-sets"),
+     "--skip-train --test-mode --iterations-to-skip --full-validation --multiple-validation-sets "
+     "--validation-set-names"),
     ("Megatron-LM's rerun engine and its checks are not supported (megatron-recover's own "
      "per-iteration audit checks every committed gradient; under --recover, "
      "--recover-nonfinite-rerun runs a non-finite gradient's microbatches again, in place and on "
@@ -226,16 +285,24 @@ _REFUSED_GROUPS = (
     ("a model-architecture option that megatron-recover does not build or test (GPT with "
      "LayerNorm/RMSNorm, learned or rotary positions, GeLU or SwiGLU, GQA, as in Megatron-LM's "
      "GPT-3 and Llama-3 examples); drop it", "--spec --yaml-cfg --heterogeneous-layers-config-path "
-     "--heterogeneous-layers-config-encoded-json --is-hybrid-model --hybrid-attention-ratio "
-     "--hybrid-mlp-ratio --hybrid-override-pattern --mamba-state-dim --mamba-head-dim "
+     "--heterogeneous-layers-config-encoded-json --is-hybrid-model "
+     "--hybrid-override-pattern --mamba-state-dim --mamba-head-dim "
      "--mamba-num-groups --mamba-num-heads --disable-mamba-mem-eff-path "
      "--experimental-attention-variant --linear-attention-freq --linear-conv-kernel-dim "
      "--linear-key-head-dim --linear-value-head-dim --linear-num-key-heads "
      "--linear-num-value-heads --multi-latent-attention --q-lora-rank --kv-lora-rank "
      "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim --cache-mla-latents --mscale "
      "--mscale-all-dim --rotary-scaling-factor --dsa-indexer-n-heads --dsa-indexer-head-dim "
-     "--dsa-indexer-topk --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss --mtp-num-layers "
-     "--mtp-loss-scaling-factor --mtp-standalone --mrope-section --window-size "
+     "--dsa-indexer-topk --dsa-indexer-loss-coeff --dsa-indexer-use-sparse-loss "
+     "--dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32 --dsa-indexer-rope-interleaved "
+     "--dsa-indexer-skip-topk-offset --dsa-indexer-topk-freq --dsa-kernel-backend "
+     "--disable-dsa-indexer-rotate-activation --no-dsa-indexer-rotate-activation "
+     "--disable-dsa-indexer-scoring-relu --no-dsa-indexer-scoring-relu --mtp-num-layers "
+     "--mtp-loss-scaling-factor --mtp-standalone --mtp-detach-heads --mtp-use-repeated-layer "
+     "--mtp-hybrid-override-pattern --hybrid-layer-pattern --mamba-training-ssm-states-dtype "
+     "--mla-down-proj-fusion --yarn-beta-fast --yarn-beta-slow "
+     "--yarn-correction-range-round-to-int --no-yarn-correction-range-round-to-int "
+     "--yarn-original-max-position-embeddings --mrope-section --window-size "
      "--window-attn-skip-freq --softmax-type --attention-output-gate --qk-clip --qk-clip-alpha "
      "--qk-clip-threshold --qk-l2-norm --use-kitchen-attention --kitchen-attention-backend "
      "--glu-linear-offset --activation-func-clamp-value --use-fused-weighted-squared-relu "
@@ -245,11 +312,27 @@ _REFUSED_GROUPS = (
      "--no-rope-freq --use-rope-scaling --rope-scaling-factor --rope-type "
      "--rotary-seq-len-interpolation-factor --embedding-init-method-std "
      "--init-method-xavier-uniform --no-initialization --distribute-saved-activations "
-     "--recompute-modules --fp16-lm-cross-entropy --use-legacy-models --te-rng-tracker "
+     "--recompute-modules --fp16-lm-cross-entropy --te-rng-tracker "
      "--inference-rng-tracker --encoder-num-layers --decoder-num-layers --encoder-seq-length "
      "--decoder-seq-length --relative-attention-num-buckets --relative-attention-max-distance "
      "--bert-no-binary-head --bert-embedder-type --output-bert-embeddings --mask-prob "
      "--short-seq-prob --vocab-extra-ids"),
+    ("MuP (maximal update parametrization: initialization, learning rates, attention and "
+     "output scaled by width) is not supported: megatron-recover uses Megatron's standard "
+     "parametrization; drop it", "--use-mup --mup-width-mult --mup-base-hidden-size "
+     "--mup-base-head-dim --mup-attn-scale-power --mup-embedding-mult --mup-output-mult"),
+    ("Transformer Engine's fused-operation paths (the op fuser, grouped GEMMs for the dense and "
+     "shared-expert MLPs, the fused residual RMSNorm) are not supported: the model is built "
+     "from megatron-core's layer specs without them; drop it",
+     "--use-transformer-engine-op-fuser --use-grouped-gemm-for-dense-mlp "
+     "--use-grouped-gemm-for-shared-expert --fused-residual-rmsnorm"),
+    ("pinning the FlashAttention generation is not supported (Megatron-LM needs it for "
+     "batch-invariant mode, refused here): Transformer Engine picks the installed one; drop it",
+     "--flash-attention-version"),
+    ("attention restricted to documents through packed-sequence boundaries (cu_seqlens) is not "
+     "supported: --reset-attention-mask (with --reset-position-ids) masks attention across "
+     "documents with the dataloader's attention mask instead",
+     "--dataloader-inter-document-masking"),
     ("these data-loader options are not supported: give the corpora as a --data-path blend (W1 "
      "PREFIX1 W2 PREFIX2 ...) split by --split, or per-split blends (--train-data-path ...)",
      "--per-dataset-sequences-path --mid-level-dataset-surplus --object-storage-cache-path "
@@ -257,48 +340,85 @@ _REFUSED_GROUPS = (
      "--sample-rate --fim-data --fim-rate --fim-spm-rate --fim-split-sample "
      "--fim-fragment-rate --fim-no-prefix --fim-prefix-token --fim-middle-token "
      "--fim-suffix-token --fim-pad-token --fim-eod-token --sft --sft-tokenizer-prompt-format"),
+    ("knowledge distillation from saved logits is not supported: pretrain_gpt_recover.py trains "
+     "on the language-model loss; drop it", "--logits-save-dir --logits-save-top-k "
+     "--logits-save-top-p --logits-save-top-p-min-k --logits-save-dtype --logits-load-dir "
+     "--logits-load-kd-loss-alpha --logits-load-ignore-errors --logits-load-decode-threads "
+     "--logits-load-prefetch-factor --logits-load-msc-prefetch-depth"),
+    ("freezing the model's parameters is not supported: every parameter trains; drop it",
+     "--freeze-all-layers"),
+    ("the multi-storage client is not supported: every path is a local file; drop it",
+     "--enable-msc"),
+    ("Megatron-LM's orderly shutdown on SIGINT/SIGTERM (without a checkpoint) is not supported: "
+     "use --exit-signal-handler (with --exit-signal), which stops after the current iteration "
+     "and saves to --save", "--exit-signal-handler-for-training"),
+    ("Megatron-LM's fault injector is not supported: inject failures with "
+     "--recover-failure-schedule (docs/failures.md)", "--fault-injector-fault-types "
+     "--fault-injector-fault-probabilities --fault-injector-fault-delay "
+     "--fault-injector-delay-start-iteration --fault-injector-mtti-seconds "
+     "--fault-injector-offset-seconds --fault-injector-num-ranks --fault-injector-ranks "
+     "--fault-injector-seed"),
     ("tokenizer option not supported: every tokenizer type loads through megatron-core's "
      "tokenizer classes with their defaults from local files (Megatron-LM's default system); "
-     "preprocess and train without it", "--legacy-tokenizer --padded-vocab-size "
-     "--tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens --tokenizer-metadata "
-     "--tokenizer-sentencepiece-legacy --trust-remote-code"),
+     "preprocess and train without it", "--padded-vocab-size --disable-pad-vocab-size "
+     "--no-pad-vocab-size --tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens "
+     "--tokenizer-metadata --tokenizer-sentencepiece-legacy "
+     "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces "
+     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces --chat-template "
+     "--trust-remote-code"),
     ("inference and serving options; pretrain_gpt_recover.py trains", "--flash-decode "
      "--inference-fuse-tp-communication --mlp-chunks-for-prefill --decode-only-cuda-graphs "
-     "--disable-chunked-prefill --enable-chunked-prefill "
+     "--enable-chunked-prefill "
      "--inference-batch-times-seqlen-threshold --inference-coordinator-port "
      "--inference-dynamic-batching --inference-dynamic-batching-block-size "
      "--inference-dynamic-batching-buffer-size-gb "
-     "--inference-dynamic-batching-cuda-graph-max-tokens "
      "--inference-dynamic-batching-cuda-graph-mixed-prefill-count "
      "--inference-dynamic-batching-max-requests --inference-dynamic-batching-max-tokens "
      "--inference-dynamic-batching-num-cuda-graphs "
      "--inference-dynamic-batching-paused-buffer-size-gb "
      "--inference-dynamic-batching-track-paused-request-events "
      "--inference-dynamic-batching-unified-memory-level --inference-logging-step-interval "
-     "--inference-max-batch-size --inference-max-requests --inference-max-seq-length "
+     "--inference-max-requests --inference-max-seq-length "
      "--inference-wandb-logging --no-inference-wandb-logging --max-tokens-to-oom "
-     "--nccl-all-reduce-for-prefill --use-legacy-static-engine"),
+     "--nccl-all-reduce-for-prefill --use-legacy-static-engine --inference-cuda-graph-all-prefills "
+     "--inference-cuda-graph-max-tokens --inference-cuda-graph-scope "
+     "--inference-disable-ep-consensus --no-inference-disable-ep-consensus "
+     "--inference-disable-triton-nvls-kernels --inference-dynamic-batching-async-sched-mode "
+     "--inference-dynamic-batching-cuda-graph-sizing-distribution "
+     "--inference-dynamic-batching-logprobs-mode --inference-dynamic-batching-mamba-memory-ratio "
+     "--inference-dynamic-batching-prefix-caching --no-inference-dynamic-batching-prefix-caching "
+     "--inference-dynamic-batching-prefix-caching-coordinator-policy "
+     "--inference-dynamic-batching-prefix-caching-eviction-policy "
+     "--inference-dynamic-batching-prefix-caching-mamba-gb "
+     "--inference-dynamic-batching-prefix-caching-routing-alpha "
+     "--inference-dynamic-batching-sampling-backend "
+     "--inference-dynamic-batching-track-generated-token-events --inference-grouped-gemm-backend "
+     "--inference-moe-disable-fused-quant-kernels --inference-moe-token-dispatcher-type "
+     "--inference-shards --inference-text-gen-server-logging "
+     "--no-inference-text-gen-server-logging --inference-use-synchronous-zmq-collectives "
+     "--no-inference-use-synchronous-zmq-collectives --mamba-inference-conv-states-dtype "
+     "--mamba-inference-ssm-states-dtype --num-speculative-tokens "
+     "--use-same-sampling-seed-across-dp-ranks"),
     ("reinforcement-learning options; pretrain_gpt_recover.py does pre-training",
      "--perform-rl-step --grpo-clamp-eps-lower --grpo-clamp-eps-upper --grpo-entropy-term-weight "
      "--grpo-filter-groups-with-same-reward --grpo-group-size --grpo-iterations --grpo-kl-beta "
-     "--grpo-prompts-per-step --langrl-env-config --langrl-external-server "
-     "--no-langrl-external-server --langrl-inference-server-conversation-template "
-     "--langrl-inference-server-type --refit-method --rl-default-temperature --rl-default-top-k "
+     "--grpo-prompts-per-step --langrl-env-config --refit-method --rl-default-temperature "
+     "--rl-default-top-k "
      "--rl-default-top-p --rl-importance-sampling-truncation-coef "
      "--rl-inference-expert-model-parallel-size "
      "--rl-inference-expert-tensor-model-parallel-size --rl-inference-logprobs-is-correction "
      "--no-rl-inference-logprobs-is-correction --rl-inference-model-unified-memory-level "
      "--rl-inference-pipeline-model-parallel-size --rl-inference-tensor-model-parallel-size "
      "--rl-offload-inference-model-weights-when-idle "
-     "--no-rl-offload-inference-model-weights-when-idle --rl-offload-kv-cache-during-training "
-     "--no-rl-offload-kv-cache-during-training --rl-offload-optimizer-during-inference "
-     "--rl-parallel-generation-tasks --rl-partial-rollouts --no-rl-partial-rollouts "
-     "--rl-prompts-per-eval --rl-remove-kv-cache-during-training "
-     "--no-rl-remove-kv-cache-during-training --rl-reset-cuda-graphs --no-rl-reset-cuda-graphs "
+     "--no-rl-offload-inference-model-weights-when-idle --rl-offload-optimizer-during-inference "
+     "--rl-partial-rollouts --no-rl-partial-rollouts --rl-prompts-per-eval "
      "--rl-sequence-packing-algo --rl-sequence-packing-max-sequences-per-bin "
      "--rl-skip-bos-token --no-rl-skip-bos-token --rl-training-cuda-graphs "
      "--no-rl-training-cuda-graphs --rl-use-sequence-packing --no-rl-use-sequence-packing "
-     "--rl-verify-model-weights-swap --no-rl-verify-model-weights-swap"),
+     "--rl-verify-model-weights-swap --no-rl-verify-model-weights-swap "
+     "--rl-consumption-granularity --rl-generation-lag --rl-inference-parsers "
+     "--rl-kv-cache-management-mode --rl-persist-cuda-graphs --no-rl-persist-cuda-graphs "
+     "--rl-profile --rl-profile-dir --rl-submission-granularity"),
     ("retrieval (biencoder) and vision models are not GPT pre-training", "--bert-load "
      "--biencoder-projection-dim --biencoder-shared-query-context-model --block-data-path "
      "--embedding-path --evidence-data-path --ict-head-size --ict-load --indexer-batch-size "
@@ -371,7 +491,9 @@ IMPLEMENTED_NOTES = {
     "(refused otherwise, with the layout to use; docs/training.md)",
     "--expert-tensor-parallel-size": "only the default, --tensor-model-parallel-size",
     "--moe-router-load-balancing-type": "one of aux_loss (default), seq_aux_loss, none; "
-    "global_aux_loss, sinkhorn and several types at once are refused",
+    "global_aux_loss, sinkhorn, quantile_balancing and several types at once are refused",
+    "--moe-router-score-function": "softmax (default) or sigmoid; sqrtsoftplus is refused (an "
+    "argparse error)",
     "--moe-aux-loss-coeff": "one coefficient; under --recover its gradient is divided by the "
     "iteration's B, as the language-model loss is",
     "--moe-token-dispatcher-type": "allgather (default) or alltoall; flex is refused (DeepEP, "
@@ -423,8 +545,8 @@ IMPLEMENTED_NOTES = {
                          "bucket)",
     "--sequence-parallel": "with the local layer spec it also runs without Apex (Megatron-LM's "
                           "torch-norm fallback refuses it)",
-    "--position-embedding-type": "learned_absolute or rope; mrope, relative and none are refused "
-                                 "(an argparse error)",
+    "--position-embedding-type": "learned_absolute or rope; yarn, mrope, relative and none are "
+                                 "refused (an argparse error)",
     "--max-position-embeddings": "optional: default --seq-length; with rope it may be below "
                                  "--seq-length (Megatron-LM: required, and at least "
                                  "--seq-length)",
@@ -439,7 +561,8 @@ IMPLEMENTED_NOTES = {
                               "block method then recomputes every layer)",
     "--cross-entropy-fusion-impl": "te is refused where Transformer Engine does not import, "
                                    "even without --cross-entropy-loss-fusion (Megatron-LM reads "
-                                   "it only with that flag)",
+                                   "it only with that flag, and core_v0.19.0 refuses te with "
+                                   "it)",
     "--hidden-dropout": "must be in [0, 1) (Megatron-LM does not check); --recover exact mode "
                         "seeds the masks per microbatch (see --seed)",
     "--attention-dropout": "must be in [0, 1) (Megatron-LM does not check); --recover exact "
@@ -451,8 +574,9 @@ IMPLEMENTED_NOTES = {
     "--seed": "initialization as Megatron-LM (seed + 100 x pipeline stage); --recover exact "
               "mode reseeds dropout for every microbatch from (seed, iteration, microbatch id, "
               "stage), so a microbatch draws the same masks on whichever replica runs it",
-    "--train-samples": "fewer samples than one global batch (or than the ramp-up) are refused "
-                       "(Megatron-LM trains the whole global batches that fit, possibly none)",
+    "--train-samples": "fewer samples than one global batch (or than the schedule's first "
+                       "step) are refused (Megatron-LM trains the whole global batches that "
+                       "fit, possibly none)",
     "--lr-warmup-iters": "negative refused (Megatron-LM accepts it: no warmup, the decay "
                          "starts part-way)",
     "--lr-warmup-samples": "negative refused (Megatron-LM accepts it: no warmup, the decay "
@@ -479,14 +603,14 @@ IMPLEMENTED_NOTES = {
     "--data-cache-path": "the cached index files are named from this project's tokenizer "
                          "identity and the absolute data path, so a cache Megatron-LM built is "
                          "not reused (the same indices are built again)",
-    "--merge-file": "read as GPT-2's merges.txt, as Megatron-LM's legacy tokenizer does; "
+    "--merge-file": "read as GPT-2's merges.txt, as Megatron-LM's GPT2BPETokenizer does; "
                     "refused where --tokenizer-type does not read it",
     "--vocab-file": "refused where --tokenizer-type does not read it (Megatron-LM ignores it or "
                     "hands it to AutoTokenizer)",
     "--tokenizer-model": "local files only; HuggingFaceTokenizer: a directory, loaded as the "
-                         "fast tokenizer (Megatron-LM: the slow one unless "
-                         "--tokenizer-hf-use-fast); refused where --tokenizer-type does not "
-                         "read it",
+                         "fast tokenizer (as Megatron-LM's default; its "
+                         "--tokenizer-hf-no-use-fast is refused); refused where "
+                         "--tokenizer-type does not read it",
     "--split": "a train share of 0 is refused (Megatron-LM then only evaluates); a split with "
                "no validation documents is not evaluated (Megatron-LM fails at its first "
                "evaluation); checked with --mock-data too, which splits evenly",
@@ -521,7 +645,7 @@ IMPLEMENTED_NOTES = {
                              "the last iteration does not skip the end-of-training evaluations",
     "--exit-signal": "SIGKILL and SIGSTOP are refused at start-up (they cannot be caught)",
     "--eval-interval": "absent or 0: only the evaluation at the end of training, the meaning "
-                       "Megatron-LM core_v0.16.1 documents (its validation-split sizing divides "
+                       "Megatron-LM core_v0.19.0 documents (its validation-split sizing divides "
                        "by the flag and fails without it)",
     "--log-world-size-to-tensorboard": "--recover: the live ranks, which fall after failures "
                                        "(Megatron-LM: the launch world size)",
@@ -529,23 +653,25 @@ IMPLEMENTED_NOTES = {
                     "NullTokenizer (Megatron-LM's pretrain_gpt defaults to GPT2BPETokenizer); "
                     "refused with the tokenizer types that do not read it (all but "
                     "NullTokenizer and TikTokenizer; Megatron-LM ignores it there)",
-    "--tiktoken-pattern": "needed with TikTokenizer, as Megatron-LM's training asserts; with "
-                          "another --tokenizer-type it has no effect and start-up says so",
+    "--tiktoken-pattern": "needed with TikTokenizer, as Megatron-LM core_v0.16.1's training "
+                          "asserted (core_v0.19.0 defaults to v2); with another "
+                          "--tokenizer-type it has no effect and start-up says so",
     "--tiktoken-num-special-tokens": "with another --tokenizer-type than TikTokenizer it has no "
                                      "effect and start-up says so",
     "--tokenizer-special-tokens": "TikTokenizer's special tokens only: refused with the other "
                                   "types (Megatron-LM hands them to Hugging Face tokenizers, and "
                                   "to SentencePiece ones only with "
                                   "--tokenizer-sentencepiece-legacy, refused here)",
-    "--tiktoken-special-tokens": "Megatron-LM's deprecated name of --tokenizer-special-tokens, "
-                                 "read as that (start-up says so)",
     "--reset-attention-mask": "turns the dataloader's attention mask on even with "
                               "--no-create-attention-mask-in-dataloader (Megatron-LM builds none "
                               "then, and the reset has no effect)",
+    "--null-tokenizer-eod-id": "must be an id of the vocabulary, 0..--vocab-size - 1 "
+                               "(Megatron-LM does not check); with another --tokenizer-type it "
+                               "has no effect and start-up says so",
+    "--null-tokenizer-pad-id": "with another --tokenizer-type it has no effect and start-up "
+                               "says so",
     "--mock-data": "--data-cache-path is not used for the mock dataset (Megatron-LM caches its "
                    "indices there)",
-    "--rampup-batch-size": "no checkpoint is saved when the batch size steps up (Megatron-LM "
-                           "saves one there with --save)",
     "--tensorboard-dir": "written by the lowest live rank; a rank that takes over continues the "
                          "same curves",
     "--save": "--recover: this project's own files in Megatron's iter_NNNNNNN/ directories "
@@ -559,11 +685,11 @@ IMPLEMENTED_NOTES = {
                         "GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or "
                         "NullTokenizer, from local files (BERT, multimodal and SFT types are "
                         "refused at start-up); the data's ids are megatron-core's, as Megatron-LM "
-                        "builds them without --legacy-tokenizer (docs/training.md)",
+                        "builds them (docs/training.md)",
     "--log-interval": "--recover: the iteration line adds live replicas, contributions/B and "
                       "failures (docs/observability.md); the first iteration's line, which "
                       "Megatron-LM prints whatever the interval, starts a new interval when "
-                      "that iteration ends one (Megatron-LM core_v0.16.1 averages it into the "
+                      "that iteration ends one (Megatron-LM core_v0.19.0 averages it into the "
                       "next line too); the elapsed time per iteration is the mean of the steps' "
                       "own times (Megatron-LM: the interval's wall clock, evaluations and saves "
                       "left out)",
@@ -655,7 +781,7 @@ def markdown(parser: argparse.ArgumentParser) -> str:
         "",
         "Generated by `scripts/argument_table.py` from `megatron_recover/megatron/"
         "config/argument_table.py` and the parser; `tests/test_argument_table.py` checks that this "
-        "file is current and that every option of Megatron-LM's parser at core_v0.16.1 has a "
+        "file is current and that every option of Megatron-LM's parser at core_v0.19.0 has a "
         "status. Do not edit by hand.",
         "",
         "- **implemented**: Megatron-LM's name, meaning and default; the note says when a value "

@@ -37,7 +37,12 @@ from megatron_recover.megatron.config.train_config import (
 )
 from megatron_recover.megatron.data.datasets import split_is_valid
 from megatron_recover.megatron.data.tokenizers import ARGUMENTS as TOKENIZER_ARGUMENTS
-from megatron_recover.megatron.data.tokenizers import TIKTOKEN, TIKTOKEN_PATTERNS, TOKENIZER_TYPES
+from megatron_recover.megatron.data.tokenizers import (
+    NULL,
+    TIKTOKEN,
+    TIKTOKEN_PATTERNS,
+    TOKENIZER_TYPES,
+)
 from megatron_recover.megatron.data.tokenizers import flag as tokenizer_flag
 from megatron_recover.policy.rampup import GlobalBatches
 from megatron_recover.policy.speed import DEFAULT_WINDOW as DEFAULT_STRAGGLER_WINDOW
@@ -103,7 +108,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-samples", type=int)
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-wsd-decay-samples", type=int)
-    g.add_argument("--rampup-batch-size", nargs="*", type=int)  # START INCREMENT SAMPLES
+    # Megatron-LM core_v0.19.0's step-wise schedule "THRESHOLD:BS ..." (thresholds in tokens).
+    g.add_argument("--step-batch-size-schedule")
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--lr", type=float)
@@ -203,7 +209,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tiktoken-pattern")
     g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
     g.add_argument("--tokenizer-special-tokens", nargs="+")
-    g.add_argument("--tiktoken-special-tokens", nargs="+")  # Megatron-LM's deprecated name
+    g.add_argument("--null-tokenizer-eod-id", type=int)
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1)
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -585,7 +592,8 @@ def _interleaved_only(ns, instead: str) -> list[str]:
 
 def _virtual_pipeline(ns, world_size: int) -> list[str]:
     """Megatron-LM's rules for virtual pipeline stages, and megatron-core's interleaved
-    schedule's for the microbatches of a full pass (every global batch of a ramp-up)."""
+    schedule's for the microbatches of a full pass (every global batch of a batch-size
+    schedule)."""
     per_vstage = ns.num_layers_per_virtual_pipeline_stage
     given = [f for f in ("--num-layers-per-virtual-pipeline-stage",
                          "--num-virtual-stages-per-pipeline-rank")
@@ -623,16 +631,15 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
         return [f"--num-layers {ns.num_layers} does not split into {pp} pipeline stages x "
                 f"{chunks} virtual stages of equal size: use a multiple of {pp * chunks} layers"]
     group = ns.microbatch_group_size_per_virtual_pipeline_stage or pp
-    (dp, gbs), mbs = _sizes(ns, world_size), ns.micro_batch_size
-    ramp = GlobalBatches.of(gbs, ns.rampup_batch_size).ramp if ns.rampup_batch_size else ()
-    for size in sorted({*ramp, gbs}):
+    dp, mbs = _sizes(ns, world_size)[0], ns.micro_batch_size
+    for size in _global_batches(ns, world_size).sizes:
         problem = interleaving.problem(size // (mbs * dp), group, pp)
         if problem:
             return [f"the interleaved schedule refuses a global batch of {size} samples "
                     f"({size // (mbs * dp)} micro-batches per data-parallel rank): {problem}; "
-                    "choose --global-batch-size (and the ramp-up) so that every data-parallel "
-                    f"rank runs a multiple of {group} micro-batches, or set "
-                    "--microbatch-group-size-per-virtual-pipeline-stage"]
+                    "choose --global-batch-size (or every size of --step-batch-size-schedule) "
+                    f"so that every data-parallel rank runs a multiple of {group} micro-batches, "
+                    "or set --microbatch-group-size-per-virtual-pipeline-stage"]
     return []
 
 
@@ -668,40 +675,55 @@ def _unit(ns, world_size: int) -> list[str]:
         return [f"{', '.join(wrong)} with {unit}-based training: give the schedule in "
                 f"{unit}s ({', '.join(flags)})"]
     gbs = _sizes(ns, world_size)[1]
-    if ns.train_samples is not None and ns.train_samples < gbs:
+    # With a batch-size schedule Megatron-LM trains every iteration that starts before
+    # --train-samples are consumed, so any positive count trains one.
+    if ns.train_samples is not None and ns.train_samples < gbs \
+            and ns.step_batch_size_schedule is None:
         return [f"--train-samples {ns.train_samples} is less than one global batch ({gbs} "
                 "samples): train for at least one"]
     return []
 
 
-def _rampup(ns, dp: int, gbs: int) -> list[str]:
-    """Megatron-LM's rules for --rampup-batch-size START INCREMENT SAMPLES: sample-based
-    training only, three values, START + k x INCREMENT reaching --global-batch-size, every global
-    batch of the ramp divisible by micro-batch x data-parallel size; and --train-samples covers
-    the ramp phase."""
-    if ns.rampup_batch_size is None:
+def _global_batches(ns, world_size: int) -> GlobalBatches:
+    """The global batch of every iteration: --step-batch-size-schedule's (thresholds in tokens
+    of --seq-length, as Megatron-LM passes them), or the global batch size in every one."""
+    if ns.step_batch_size_schedule is None:
+        return GlobalBatches.of(_sizes(ns, world_size)[1])
+    return GlobalBatches.of_schedule(ns.step_batch_size_schedule, ns.seq_length)
+
+
+def _step_schedule(ns, world_size: int) -> list[str]:
+    """--step-batch-size-schedule: Megatron-LM core_v0.19.0's refusals (with --global-batch-size;
+    megatron-core's parsing and validation), its assertion that each global batch the run
+    reaches divides by micro-batch x data-parallel size, here at start-up; and what the policy
+    needs: sample-based training, sizes that never decrease."""
+    schedule = ns.step_batch_size_schedule
+    if schedule is None:
         return []
+    if ns.global_batch_size is not None:
+        return ["Cannot specify both --step-batch-size-schedule and --global-batch-size (as "
+                "Megatron-LM refuses them): drop --global-batch-size, the schedule gives each "
+                "iteration's global batch size"]
     if ns.train_iters is not None:
-        return ["--rampup-batch-size with --train-iters: Megatron-LM refuses it too (expected no "
-                "batch-size rampup for iteration-based training); ramp-up is for sample-based "
-                "training: give --train-samples and the learning-rate schedule in samples"]
-    if len(ns.rampup_batch_size) != 3:
-        return ["--rampup-batch-size expects three values: <start batch size> <batch size "
-                f"increment> <ramp-up samples>, got {ns.rampup_batch_size}"]
+        return ["--step-batch-size-schedule with --train-iters: Megatron-LM core_v0.19.0 counts "
+                "an iteration-based run's learning-rate schedule and training split in "
+                "iterations x micro-batch x data-parallel size samples (its --global-batch-size "
+                "default) while the schedule's iterations consume more, so its learning rate "
+                "decays early and its split runs short; give --train-samples and the "
+                "learning-rate schedule in samples"]
     try:
-        batches = GlobalBatches.of(gbs, ns.rampup_batch_size)
+        batches = GlobalBatches.of_schedule(schedule, ns.seq_length)
     except ValueError as error:
-        return [f"--rampup-batch-size: {error}"]
+        return [f"--step-batch-size-schedule {schedule!r}: {error}"]
+    dp = _sizes(ns, world_size)[0]
     unit = ns.micro_batch_size * dp
-    uneven = sorted({size for size in batches.ramp if size % unit})
+    uneven = [size for size in batches.sizes if size % unit]
     if uneven:
-        return [f"--rampup-batch-size: the ramp-up's global batch sizes {uneven} are not "
-                f"divisible by --micro-batch-size {ns.micro_batch_size} x data-parallel size "
-                f"{dp}: choose a start and an increment that are multiples of {unit}"]
-    if ns.train_samples < batches.ramp_samples:
-        return [f"--train-samples {ns.train_samples} ends inside the batch-size ramp-up, which "
-                f"trains {batches.ramp_samples} samples ({len(batches.ramp)} iterations): raise "
-                "--train-samples or shorten the ramp-up"]
+        return [f"--step-batch-size-schedule: the global batch sizes {uneven} are not divisible "
+                f"by --micro-batch-size {ns.micro_batch_size} x data-parallel size {dp} "
+                "(megatron-core asserts it at the iteration that reaches them; here every "
+                "step an iteration starts in counts, beyond --train-samples too, as the policy "
+                f"lays the schedule out whole): use multiples of {unit}"]
     return []
 
 
@@ -709,7 +731,7 @@ def _schedule(ns, world_size: int) -> list[str]:
     problems = _unit(ns, world_size)
     if problems:
         return problems
-    problems = _rampup(ns, *_sizes(ns, world_size))
+    problems = _step_schedule(ns, world_size)
     if problems:
         return problems
     sample_based = ns.train_samples is not None
@@ -905,12 +927,19 @@ def _tokenizer(ns) -> list[str]:
         problems.append(f"--vocab-size: --tokenizer-type {kind} takes its vocabulary from its "
                         "files: drop it")
     if kind == TIKTOKEN:
-        # Megatron-LM's training builds its legacy TikTokenizer too, which needs the pattern.
+        # Required as Megatron-LM core_v0.16.1's training required it (core_v0.19.0 defaults
+        # to v2, as tokenizers.build_tokenizer does; argument_table.py notes the difference).
         if ns.tiktoken_pattern not in TIKTOKEN_PATTERNS:
             problems.append(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 "
                             f"(got {ns.tiktoken_pattern!r})")
         if ns.tiktoken_num_special_tokens < 0:
             problems.append("--tiktoken-num-special-tokens must be >= 0")
+    eod = ns.null_tokenizer_eod_id
+    if kind == NULL and eod is not None and ns.vocab_size is not None and not (
+            0 <= eod < ns.vocab_size):
+        # Megatron-LM does not check it: an id outside the vocabulary has no embedding row.
+        problems.append(f"--null-tokenizer-eod-id {eod}: must be an id of the vocabulary, "
+                        f"0..{ns.vocab_size - 1} (--vocab-size {ns.vocab_size})")
     if "tokenizer_special_tokens" not in optional and _special_tokens(ns) is not None:
         problems.append(f"--tokenizer-special-tokens: only TikTokenizer takes a special-token "
                         f"list here (--tokenizer-type {kind} has its own): drop it")
@@ -922,8 +951,8 @@ _TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
 
 
 def _special_tokens(ns) -> list[str] | None:
-    """--tokenizer-special-tokens, or Megatron-LM's deprecated --tiktoken-special-tokens."""
-    return ns.tokenizer_special_tokens or ns.tiktoken_special_tokens
+    """--tokenizer-special-tokens."""
+    return ns.tokenizer_special_tokens
 
 
 def _checkpointing(ns) -> list[str]:
@@ -1235,9 +1264,12 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
         lines.append(f"megatron-recover: {' and '.join(given)} has no effect with "
                      f"--tokenizer-type {_tokenizer_type(ns)} (only TikTokenizer reads it, as in "
                      "Megatron-LM)")
-    if ns.tiktoken_special_tokens and not ns.tokenizer_special_tokens:
-        lines.append("megatron-recover: --tiktoken-special-tokens is Megatron-LM's deprecated "
-                     "name of --tokenizer-special-tokens (it reads it as that)")
+    given = [flag for flag in ("--null-tokenizer-eod-id", "--null-tokenizer-pad-id")
+             if any(arg.split("=")[0] == flag for arg in argv)]
+    if given and _tokenizer_type(ns) != NULL:
+        lines.append(f"megatron-recover: {' and '.join(given)} has no effect with "
+                     f"--tokenizer-type {_tokenizer_type(ns)} (only NullTokenizer reads it, as "
+                     "in Megatron-LM)")
     if ns.check_for_nan_in_loss_and_grad and not _checks_for_nan(ns):
         lines.append("megatron-recover: the check for NaN and inf in the loss and gradients is "
                      "off, as Megatron-LM sets it with fp16's dynamic loss scaling, whose "
@@ -1280,6 +1312,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
               grouped_gemm_available=grouped_gemm_available)
     tp = ns.tensor_model_parallel_size
     dp, gbs = _sizes(ns, world_size)
+    batches = _global_batches(ns, world_size)
     fusion = ns.gradient_accumulation_fusion
     blend, blend_per_split, _ = _data_blends(ns)
     return TrainConfig(
@@ -1358,7 +1391,11 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             vocab_size=ns.vocab_size,
             tiktoken_pattern=ns.tiktoken_pattern if _tokenizer_type(ns) == TIKTOKEN else None,
             tiktoken_num_special_tokens=ns.tiktoken_num_special_tokens,
-            tokenizer_special_tokens=_special_tokens(ns) and tuple(_special_tokens(ns))),
+            tokenizer_special_tokens=_special_tokens(ns) and tuple(_special_tokens(ns)),
+            null_tokenizer_eod_id=ns.null_tokenizer_eod_id if _tokenizer_type(ns) == NULL
+            else None,
+            null_tokenizer_pad_id=ns.null_tokenizer_pad_id if _tokenizer_type(ns) == NULL
+            else None),
         checkpoint=CheckpointConfig(
             save=ns.save, load=ns.load, save_interval=ns.save_interval,
             ckpt_format=ns.ckpt_format or "torch_dist",
@@ -1387,9 +1424,8 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
             straggler_window=_or(ns.recover_straggler_window, DEFAULT_STRAGGLER_WINDOW),
             evict_slower_than=ns.recover_evict_slower_than or 0.0),
         micro_batch_size=ns.micro_batch_size,
-        global_batch_size=gbs, train_iters=_train_iters(ns, gbs),
-        rampup_batch_size=(None if ns.rampup_batch_size is None
-                           else tuple(ns.rampup_batch_size)),
+        global_batch_size=batches.global_batch_size, train_iters=_train_iters(ns, batches),
+        step_batch_size_schedule=ns.step_batch_size_schedule,
         train_samples=ns.train_samples or ns.train_iters * gbs,
         seed=ns.seed,
         logging=LoggingConfig(
@@ -1412,12 +1448,13 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
     )
 
 
-def _train_iters(ns, gbs: int) -> int:
-    """--train-iters, or Megatron-LM's update_train_iters: the ramp-up's iterations, then the
-    whole global batches in the rest of --train-samples."""
+def _train_iters(ns, batches: GlobalBatches) -> int:
+    """--train-iters, or Megatron-LM core_v0.19.0's update_train_iters: the whole global batches
+    in --train-samples, or with a batch-size schedule the iterations that start before they are
+    consumed."""
     if ns.train_iters is not None:
         return ns.train_iters
-    return GlobalBatches.of(gbs, ns.rampup_batch_size).iterations_in(ns.train_samples)
+    return batches.iterations_in(ns.train_samples)
 
 
 def _schedule_in_samples(ns, gbs: int) -> dict:

@@ -418,6 +418,10 @@ class DataConfig:
     """Ids TikTokenizer reserves for special tokens (--tiktoken-num-special-tokens)."""
     tokenizer_special_tokens: tuple | None
     """TikTokenizer's special tokens (--tokenizer-special-tokens); None: megatron-core's."""
+    null_tokenizer_eod_id: int | None
+    """NullTokenizer's end-of-document id (--null-tokenizer-eod-id); None: vocab_size - 1."""
+    null_tokenizer_pad_id: int | None
+    """NullTokenizer's pad id (--null-tokenizer-pad-id); None: -1, no pad token."""
 
 
 @dataclass(frozen=True)
@@ -596,10 +600,12 @@ class TrainConfig:
     micro_batch_size: int
     """Samples per microbatch on one data-parallel rank (--micro-batch-size)."""
     global_batch_size: int
-    """Samples per iteration, all ranks together (--global-batch-size, default mbs x dp)."""
+    """Samples per iteration, all ranks together (--global-batch-size, default mbs x dp); with
+    --step-batch-size-schedule, the last step's size (B; the earlier steps are smaller)."""
     train_iters: int
-    """Iterations to train, counted from 1 (--train-iters, or Megatron-LM's count of the whole
-    global batches in --train-samples, ramp-up included)."""
+    """Iterations to train, counted from 1 (--train-iters, or Megatron-LM's update_train_iters
+    count for --train-samples: its whole global batches, or with a batch-size schedule the
+    iterations that start before --train-samples are consumed)."""
     train_samples: int
     """The training split's size in samples: --train-samples when training is sample-based
     (Megatron-LM builds the split with that many), train_iters x GBS otherwise."""
@@ -608,8 +614,9 @@ class TrainConfig:
     logging: LoggingConfig
     evaluation: EvalConfig
     exit: ExitConfig
-    rampup_batch_size: tuple[int, int, int] | None
-    """--rampup-batch-size START INCREMENT SAMPLES (sample-based training), or None."""
+    step_batch_size_schedule: str | None
+    """--step-batch-size-schedule "THRESHOLD:BS ..." (sample-based training; thresholds in
+    tokens of --seq-length, as Megatron-LM passes them), or None."""
     notices: tuple[str, ...] = ()
     """Start-up lines about the arguments: the no-effect flags given (with the reason), and
     choices made for the user (layer spec, fallbacks); rank 0 prints them."""
@@ -636,20 +643,39 @@ class TrainConfig:
 
     @property
     def b(self) -> int:
-        """B: microbatches per iteration over all data-parallel ranks, GBS // mbs, after any
-        ramp-up; a microbatch id names one data-parallel rank's micro-batch (docs/design.md,
-        "Exact semantics")."""
+        """B: microbatches per iteration over all data-parallel ranks, GBS // mbs (the last
+        step of a batch-size schedule); a microbatch id names one data-parallel rank's
+        micro-batch (docs/design.md, "Exact semantics")."""
         return self.global_batch_size // self.micro_batch_size
 
     @property
     def global_batches(self) -> GlobalBatches:
-        """The global batch of every iteration: its size (smaller during a ramp-up) and where
-        its samples start."""
-        return GlobalBatches.of(self.global_batch_size, self.rampup_batch_size)
+        """The global batch of every iteration: its size (smaller before a batch-size
+        schedule's last step) and where its samples start."""
+        if self.step_batch_size_schedule is None:
+            return GlobalBatches.of(self.global_batch_size)
+        return GlobalBatches.of_schedule(self.step_batch_size_schedule, self.model.seq_length)
 
     def b_at(self, iteration: int) -> int:
-        """The global microbatch count of `iteration`: B, or less during a ramp-up."""
+        """The global microbatch count of `iteration`: B, or less before a batch-size
+        schedule's last step."""
         return self.global_batches.size(iteration) // self.micro_batch_size
+
+    @property
+    def main_samples(self) -> int:
+        """Where the training split's main stream ends (the reserve stream starts there):
+        --train-samples, or past it what the last iteration of a batch-size schedule reads
+        beyond it (Megatron-LM's update_train_iters runs that iteration whole)."""
+        return max(self.train_samples, self.global_batches.consumed_after(self.train_iters))
+
+    @property
+    def eval_global_batch_size(self) -> int:
+        """Samples per evaluation iteration: Megatron-LM's args.global_batch_size, which its
+        evaluation reads and its checkpoints record: --global-batch-size, or with
+        --step-batch-size-schedule (which excludes it) its default, mbs x dp."""
+        if self.step_batch_size_schedule is None:
+            return self.global_batch_size
+        return self.micro_batch_size * self.data_parallel_size
 
     @property
     def num_microbatches_per_dp_rank(self) -> int:

@@ -15,8 +15,9 @@ to another iteration and no bucket was reduced with contents the ledger could no
 --calculate-per-token-loss the loss tokens the commit lane counted (what the gradient is divided
 by) equal the unmasked tokens of those ids' samples in the dataset. B_t, the
 iteration's global batch in microbatches, and where its samples start come from megatron-core's own
-microbatch calculator stepped through the run's consumed samples (a batch-size ramp-up changes
-them), not from the schedule the policy and the data source share.
+microbatch calculator stepped through the run's consumed samples (a batch-size schedule changes
+them: megatron-core's StepBatchsizeNumMicroBatchesCalculator), not from the `GlobalBatches` the
+policy and the data source share.
 """
 
 from __future__ import annotations
@@ -35,17 +36,18 @@ class DatasetAudit:
     The sample arithmetic (iteration t's global batch is the GBS_t samples after those consumed
     before it; reserve id B+j is samples main_samples + j*mbs onwards, main_samples being the
     training split's size) is docs/design.md's ("Exact semantics"), written out again on purpose.
-    rampup_batch_size: --rampup-batch-size START INCREMENT SAMPLES, or None.
+    step_batch_size_schedule: --step-batch-size-schedule, or None; seq_length: --seq-length,
+    which converts its thresholds from tokens to samples (as Megatron-LM passes it).
     """
 
     def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int,
                  main_samples: int, policy: str, mode: str,
-                 rampup_batch_size: tuple[int, int, int] | None = None,
+                 step_batch_size_schedule: str | None = None, seq_length: int | None = None,
                  committed_reserve=()):
         """`committed_reserve`: reserve ids a run being continued (a standby's join) committed."""
         from megatron.core.num_microbatches_calculator import (
             ConstantNumMicroBatchesCalculator,
-            RampupBatchsizeNumMicroBatchesCalculator,
+            StepBatchsizeNumMicroBatchesCalculator,
         )
 
         self.dataset = dataset
@@ -57,10 +59,12 @@ class DatasetAudit:
         self._checksums: dict[tuple[int, int], tuple[int, int]] = {}  # -> (checksum, tokens)
         self._committed_reserve: set[int] = set(committed_reserve)
         # Data-parallel size 1: only the global batch sizes are read, not per-rank counts.
-        common = (global_batch_size, micro_batch_size, 1, False, -1)
-        self._calculator = (ConstantNumMicroBatchesCalculator(*common) if rampup_batch_size is None
-                            else RampupBatchsizeNumMicroBatchesCalculator(*common,
-                                                                          *rampup_batch_size))
+        if step_batch_size_schedule is None:
+            self._calculator = ConstantNumMicroBatchesCalculator(
+                global_batch_size, micro_batch_size, 1, False, -1)
+        else:
+            self._calculator = StepBatchsizeNumMicroBatchesCalculator(
+                micro_batch_size, 1, False, -1, step_batch_size_schedule, seq_length)
         self._batches: list[tuple[int, int]] = []  # (first sample, size) of iterations 1, 2, ...
 
     def global_batch(self, iteration: int) -> tuple[int, int]:

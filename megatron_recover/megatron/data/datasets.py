@@ -3,7 +3,7 @@ says.
 
 Contract of `MicrobatchSource(config)`:
 - Iteration t (1..train_iters) uses the training split's samples [(t-1)*GBS, t*GBS), the range
-  Megatron's pretraining sampler gives iteration t; during a batch-size ramp-up, the GBS_t
+  Megatron's pretraining sampler gives iteration t; with a batch-size schedule, the GBS_t
   samples after those the earlier iterations consumed (`GlobalBatches`). Microbatch id k,
   0 <= k < B_t = GBS_t / mbs, is the k-th slice of `micro_batch_size` samples in it.
   (Megatron's sampler hands data-parallel rank r of dp its m-th microbatch of an iteration from
@@ -23,10 +23,10 @@ Contract of `MicrobatchSource(config)`:
   or loaded from the cache, because megatron-core's indices are seeded by `seed` alone.
 
 The data set is what Megatron-LM's pretrain_gpt builds: `BlendedMegatronDatasetBuilder` over
-`GPTDataset` with `GPTDatasetConfig`, a training split of main_samples samples, so the main
+`GPTDataset` with `GPTDatasetConfig`, a training split of split_samples samples, so the main
 stream equals an unpatched megatron-core run with the same data, --seed, --split, --seq-length,
---global-batch-size and --reset-position-ids / --reset-attention-mask / --eod-mask-loss (all
-off by default). `blend` is megatron's blend, as megatron-core's `get_blend_from_list` makes it
+--global-batch-size (or --step-batch-size-schedule) and --reset-position-ids /
+--reset-attention-mask / --eod-mask-loss (all off by default). `blend` is megatron's blend, as megatron-core's `get_blend_from_list` makes it
 from --data-path: one prefix without a weight is one GPTDataset; several prefixes, or any
 weights, give megatron's `BlendedDataset` over their GPTDatasets, whose sample i is sample
 `dataset_sample_index[i]` of dataset `dataset_index[i]`. `blend_per_split` (--train-data-path,
@@ -35,7 +35,9 @@ weights, give megatron's `BlendedDataset` over their GPTDatasets, whose sample i
 ignores `split`).
 GPTDataset rounds its size up to whole epochs, so the reserve stream usually fits after the main
 one; when it does not, the split is built for main + reserve samples, which may add an epoch and
-so reshuffle the main stream (reserve mode only: exact mode has no reserve stream).
+so reshuffle the main stream (reserve mode only: exact mode has no reserve stream; and a
+schedule's last iteration past --train-samples when the epochs' slack does not hold it, where
+Megatron-LM's sampler would run out).
 
 Start-up, cache and concurrency. Build the source before torch.distributed is initialized
 (RuntimeError otherwise): megatron's builder then takes its single-process path, building or
@@ -106,14 +108,18 @@ class MicrobatchSourceConfig:
     micro_batch_size: samples per microbatch (--micro-batch-size).
     global_batch_size: samples per iteration (--global-batch-size), a multiple of
         micro_batch_size; B = global_batch_size / micro_batch_size.
-    train_iters: iterations of the run (--train-iters, or the whole global batches of
+    train_iters: iterations of the run (--train-iters, or Megatron-LM's count for
         --train-samples).
     train_samples: the training split's size, where the reserve stream starts: --train-samples
         of a sample-based run (as Megatron-LM builds its split); None: what the iterations
-        consume.
-    rampup_batch_size: --rampup-batch-size START INCREMENT SAMPLES, or None. Iteration t's
-        global batch then starts after the samples the earlier iterations consumed and holds
+        consume. With a schedule the last iteration may read past it (Megatron-LM runs it
+        whole): the main stream and the split then extend to what the iterations consume.
+    step_batch_size_schedule: --step-batch-size-schedule, thresholds in tokens of
+        sequence_length, or None; global_batch_size is then its last step's size. Iteration
+        t's global batch starts after the samples the earlier iterations consumed and holds
         that iteration's size (`GlobalBatches`); microbatch ids of iteration t are 0..B_t-1.
+    eval_global_batch_size: samples per evaluation iteration (Megatron-LM's
+        args.global_batch_size: mbs x dp with a schedule); None: global_batch_size.
     blend: (prefixes of .bin/.idx pairs, their weights or None), megatron's blend of --data-path;
         None for mock data (--mock-data) or per-split blends.
     blend_per_split: (train, valid, test), each a blend or None, megatron's blend_per_split of
@@ -127,8 +133,8 @@ class MicrobatchSourceConfig:
         default beside the data. Unused with mock data.
     eval_iters, evaluations: global batches per evaluation (--eval-iters) and evaluations of the
         validation split in the run; the validation split is then built with
-        evaluations x eval_iters x GBS samples and the test split with eval_iters x GBS, as
-        Megatron-LM sizes them (0: neither is read).
+        evaluations x eval_iters x E samples and the test split with eval_iters x E, as
+        Megatron-LM sizes them (0: neither is read), E being eval_global_batch_size.
     create_attention_mask: put a dense causal mask in each batch instead of None.
     reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron-LM's flags of those names
         (restart positions / block attention after each EOD, drop EOD from the loss); a reset
@@ -141,7 +147,8 @@ class MicrobatchSourceConfig:
     global_batch_size: int
     train_iters: int
     train_samples: Optional[int] = None
-    rampup_batch_size: Optional[tuple] = None
+    step_batch_size_schedule: Optional[str] = None
+    eval_global_batch_size: Optional[int] = None
     blend: Optional[tuple] = None
     blend_per_split: Optional[tuple] = None
     split: Optional[str] = DEFAULT_SPLIT
@@ -159,15 +166,22 @@ class MicrobatchSourceConfig:
     def __post_init__(self):
         for name in ("sequence_length", "micro_batch_size", "global_batch_size", "train_iters"):
             _check_int(name, getattr(self, name), minimum=1)
-        if self.global_batch_size % self.micro_batch_size or any(
-                size % self.micro_batch_size for size in self.batches.ramp):
+        if self.batches.global_batch_size != self.global_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not the last step "
+                             f"of the batch-size schedule ({self.batches.global_batch_size})")
+        if any(size % self.micro_batch_size for size in self.batches.sizes):
             raise ValueError(
-                f"every global batch size (global_batch_size {self.global_batch_size}, ramp-up "
-                f"{self.batches.ramp}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size})"
+                f"every global batch size ({list(self.batches.sizes)}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
             )
+        if self.eval_global_batch_size is not None and (
+                self.eval_global_batch_size < 1
+                or self.eval_global_batch_size % self.micro_batch_size):
+            raise ValueError(f"eval_global_batch_size {self.eval_global_batch_size} must be a "
+                             f"positive multiple of micro_batch_size ({self.micro_batch_size})")
         consumed = self.batches.consumed_after(self.train_iters)
-        if self.train_samples is not None and self.train_samples < consumed:
+        if self.train_samples is not None and self.train_samples < consumed \
+                and not self.batches.stepped:
             raise ValueError(f"train_samples ({self.train_samples}) is less than the "
                              f"{consumed} samples {self.train_iters} iterations consume")
         _check_int("reserve_microbatches", self.reserve_microbatches, minimum=0)
@@ -214,21 +228,34 @@ class MicrobatchSourceConfig:
 
     @property
     def batches(self) -> GlobalBatches:
-        """The global batch of every iteration (ramp-up included)."""
-        return GlobalBatches.of(self.global_batch_size, self.rampup_batch_size)
+        """The global batch of every iteration (a batch-size schedule's included)."""
+        if self.step_batch_size_schedule is None:
+            return GlobalBatches.of(self.global_batch_size)
+        return GlobalBatches.of_schedule(self.step_batch_size_schedule, self.sequence_length)
 
     @property
     def microbatches_per_iteration(self) -> int:
-        """B after any ramp-up; reserve-stream ids start there (id B + j)."""
+        """B (a schedule's last step); reserve-stream ids start there (id B + j)."""
         return self.global_batch_size // self.micro_batch_size
 
     @property
-    def main_samples(self) -> int:
-        """Training samples of the main stream (Megatron's train split size): train_samples, or
-        what train_iters iterations consume."""
+    def eval_batch_size(self) -> int:
+        """Samples per evaluation iteration."""
+        return self.eval_global_batch_size or self.global_batch_size
+
+    @property
+    def split_samples(self) -> int:
+        """The training split's size as Megatron-LM asks megatron-core for it: train_samples,
+        or what train_iters iterations consume."""
         if self.train_samples is not None:
             return self.train_samples
         return self.batches.consumed_after(self.train_iters)
+
+    @property
+    def main_samples(self) -> int:
+        """Training samples of the main stream: the split's size, or what the iterations
+        consume where a schedule's last iteration reads past it."""
+        return max(self.split_samples, self.batches.consumed_after(self.train_iters))
 
     @property
     def num_samples(self) -> int:
@@ -254,8 +281,9 @@ class MicrobatchSource:
 
     @property
     def eval_microbatches(self) -> int:
-        """Microbatches in one evaluation: eval_iters global batches of B."""
-        return self.config.eval_iters * self.config.microbatches_per_iteration
+        """Microbatches in one evaluation: eval_iters evaluation batches (of B, or of mbs x dp
+        with a batch-size schedule, as Megatron-LM)."""
+        return self.config.eval_iters * self.config.eval_batch_size // self.config.micro_batch_size
 
     def eval_microbatch(self, split: str, evaluation: int, index: int) -> Dict[str, Any]:
         """Microbatch `index` (0 <= index < eval_microbatches) of evaluation number `evaluation`
@@ -308,7 +336,7 @@ def _stack(samples) -> Dict[str, Optional[torch.Tensor]]:
 def _build_splits(config: MicrobatchSourceConfig):
     """(train, valid, test): megatron builds each split from its own documents with its own
     size, so the evaluation sizes do not change the training split."""
-    gbs = config.global_batch_size
+    gbs = config.eval_batch_size
     weighted = any(weights is not None for _, weights in config.blends)
     if config.eval_iters or weighted:
         # Megatron-LM's sizes (0 without evaluation: megatron-core wants a size for every split
@@ -318,9 +346,10 @@ def _build_splits(config: MicrobatchSourceConfig):
         evaluation = [None, None]  # one epoch of each split, never read
     if config.blend is not None:
         _check_splits_have_documents(config, sized=[True] + [n is not None for n in evaluation])
-    train, valid, test = _build(config, [config.main_samples, *evaluation])
+    train, valid, test = _build(config, [config.split_samples, *evaluation])
     if len(train) < config.num_samples:
-        # The whole-epoch slack after the main stream is too short for the reserve stream.
+        # The whole-epoch slack after the split is too short for the reserve stream, or for
+        # the last iteration of a schedule that reads past --train-samples.
         train = _build(config, [config.num_samples, *evaluation])[0]
     return train, valid, test
 

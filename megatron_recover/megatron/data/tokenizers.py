@@ -4,30 +4,36 @@ Contract of `build_tokenizer(...)`: the returned object has
   tokenize(text) -> list[int]    the ids Megatron-LM's preprocessing writes for `text`
   detokenize(ids) -> str
   eod: int                       the end-of-document id (`--append-eod` appends it)
-  vocab_size: int                the unpadded vocabulary size (eod included)
+  vocab_size: int                the unpadded vocabulary size (eod included), the model's too
   unique_identifiers: OrderedDict  what megatron-core's datasets hash into their cache file names
 which is everything megatron-core's GPTDataset and the preprocessing script need. The same
 arguments give the same ids in every process; nothing is downloaded (paths must be local).
 
-Types:
+Types, each as Megatron-LM core_v0.19.0 builds it (megatron-core's
+`megatron/core/tokenizers/utils/build_tokenizer.py`, for its training and its preprocessing alike;
+it has no legacy tokenizer classes any more), with the keyword arguments it passes at its
+defaults:
   GPT2BPETokenizer      vocab.json + merges.txt in GPT-2 format. Ours (`GPT2BPETokenizer` below):
-                        megatron-core 0.16.1's class for this name asks the Hugging Face Hub for
-                        "gpt2" and passes the vocab file where the merges file belongs, so it
-                        cannot run offline. Ids equal Megatron-LM's `_GPT2BPETokenizer` for
-                        files in GPT-2's format (merges.txt with its "#version" header line and a
-                        final newline): byte-level BPE; special tokens in the text are not
-                        parsed, so "<|endoftext|>" typed in a document is ordinary text. eod is
-                        the id of "<|endoftext|>", vocab_size the number of vocab.json entries.
+                        megatron-core 0.19's class for this name (library "megatron") still loads
+                        `AutoTokenizer.from_pretrained("gpt2", vocab_file=..., merges_file=...)`,
+                        which asks the Hugging Face Hub for "gpt2" and so cannot run offline.
+                        Byte-level BPE as in GPT-2's original encoder; special tokens in the text
+                        are not parsed, so "<|endoftext|>" typed in a document is ordinary text.
+                        eod is the id of "<|endoftext|>", vocab_size the number of vocab.json
+                        entries.
   HuggingFaceTokenizer  `tokenizer_model` is a local directory saved by transformers'
-                        `save_pretrained`; megatron-core's own class (Megatron-LM's non-legacy
-                        path): ids of `tokenizer.tokenize` + `convert_tokens_to_ids`, no
-                        BOS/EOS added; eod is the tokenizer's eos token.
+                        `save_pretrained`; megatron-core's class, fast tokenizer: ids are the
+                        tokenizer's own encoding, `tokenizer(text).input_ids`, with the special
+                        tokens its post-processor adds (a Llama tokenizer's BOS, for example, so
+                        an empty text is [BOS]): megatron-core 0.19's `include_special_tokens`,
+                        which Megatron-LM leaves on (core_v0.16.1 added none). Special tokens
+                        typed in the text are parsed. eod is the eos token, vocab_size
+                        `len(tokenizer)` (added tokens included).
   SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer
                         `tokenizer_model` is a SentencePiece model file; megatron-core's
-                        sentencepiece class, as Megatron-LM builds all three for its data and
-                        its preprocessing (without --legacy-tokenizer): ids of the model's
-                        `encode` with no BOS or EOS added (Megatron-LM's legacy Llama2 class
-                        prepends BOS), eod is the model's eos piece, vocab_size its piece count.
+                        sentencepiece class (not legacy, extra whitespace left to the model):
+                        ids of the model's `encode`, no BOS or EOS added (Llama2Tokenizer too);
+                        eod is the model's eos piece, vocab_size its piece count.
   TikTokenizer          `tokenizer_model` is a tiktoken vocabulary in JSON (a list of {"rank",
                         "token_bytes", "token_str"}, the 256 single bytes first); megatron-core's
                         tiktoken class: ids are shifted up by `tiktoken_num_special_tokens`
@@ -36,11 +42,16 @@ Types:
                         the text are parsed; eod is </s>; `tiktoken_pattern` v1 or v2 (default)
                         selects the pre-tokenization regex; vocab_size (default 2**17) cuts the
                         JSON to its first `vocab_size - tiktoken_num_special_tokens` entries.
-  NullTokenizer         megatron-core's own class: the text is space-separated integer ids;
-                        eod = `vocab_size` and the vocabulary has `vocab_size + 1` entries.
+  NullTokenizer         megatron-core's class (library "null-text"): the text is space-separated
+                        integer ids; the vocabulary has `vocab_size` entries, eod is
+                        `null_tokenizer_eod_id` (default `vocab_size - 1`, which must be below
+                        vocab_size) and the pad id `null_tokenizer_pad_id` (default -1: none;
+                        megatron-core's GPTDataset leaves labels equal to it out of the loss).
+                        (megatron-core 0.16.1: `vocab_size + 1` entries, eod `vocab_size`.)
 
-`model_vocab_size` gives the vocabulary Megatron-LM pads for the model, which is the data's
-except for SentencePieceTokenizer.
+The model's unpadded vocabulary is the tokenizer's `vocab_size` for every type, as Megatron-LM
+core_v0.19.0 sizes it (core_v0.16.1 took SentencePieceTokenizer's from its legacy class, which
+appended pieces).
 """
 
 import json
@@ -66,20 +77,21 @@ ARGUMENTS = {
     TIKTOKEN: (("tokenizer_model",),
                ("tiktoken_pattern", "vocab_size", "tiktoken_num_special_tokens",
                 "tokenizer_special_tokens")),
-    NULL: (("vocab_size",), ()),
+    NULL: (("vocab_size",), ("null_tokenizer_eod_id", "null_tokenizer_pad_id")),
 }
 TOKENIZER_TYPES = tuple(ARGUMENTS)
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
-# GPT-2's end-of-text token; Megatron-LM's GPT2BPE tokenizer uses it as the end-of-document id.
+# GPT-2's end-of-text token, GPT2BPETokenizer's end-of-document id (as in Megatron-LM).
 EOD_TOKEN = "<|endoftext|>"
 
 
 class GPT2BPETokenizer:
-    """Megatron-LM's GPT-2 BPE tokenizer from a vocab.json and a merges.txt, on `tokenizers`.
+    """GPT-2 BPE from a local vocab.json and merges.txt, on `tokenizers`.
 
     Byte-level BPE with GPT-2's pre-tokenization regex and no prefix space, and no added tokens,
-    so encoding matches the original GPT-2 encoder that Megatron-LM bundles.
+    so encoding matches GPT-2's original encoder (which Megatron-LM bundled up to core_v0.16.1 as
+    its legacy GPT2BPETokenizer).
     """
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -120,6 +132,8 @@ def build_tokenizer(
     tiktoken_pattern: Optional[str] = None,
     tiktoken_num_special_tokens: Optional[int] = None,
     tokenizer_special_tokens: Optional[List[str]] = None,
+    null_tokenizer_eod_id: Optional[int] = None,
+    null_tokenizer_pad_id: Optional[int] = None,
 ):
     """The tokenizer Megatron's `--tokenizer-type` names; see the module docstring.
 
@@ -139,6 +153,8 @@ def build_tokenizer(
         "tiktoken_pattern": tiktoken_pattern,
         "tiktoken_num_special_tokens": tiktoken_num_special_tokens,
         "tokenizer_special_tokens": tokenizer_special_tokens,
+        "null_tokenizer_eod_id": null_tokenizer_eod_id,
+        "null_tokenizer_pad_id": null_tokenizer_pad_id,
     }
     _check_arguments(tokenizer_type, given)
     if tokenizer_type == GPT2_BPE:
@@ -150,7 +166,7 @@ def build_tokenizer(
     if tokenizer_type == TIKTOKEN:
         options = {name: given[name] for name in ARGUMENTS[TIKTOKEN][1] if given[name] is not None}
         return _tiktoken_tokenizer(_existing_file(tokenizer_model), options)
-    return _null_tokenizer(vocab_size)
+    return _null_tokenizer(vocab_size, null_tokenizer_eod_id, null_tokenizer_pad_id)
 
 
 def build_arguments(tokenizer_type: str, given: dict) -> dict:
@@ -159,28 +175,6 @@ def build_arguments(tokenizer_type: str, given: dict) -> dict:
     required, optional = ARGUMENTS[tokenizer_type]
     return {**{name: given[name] for name in required},
             **{name: given[name] for name in optional if given.get(name) is not None}}
-
-
-def model_vocab_size(tokenizer_type: str, tokenizer) -> int:
-    """The unpadded vocabulary size Megatron-LM gives the model (`padded_vocab_size` pads it).
-
-    Megatron-LM sizes the model from its legacy tokenizer classes even where its data and its
-    preprocessing use megatron-core's. They agree except for SentencePieceTokenizer, whose
-    legacy class appends <CLS>, <SEP>, <EOD>, <MASK> and the pad, bos and eos pieces that the
-    model lacks (<PAD>, <BOS>, <EOS> where the model has no such id) after its pieces.
-    """
-    if tokenizer_type != SENTENCE_PIECE:
-        return tokenizer.vocab_size
-    import sentencepiece
-
-    model = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
-    pieces = {model.id_to_piece(i) for i in range(model.get_piece_size())}
-    appended = {"<CLS>", "<SEP>", "<EOD>", "<MASK>"}
-    for special_id, fallback in ((model.pad_id(), "<PAD>"), (model.bos_id(), "<BOS>"),
-                                 (model.eos_id(), "<EOS>")):
-        appended.add(model.id_to_piece(special_id)
-                     if 0 <= special_id < model.get_piece_size() else fallback)
-    return model.get_piece_size() + len(appended - pieces)
 
 
 def _check_arguments(tokenizer_type: str, given: dict) -> None:
@@ -218,12 +212,13 @@ def _hugging_face_tokenizer(tokenizer_model: str):
             f"HuggingFaceTokenizer needs a local --tokenizer-model (a directory saved with "
             f"save_pretrained); {tokenizer_model!r} does not exist and nothing is downloaded"
         )
-    # The fast tokenizer loads from tokenizer.json alone, which many saved tokenizers ship
-    # without the slow tokenizer's files; both give the same ids.
+    # Megatron-LM's keyword arguments at its defaults: the fast tokenizer (which loads from
+    # tokenizer.json alone), and ids with the special tokens the tokenizer adds.
     tokenizer = MegatronTokenizer.from_pretrained(
         tokenizer_path=os.path.abspath(tokenizer_model),
         metadata_path={"library": "huggingface"},
-        use_fast=True,
+        chat_template=None, vocab_file=None, merges_file=None, additional_special_tokens=[],
+        use_fast=True, trust_remote_code=False, include_special_tokens=True,
     )
     if tokenizer.eod is None:
         raise ValueError(f"the tokenizer in {tokenizer_model} has no eos token to use as EOD")
@@ -234,8 +229,10 @@ def _sentence_piece_tokenizer(tokenizer_type: str, model_file: str):
     from megatron.core.tokenizers import MegatronTokenizer
 
     try:
+        # Megatron-LM's keyword arguments at its defaults.
         tokenizer = MegatronTokenizer.from_pretrained(
-            tokenizer_path=model_file, metadata_path={"library": "sentencepiece"}
+            tokenizer_path=model_file, metadata_path={"library": "sentencepiece"},
+            chat_template=None, ignore_extra_whitespaces=True, legacy=False, special_tokens=None,
         )
     except (RuntimeError, OSError) as err:  # sentencepiece's message for a file it cannot parse
         raise ValueError(f"{tokenizer_type}: --tokenizer-model {model_file} is not a "
@@ -258,13 +255,16 @@ def _tiktoken_tokenizer(vocabulary_file: str, options: dict):
     if not vocabulary_file.endswith(".json"):
         raise ValueError(f"TikTokenizer: --tokenizer-model {vocabulary_file} must be the "
                          "vocabulary's .json file (a list of rank, token_bytes, token_str)")
-    kwargs = {"pattern": pattern} if pattern is not None else {}
-    for name, keyword in (("vocab_size", "vocab_size"),
-                          ("tiktoken_num_special_tokens", "num_special_tokens"),
-                          ("tokenizer_special_tokens", "special_tokens")):
-        if name in options:
-            kwargs[keyword] = (list(options[name]) if keyword == "special_tokens"
-                               else options[name])
+    # Megatron-LM's keyword arguments: pattern and vocab_size only when given (the class's
+    # defaults v2 and 2**17 otherwise), the others always.
+    kwargs = {"chat_template": None}
+    if pattern is not None:
+        kwargs["pattern"] = pattern
+    if "vocab_size" in options:
+        kwargs["vocab_size"] = options["vocab_size"]
+    kwargs["num_special_tokens"] = options.get("tiktoken_num_special_tokens", 1000)
+    special_tokens = options.get("tokenizer_special_tokens")
+    kwargs["special_tokens"] = None if special_tokens is None else list(special_tokens)
     try:
         return MegatronTokenizer.from_pretrained(
             tokenizer_path=vocabulary_file, metadata_path={"library": "tiktoken"}, **kwargs
@@ -273,8 +273,9 @@ def _tiktoken_tokenizer(vocabulary_file: str, options: dict):
         # megatron-core checks the vocabulary and the special tokens with assertions, most of
         # them without a message: name the check that failed.
         check = str(err) or traceback.extract_tb(err.__traceback__)[-1].line
+        given = {k: v for k, v in kwargs.items() if v is not None}
         raise ValueError(
-            f"TikTokenizer: {vocabulary_file} does not load with {kwargs or 'the defaults'}: "
+            f"TikTokenizer: {vocabulary_file} does not load with {given}: "
             f"{type(err).__name__} {check!r}. The special tokens must be unique and include <unk> "
             "<s> </s> <mask> <pad> <cls> <sep>, with len(special tokens) <= "
             "--tiktoken-num-special-tokens < --vocab-size, and the file needs --vocab-size "
@@ -282,11 +283,27 @@ def _tiktoken_tokenizer(vocabulary_file: str, options: dict):
         ) from None
 
 
-def _null_tokenizer(vocab_size: int):
+def _null_tokenizer(vocab_size: int, eod_id: Optional[int], pad_id: Optional[int]):
     from megatron.core.tokenizers import MegatronTokenizer
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+    if not _is_int(vocab_size) or vocab_size < 1:
         raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
-    return MegatronTokenizer.from_pretrained(
-        metadata_path={"library": "null"}, vocab_size=vocab_size
-    )
+    # Megatron-LM does not check the EOD id; one outside the vocabulary has no embedding row
+    # (and the preprocessing could not store it).
+    if eod_id is not None and (not _is_int(eod_id) or not 0 <= eod_id < vocab_size):
+        raise ValueError(f"NullTokenizer: --null-tokenizer-eod-id must be an id of the "
+                         f"vocabulary, 0..{vocab_size - 1} (--vocab-size {vocab_size}), "
+                         f"got {eod_id!r}")
+    if pad_id is not None and not _is_int(pad_id):
+        raise ValueError(f"NullTokenizer: --null-tokenizer-pad-id must be an integer, "
+                         f"got {pad_id!r}")
+    # Megatron-LM's keyword arguments: eod_id only when given, pad_id always (default -1).
+    kwargs = {"vocab_size": vocab_size}
+    if eod_id is not None:
+        kwargs["eod_id"] = eod_id
+    kwargs["pad_id"] = -1 if pad_id is None else pad_id
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, **kwargs)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -51,9 +51,9 @@ def megatron_common(cfg, iteration: int, padded_vocab_size: int) -> dict:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_stages,
         data_parallel_size=cfg.data_parallel_size, world_size=parallel.world_size,
-        micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
+        micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.eval_global_batch_size,
         consumed_train_samples=samples, skipped_train_samples=0,
-        consumed_valid_samples=evaluations * cfg.evaluation.iters * cfg.global_batch_size,
+        consumed_valid_samples=evaluations * cfg.evaluation.iters * cfg.eval_global_batch_size,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
         ckpt_format="torch_dist", ckpt_fully_parallel_save=True, no_save_optim=False,
         no_save_rng=False, data_parallel_random_init=False)
@@ -70,5 +70,5 @@ def check_data_position(saved_args, iteration: int, cfg) -> None:
     if consumed is not None and consumed != expected:
         raise ValueError(f"--load: the checkpoint consumed {consumed} training samples by "
                          f"iteration {iteration}, while this run's batch sizes give {expected}: "
-                         "resume with the --global-batch-size and --rampup-batch-size it was "
-                         "written with")
+                         "resume with the --global-batch-size or --step-batch-size-schedule it "
+                         "was written with")
