@@ -3,7 +3,7 @@
 
 # A Python 3.12 (megatron-core 0.19 needs it): python3.12, python3 (NVIDIA's PyTorch container:
 # Python 3.12, a CUDA torch) or pyenv's 3.12, the first that runs (scripts/find_python.sh).
-PYTHON ?= $(shell scripts/find_python.sh)
+PYTHON ?= $(shell $(dir $(abspath $(firstword $(MAKEFILE_LIST))))scripts/find_python.sh)
 VENV   := .venv
 # make setup's torch (scripts/install_deps.sh, docs/install-gpu.md): TORCH=auto takes $(PYTHON)'s
 # torch when it is a CUDA build (a venv with --system-site-packages, so Transformer Engine and

@@ -29,7 +29,9 @@ PINS = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_
         if line.split("#")[0].strip()]
 NGC_TORCH = "2.7.0a0+79aa17489c.nv25.4"  # the form of the version NVIDIA's containers carry
 CUDA_ANSWER = f"12.8 {NGC_TORCH} yes yes yes"  # CUDA, torch version, TE, Apex, ensurepip
-CPU_ANSWER = "none 2.13.0+cpu no no yes"
+PINNED_TORCH = next(p.split("==")[1] for p in PINS if p.startswith("torch=="))
+CPU_TORCH = "2.13.0+cpu"  # a CPU build of torch, not the pin: the pinned install replaces it
+CPU_ANSWER = f"none {CPU_TORCH} no no yes"
 
 needs_sdist = pytest.mark.skipif(not SDIST.is_file(), reason=f"{SDIST} (make setup) is missing")
 
@@ -74,7 +76,7 @@ def install_tree(tmp_path: Path) -> Path:
     (tree / "scripts").mkdir(parents=True)
     for name in ("Makefile", "requirements.txt", "pyproject.toml", "megatron-core.lock"):
         shutil.copy(ROOT / name, tree / name)
-    for name in ("install_deps.sh", "install_megatron.sh"):
+    for name in ("install_deps.sh", "install_megatron.sh", "find_python.sh"):
         shutil.copy(ROOT / "scripts" / name, tree / "scripts" / name)
     shutil.copytree(ROOT / "patches", tree / "patches")
     return tree
@@ -114,12 +116,21 @@ def test_this_machines_python_gets_the_pinned_torch(tmp_path):
     """The Python of this machine (its venv's: a CPU torch) and a fake one without torch or with
     a CPU torch: the pinned install, a plain venv and requirements.txt whole, said in one line."""
     fake = str(fake_python(tmp_path))
-    for python, answer, why in ((sys.executable, "", "without CUDA"),
-                                (fake, "", "has no torch"), (fake, CPU_ANSWER, "without CUDA")):
+    cases = [(fake, "", "has no torch"), (fake, CPU_ANSWER, "without CUDA")]
+    # The Python make setup starts from here (pyenv's 3.12, without torch). The venv's own
+    # Python is no such case: the pinned torch 2.14.1 is a CUDA build, which TORCH=auto takes
+    # as a container's torch.
+    machine = subprocess.run([str(ROOT / "scripts/find_python.sh")], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    has_torch = machine and subprocess.run([machine, "-c", "import torch"],
+                                           capture_output=True, timeout=120).returncode == 0
+    if machine and not has_torch:
+        cases.append((machine, "", "has no torch"))
+    for python, answer, why in cases:
         out = deps_dry_run(python, tmp_path, answer)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
-        assert lines[0].startswith("install: pinned torch==2.13.0 (requirements.txt): ")
+        assert lines[0].startswith(f"install: pinned torch=={PINNED_TORCH} (requirements.txt): ")
         assert lines[0].endswith(why), lines[0]
         assert lines[1].split() == [python, "-m", "venv", str(tmp_path / "venv")]
         assert lines[2].split()[-2:] == ["-r", str(ROOT / "requirements.txt")]
@@ -145,11 +156,12 @@ def test_a_cuda_torch_is_used_and_the_choice_can_be_forced(tmp_path):
     assert lines[2].startswith("env PIP_CONSTRAINT=") and "requirements-less-torch.txt" in lines[2]
 
     forced = deps_dry_run(fake, tmp_path, CUDA_ANSWER, TORCH="pinned").stdout.splitlines()
-    assert forced[0].startswith("install: pinned torch==2.13.0 (requirements.txt): TORCH=pinned;")
+    assert forced[0].startswith(
+        f"install: pinned torch=={PINNED_TORCH} (requirements.txt): TORCH=pinned;")
     assert forced[1].split() == [fake, "-m", "venv", str(tmp_path / "venv")]
     forced = deps_dry_run(fake, tmp_path, CPU_ANSWER, TORCH="system").stdout.splitlines()
-    assert forced[0].startswith(f"install: torch from {fake} (torch 2.13.0+cpu;")
-    assert forced[0].endswith("TORCH=system; " f"{fake} has torch 2.13.0+cpu without CUDA")
+    assert forced[0].startswith(f"install: torch from {fake} (torch {CPU_TORCH};")
+    assert forced[0].endswith("TORCH=system; " f"{fake} has torch {CPU_TORCH} without CUDA")
 
     no_ensurepip = deps_dry_run(fake, tmp_path, CUDA_ANSWER[:-3] + "no").stdout.splitlines()
     assert no_ensurepip[1] == f"install: {fake} has no ensurepip: the venv uses {fake}'s pip " \
@@ -173,22 +185,34 @@ def test_a_cuda_torch_is_used_and_the_choice_can_be_forced(tmp_path):
 
 
 @pytest.mark.unit
-def test_make_picks_python311_else_python3(tmp_path):
-    """PYTHON defaults to python3.11 where it runs, else python3 (NVIDIA's container has no
-    python3.11); PYTHON= on the command line wins."""
-    bindir = tmp_path / "path"
+def test_make_picks_a_python312(tmp_path):
+    """PYTHON defaults to the first Python 3.12 of python3.12, python3 (NVIDIA's container) and
+    pyenv's 3.12 (scripts/find_python.sh); a python3 of another version is passed over, none at
+    all leaves PYTHON empty (make setup then stops with what to give); PYTHON= on the command
+    line wins."""
+    bindir, pyenv = tmp_path / "path", tmp_path / "pyenv"
     bindir.mkdir()
-    (bindir / "python3").symlink_to(sys.executable)
+    other = bindir / "python3"
+    other.write_text("#!/bin/sh\nexit 1\n")  # answers no Python 3.12 question with yes
+    other.chmod(0o755)
     make = shutil.which("make")
     show = ["--no-print-directory", "-s", "-f", str(ROOT / "Makefile"), "--eval",
             "show-python: ; $(info $(PYTHON))", "show-python"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS")}
+    env.update(PATH=f"{bindir}:/usr/bin:/bin", PYENV_ROOT=str(pyenv))
     picked = lambda *extra: subprocess.run(
-        [make, *show, *extra], env=dict(env, PATH=str(bindir)), capture_output=True, text=True,
-        timeout=60, cwd=tmp_path, check=True).stdout.strip()
-    assert picked() == "python3"
-    (bindir / "python3.11").symlink_to(sys.executable)
-    assert picked() == "python3.11"
+        [make, *show, *extra], env=env, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, check=True).stdout.strip()
+    assert sys.version_info[:2] == (3, 12)  # the venv's Python stands in for each candidate
+    assert picked() == ""
+    (pyenv / "versions" / "3.12.1" / "bin").mkdir(parents=True)
+    (pyenv / "versions" / "3.12.1" / "bin" / "python3.12").symlink_to(sys.executable)
+    assert picked() == str(pyenv / "versions" / "3.12.1" / "bin" / "python3.12")
+    other.unlink()
+    other.symlink_to(sys.executable)
+    assert picked() == str(other)
+    (bindir / "python3.12").symlink_to(sys.executable)
+    assert picked() == str(bindir / "python3.12")
     assert picked("PYTHON=/opt/py/bin/python3.12") == "/opt/py/bin/python3.12"
 
 
@@ -216,7 +240,7 @@ def test_make_setup_from_a_cuda_python_offline(tmp_path):
     assert f"PIP_CONSTRAINT={container} is not applied to .venv" in out.stdout
     assert f"megatron-core {LOCK['version']} installed with" in out.stdout
     log = (tmp_path / "log").read_text()
-    assert "venv --system-site-packages .venv" in log and "download" not in log
+    assert "venv --system-site-packages .venv" in log and "pip download" not in log
     deps, megatron, package = pip_calls(tmp_path)
     offline = ["--no-index", "--find-links", str(wheels)]
     for call in (deps, megatron, package):
@@ -242,9 +266,9 @@ def test_make_setup_pinned_as_before(tmp_path):
                          env=environment(tmp_path, ""), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"install: pinned torch==2.13.0 (requirements.txt): {fake} has no torch" in out.stdout
+    assert f"install: pinned torch=={PINNED_TORCH} (requirements.txt): {fake} has no torch" in out.stdout
     log = (tmp_path / "log").read_text()
-    assert "venv .venv" in log and "--system-site-packages" not in log and "download" not in log
+    assert "venv .venv" in log and "--system-site-packages" not in log and "pip download" not in log
     deps, megatron, package = pip_calls(tmp_path)
     assert deps["args"][-2:] == ["-r", str(tree / "requirements.txt")]
     assert deps["req"] == PINS and deps["constraint"] == []

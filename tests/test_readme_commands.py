@@ -52,8 +52,8 @@ COMMANDS = {
     "make test-unit": ("skip", "the unit tier, which this suite runs itself"),
     "make setup": ("run", "make setup"),
     "make build": ("run", "make build"),
-    "make PYTHON=/path/to/python3.11": ("skip", "a placeholder path; make setup above runs with "
-                                                "the default python3.11"),
+    "make PYTHON=/path/to/python3.12": ("skip", "a placeholder path; make setup above runs with "
+                                                "the Python 3.12 scripts/find_python.sh finds"),
     "make build MPI_HOME=/opt/ompi": ("skip", "needs a site Open MPI installed at /opt/ompi"),
     "make mutations": ("skip", "tests/test_ledger_mutations.py runs its data-path mutations end "
                                "to end, tests/unit/test_mutations.py the others in process"),
@@ -130,7 +130,7 @@ COMMANDS = {
     "megatron-recover launch": ("skip", "the name of the command above"),
     "megatron-recover schedule": ("skip", "the name of the schedule command above"),
     "git clone https://github.com/NVIDIA/Megatron-LM && cd Megatron-LM && git checkout "
-    "core_v0.16.1": ("skip", "needs github.com; make setup applies the same patches to the "
+    "core_v0.19.0": ("skip", "needs github.com; make setup applies the same patches to the "
                              "verified sdist"),
     'for p in /path/to/megatron-recover/patches/*.patch; do patch -p1 --forward < "$p" || '
     "break; done": ("skip", "applies to that checkout; make setup applies the same patches"),
@@ -171,9 +171,9 @@ COMMANDS = {
     "pip download --dest wheels --python-version 3.12 --only-binary :all: --platform "
     "manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -r wheels/requirements-less-torch.txt":
         ("skip", "downloads the cp312 wheels (network, hundreds of MB)"),
-    "pip download --dest wheels --no-binary :all: --no-deps megatron-core==0.16.1":
+    "pip download --dest wheels --no-binary :all: --no-deps megatron-core==0.19.0":
         ("skip", "needs the network; make setup fetches the same sdist and checks its sha256"),
-    "sha256sum wheels/megatron_core-0.16.1.tar.gz":
+    "sha256sum wheels/megatron_core-0.19.0.tar.gz":
         ("skip", "checks the file downloaded above"),
     "make setup WHEELS=wheels":
         ("skip", "needs the wheel directory above; tests/test_install.py runs make setup "
