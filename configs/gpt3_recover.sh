@@ -1,6 +1,6 @@
 #!/bin/bash
 
-# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (core_v0.16.1), scaled to this
+# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (core_v0.19.0), scaled to this
 # machine and launched the megatron-recover way: the same argument groups and flags, sizes a
 # 2-core CPU trains in a minute, `mpirun --with-ft ulfm` instead of torchrun, and the
 # --recover flags with a failure schedule (a replica dies in a bucket reduce, global rank 0
@@ -43,9 +43,9 @@ GPT_MODEL_ARGS=(
 TRAINING_ARGS=(
     --micro-batch-size 1
     --global-batch-size 16
-    # The original's --rampup-batch-size is dropped: Megatron-LM core_v0.19.0 ignores it
-    # (deprecated; megatron-recover refuses it). A ramp is --step-batch-size-schedule, with
-    # --train-samples and without --global-batch-size.
+    # The original's --step-batch-size-schedule is dropped: it passes it with
+    # --global-batch-size, which Megatron-LM core_v0.19.0's own argument check refuses ("Cannot
+    # specify both"). A schedule here takes --train-samples and no --global-batch-size.
     --train-iters 40
     --weight-decay 0.1
     --adam-beta1 0.9

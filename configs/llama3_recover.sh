@@ -1,6 +1,6 @@
 #!/bin/bash
 
-# Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.16.1), scaled to this
+# Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.19.0), scaled to this
 # machine and launched the megatron-recover way: the same model, training, DDP, data and
 # logging flags, sizes a 2-core CPU trains in a minute, `mpirun --with-ft ulfm` instead of
 # torchrun, and the --recover flags with a failure schedule. What differs, and why:
@@ -59,6 +59,7 @@ MODEL_ARGS=(
     --attention-dropout 0.0
     --hidden-dropout 0.0
     --swiglu
+    --normalization RMSNorm
     --init-method-std 0.0134
     --attention-backend fused
     --apply-layernorm-1p

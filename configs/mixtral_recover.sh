@@ -1,6 +1,6 @@
 #!/bin/bash
 
-# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (core_v0.16.1), launched the
+# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh (core_v0.19.0), launched the
 # megatron-recover way: the same model, MoE, training, parallel and logging flags (the example's
 # sizes are already small), `mpirun --with-ft ulfm` instead of torchrun, and the --recover flags
 # with a failure schedule. What differs, and why:

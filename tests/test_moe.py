@@ -153,7 +153,8 @@ def megatron_with_aux_scale_per_pass(where: Path) -> Path:
     schedules = copy / "pipeline_parallel" / "schedules.py"
     text = schedules.read_text()
     assert text.count(AUX_SCALE) == 1
-    schedules.write_text(text.replace(AUX_SCALE, "loss_scale * cp_size_for_scaling / num_microbatches"))
+    schedules.write_text(
+        text.replace(AUX_SCALE, "loss_scale * cp_size_for_scaling / num_microbatches"))
     return where
 
 

@@ -208,13 +208,14 @@ def test_tiktoken_pattern_selects_the_split(tmp_path):
         {"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("latin-1")}
         for r, t in enumerate(tokens)]))
     ids = {}
-    for pattern in ("v1", "v2"):
+    for pattern in ("v1", "v2", None):  # None: no --tiktoken-pattern, v2 as in Megatron-LM 0.19
         tokenizer = build_tokenizer("TikTokenizer", tokenizer_model=str(vocabulary),
                                     tiktoken_pattern=pattern, vocab_size=257 + 8,
                                     tiktoken_num_special_tokens=8)
         ids[pattern] = tokenizer.tokenize("helloWorld")
     merged = 256 + 8
     assert merged in ids["v1"] and merged not in ids["v2"], ids
+    assert ids[None] == ids["v2"]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -262,7 +263,7 @@ def test_tokenizer_flags_are_checked_at_start_up(demo):
     tiktoken = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model",
                 str(demo / "tiktoken.json"), "--mock-data"]
     cases = [
-        ([*tiktoken], "TikTokenizer needs --tiktoken-pattern v1 or v2"),
+        ([*tiktoken, "--tiktoken-pattern", "v3"], "--tiktoken-pattern must be v1 or v2"),
         ([*tiktoken, "--tiktoken-pattern", "v2", "--tiktoken-num-special-tokens", "-1"],
          "--tiktoken-num-special-tokens must be >= 0"),
         (["--tokenizer-type", "Llama2Tokenizer", *model, "--mock-data", "--vocab-size", "9"],

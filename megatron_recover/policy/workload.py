@@ -177,7 +177,8 @@ class WorkloadPolicy:
 
 
 class PolicyNumMicroBatchesCalculator:
-    """A microbatch calculator with megatron-core 0.16.1's interface, answered from the policy.
+    """A microbatch calculator with megatron-core's interface (0.16.1 and 0.19.0), answered from
+    the policy.
 
     Duck-types `megatron.core.num_microbatches_calculator.NumMicroBatchesCalculator` (get,
     get_current_global_batch_size, get_micro_batch_size, get_current_running_global_batch_size,
@@ -185,7 +186,7 @@ class PolicyNumMicroBatchesCalculator:
     calculator under --recover, so megatron code asking `get_num_microbatches()` gets this
     rank's count. `get()` is the microbatches this data-parallel rank runs in the first pass of
     the iteration in progress (or the next one): its replica's, every `shards`-th from `shard` when
-    the replica holds several data-parallel ranks. It changes with roles and with the ramp-up
+    the replica holds several data-parallel ranks. It changes with roles and with the batch-size
     schedule the policy was configured with, not with consumed samples, so `update` does
     nothing. The global batch size is the iteration's B micro-batches; the running one is what the
     policy commits in a failure-free iteration (B for the static policy, the survivors' slices for

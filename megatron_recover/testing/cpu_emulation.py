@@ -33,7 +33,8 @@ Contract:
 Emulation may be enabled before or after megatron-core is imported: it patches names that are
 looked up at call time (`torch.empty`, `torch.Tensor.to`, `torch.cuda.current_device`, ...). Code
 that bound one by name earlier (`from torch import empty`) would not see the patch. megatron-core
-0.16.1 does that only with `torch.cuda._lazy_call` / `_lazy_init` (tensor_parallel/random.py),
+(0.16.1 and 0.19.0) does that, outside Megatron FSDP, only with `torch.cuda._lazy_call` /
+`_lazy_init` (tensor_parallel/random.py),
 which is why the stand-in replaces `torch.cuda.is_initialized`, the global that `_lazy_call`
 consults on every call.
 """

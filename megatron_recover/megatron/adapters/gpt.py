@@ -198,7 +198,9 @@ def wrap_ddp(chunks, transformer_config, ddp_config, pg_collection=None) -> list
 
 def synced_inside_replica(chunks) -> set:
     """The parameters whose gradients megatron-core's finalize_model_grads all-reduces in place
-    inside a replica after backward, by the conditions of its helpers at 0.16.1: the word
+    inside a replica after backward, by the conditions of its helpers (0.16.1, and 0.19.0 for
+    the GPT models built here; 0.19's further reductions, of conditional embedders, routers
+    under flextron, the gtp_remat group and multi-token prediction, do not arise): the word
     embedding shared by the first and last pipeline stages (tied embeddings, PP > 1; with
     virtual stages the first stage's first chunk and the last stage's last chunk hold it) and,
     with TP > 1, the sequence-parallel norms, the q/k layernorms and the parameters averaged

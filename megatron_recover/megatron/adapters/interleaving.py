@@ -1,8 +1,8 @@
 """megatron-core's interleaved pipeline schedule (virtual pipeline stages): which passes it
 accepts, and how a pass of any length is made one it accepts.
 
-megatron-core 0.16.1's `forward_backward_pipelining_with_interleaving` runs M microbatches in
-groups of N contiguous microbatches per virtual stage, and refuses a pass unless
+megatron-core's `forward_backward_pipelining_with_interleaving` (0.16.1 and 0.19.0 alike) runs
+M microbatches in groups of N contiguous microbatches per virtual stage, and refuses a pass unless
 PP <= N <= M and M mod N is 0 or at least PP. A full pass of a failure-free run is checked at
 start-up (arguments.py). Under --recover a pass can be shorter or of another length: an
 extension pass, a blocking re-reduction, a replica's share of an evaluation. `shape` says how

@@ -653,9 +653,8 @@ IMPLEMENTED_NOTES = {
                     "NullTokenizer (Megatron-LM's pretrain_gpt defaults to GPT2BPETokenizer); "
                     "refused with the tokenizer types that do not read it (all but "
                     "NullTokenizer and TikTokenizer; Megatron-LM ignores it there)",
-    "--tiktoken-pattern": "needed with TikTokenizer, as Megatron-LM core_v0.16.1's training "
-                          "asserted (core_v0.19.0 defaults to v2); with another "
-                          "--tokenizer-type it has no effect and start-up says so",
+    "--tiktoken-pattern": "v1 or v2, v2 when absent (as Megatron-LM core_v0.19.0); with "
+                          "another --tokenizer-type it has no effect and start-up says so",
     "--tiktoken-num-special-tokens": "with another --tokenizer-type than TikTokenizer it has no "
                                      "effect and start-up says so",
     "--tokenizer-special-tokens": "TikTokenizer's special tokens only: refused with the other "

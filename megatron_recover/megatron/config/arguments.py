@@ -1,11 +1,12 @@
 """Megatron's GPT arguments for `pretrain_gpt_recover.py`: parse, validate, derive a TrainConfig.
 
-Users keep their Megatron-LM command lines, so every argument here has Megatron-LM's name,
-meaning and default (megatron/training/arguments.py at core_v0.16.1). What we add is the
-`--recover*` family. Every Megatron-LM argument has one status (argument_table.py, and the
-generated docs/arguments.md): implemented here, refused at start-up with the reason and what to
-use instead, or accepted with no effect and named at start-up with the reason. Any other
-argument is an argparse error (exit status 2), as in Megatron-LM.
+Users keep their Megatron-LM command lines, so every argument here has Megatron-LM's name, meaning
+and default (Megatron-LM's parser at core_v0.19.0: megatron/training/arguments.py and the config
+dataclasses it builds groups from; argument_table.py notes where one differs). What we add is the
+`--recover*` family. Every Megatron-LM argument has one status (argument_table.py, and the generated
+docs/arguments.md): implemented here, refused at start-up with the reason and what to use instead,
+or accepted with no effect and named at start-up with the reason. Any other argument is an argparse
+error (exit status 2), as in Megatron-LM.
 
 `parse_args` raises `ValueError` for every user mistake it can see, all of them in one message,
 one line each. The dataclasses live in `train_config.py`; megatron-core's config objects are built
@@ -623,8 +624,8 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
     if pp == 2 and not ns.overlap_p2p_comm:
         return ["--no-overlap-p2p-communication with --pipeline-model-parallel-size 2 and "
                 "virtual stages: each stage is then both the other's previous and next stage, "
-                "and megatron-core 0.16.1's batched sends and receives pair a forward "
-                "activation with a backward gradient (measured: the first iteration's loss "
+                "and megatron-core's batched sends and receives (0.16.1 and 0.19.0) pair a "
+                "forward activation with a backward gradient (measured: the first iteration's loss "
                 "changes with the data-parallel size); drop --no-overlap-p2p-communication "
                 "(Megatron-LM's default overlaps them) or use more pipeline stages"]
     if ns.num_layers % (pp * chunks):
@@ -927,11 +928,9 @@ def _tokenizer(ns) -> list[str]:
         problems.append(f"--vocab-size: --tokenizer-type {kind} takes its vocabulary from its "
                         "files: drop it")
     if kind == TIKTOKEN:
-        # Required as Megatron-LM core_v0.16.1's training required it (core_v0.19.0 defaults
-        # to v2, as tokenizers.build_tokenizer does; argument_table.py notes the difference).
-        if ns.tiktoken_pattern not in TIKTOKEN_PATTERNS:
-            problems.append(f"--tokenizer-type TikTokenizer needs --tiktoken-pattern v1 or v2 "
-                            f"(got {ns.tiktoken_pattern!r})")
+        # Absent: v2, as Megatron-LM core_v0.19.0 (megatron-core's tiktoken default).
+        if ns.tiktoken_pattern not in (None, *TIKTOKEN_PATTERNS):
+            problems.append(f"--tiktoken-pattern must be v1 or v2 (got {ns.tiktoken_pattern!r})")
         if ns.tiktoken_num_special_tokens < 0:
             problems.append("--tiktoken-num-special-tokens must be >= 0")
     eod = ns.null_tokenizer_eod_id

@@ -1,7 +1,8 @@
-"""megatron-core 0.16.1 config objects built from a `TrainConfig`.
+"""The pinned megatron-core's (0.19.0) config objects built from a `TrainConfig`.
 
 One builder per object the entry point hands to megatron-core; each maps our fields to
-megatron-core's names as Megatron-LM's own set-up does (megatron/training at core_v0.16.1).
+megatron-core's names as Megatron-LM's own set-up does (megatron/training: read at core_v0.16.1,
+spot-checked at core_v0.19.0, whose argument_utils.py sets the pipeline fields alike).
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ def model_flops(model, padded_vocab_size: int, batch_size: int) -> float:
     num_floating_point_operations): forward and backward are 3 x the forward's 2 FLOPs per
     multiply-add, over the query/key/value and output projections (keys and values per query
     group), the attention scores and their values (half of them: the causal mask, as Megatron-LM
-    core_v0.16.1 counts), the MLP (x 3/2 gated with SwiGLU) and the logits, for batch_size
-    sequences of seq_length tokens. `model` is a ModelConfig."""
+    counts, core_v0.19.0 as core_v0.16.1), the MLP (x 3/2 gated with SwiGLU) and the logits, for
+    batch_size sequences of seq_length tokens. `model` is a ModelConfig."""
     s, h, layers = model.seq_length, model.hidden_size, model.num_layers
     heads = model.num_attention_heads
     groups = model.num_query_groups or heads

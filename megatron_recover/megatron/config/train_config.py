@@ -517,8 +517,8 @@ class EvalConfig:
     """Evaluation on the validation split of --split, as Megatron-LM's training loop runs it."""
 
     interval: int | None
-    """--eval-interval: iterations between evaluations; None (absent or 0, Megatron-LM
-    core_v0.16.1's default): only the evaluation at the end of training."""
+    """--eval-interval: iterations between evaluations; None (absent or 0, Megatron-LM's
+    default, core_v0.19.0 as core_v0.16.1): only the evaluation at the end of training."""
     iters: int
     """--eval-iters: global batches per evaluation; 0: no evaluation."""
 

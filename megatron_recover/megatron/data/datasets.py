@@ -23,16 +23,16 @@ Contract of `MicrobatchSource(config)`:
   or loaded from the cache, because megatron-core's indices are seeded by `seed` alone.
 
 The data set is what Megatron-LM's pretrain_gpt builds: `BlendedMegatronDatasetBuilder` over
-`GPTDataset` with `GPTDatasetConfig`, a training split of split_samples samples, so the main
-stream equals an unpatched megatron-core run with the same data, --seed, --split, --seq-length,
+`GPTDataset` with `GPTDatasetConfig`, a training split of split_samples samples, so the main stream
+equals an unpatched megatron-core run with the same data, --seed, --split, --seq-length,
 --global-batch-size (or --step-batch-size-schedule) and --reset-position-ids /
---reset-attention-mask / --eod-mask-loss (all off by default). `blend` is megatron's blend, as megatron-core's `get_blend_from_list` makes it
-from --data-path: one prefix without a weight is one GPTDataset; several prefixes, or any
-weights, give megatron's `BlendedDataset` over their GPTDatasets, whose sample i is sample
-`dataset_sample_index[i]` of dataset `dataset_index[i]`. `blend_per_split` (--train-data-path,
---valid-data-path, --test-data-path) gives each split its own blend, used whole, instead of
-`blend` cut by `split`. Neither gives megatron's `MockGPTDataset` (--mock-data; megatron then
-ignores `split`).
+--reset-attention-mask / --eod-mask-loss (all off by default). `blend` is megatron's blend, as
+megatron-core's `get_blend_from_list` makes it from --data-path: one prefix without a weight is one
+GPTDataset; several prefixes, or any weights, give megatron's `BlendedDataset` over their
+GPTDatasets, whose sample i is sample `dataset_sample_index[i]` of dataset `dataset_index[i]`.
+`blend_per_split` (--train-data-path, --valid-data-path, --test-data-path) gives each split its own
+blend, used whole, instead of `blend` cut by `split`. Neither gives megatron's `MockGPTDataset`
+(--mock-data; megatron then ignores `split`).
 GPTDataset rounds its size up to whole epochs, so the reserve stream usually fits after the main
 one; when it does not, the split is built for main + reserve samples, which may add an epoch and
 so reshuffle the main stream (reserve mode only: exact mode has no reserve stream; and a
@@ -356,8 +356,9 @@ def _build_splits(config: MicrobatchSourceConfig):
 
 def _check_splits_have_documents(config: MicrobatchSourceConfig, sized: list[bool]) -> None:
     """Refuse a --split that gives a dataset no documents in a split megatron-core builds with a
-    size: it would loop for ever looking for the tokens of one more sample (megatron-core
-    0.16.1's GPTDataset._get_num_epochs). The split arithmetic is megatron-core's."""
+    size: it would loop for ever looking for the tokens of one more sample (megatron-core's
+    GPTDataset._get_num_epochs, 0.16.1 and 0.19.0 alike). The split arithmetic is
+    megatron-core's."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,

@@ -3,8 +3,8 @@ both formats (`torch_dist.py`: torch_dist; `torch_format.py`: torch): the common
 save_checkpoint, its names of the random number generators, the data position its loader takes,
 and the key of the --recover state.
 
-The facts come from Megatron-LM's megatron/training/checkpointing.py at core_v0.16.1
-(docs/checkpoints.md, "Against Megatron-LM").
+The facts come from Megatron-LM's megatron/training/checkpointing.py at core_v0.16.1, and hold
+at core_v0.19.0 (docs/checkpoints.md, "Against Megatron-LM").
 """
 
 import argparse

@@ -3,7 +3,7 @@ and resumed on fewer replicas; and the protocol state every --recover checkpoint
 
 Two formats, as Megatron-LM's --ckpt-format: torch_dist (the default; `torch_dist.py`
 writes and reads it, and it is the format stock runs use) and torch, this module's files, in
-Megatron-LM's layout (megatron/training/checkpointing.py at core_v0.16.1):
+Megatron-LM's layout (megatron/training/checkpointing.py, core_v0.16.1 and core_v0.19.0 alike):
 
   SAVE/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt   one (tensor, pipeline) position:
       Megatron-LM's keys (`checkpoint_common.megatron_common`: args, checkpoint_version, the
@@ -127,9 +127,10 @@ def _load_parameter_state(optimizer, path: Path) -> None:
     dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0), group=group)
     if verdict[0] is not None:
         raise ValueError(verdict[0])
-    # megatron-core 0.16.1 copies the file's tensors over every entry of a parameter's optimizer
-    # state, which with torch's Adam (no Apex or Transformer Engine) also holds `step`, a key
-    # the file does not have: the steps leave for the copy and come back from the groups.
+    # megatron-core (0.16.1 and 0.19.0 alike) copies the file's tensors over every entry of a
+    # parameter's optimizer state, which with torch's Adam (no Apex or Transformer Engine) also
+    # holds `step`, a key the file does not have: the steps leave for the copy and come back from
+    # the groups.
     for distributed in optimizers:
         for param_state in distributed.optimizer.state.values():
             param_state.pop("step", None)

@@ -70,7 +70,8 @@ def parameter_state(optimizer) -> list[dict]:
 
 def initialize_optimizer_state(optimizer) -> None:
     """Give each distributed optimizer's Adam the state its first step would create (zero
-    moments, step 0) if it has none yet. megatron-core 0.16.1's DistributedOptimizer builds a
+    moments, step 0) if it has none yet. megatron-core's DistributedOptimizer (0.16.1 and 0.19.0
+    alike) builds a
     load's template, and a save, from its own state_dict, which with torch's Adam (no Apex or
     Transformer Engine) asserts that every parameter holds a step; before the first successful
     step (a load at start-up, or a save after fp16 skipped every step) none does."""
