@@ -24,9 +24,12 @@ LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
 # Megatron's rank order: with TP=2 replica 1 is world ranks 2, 3; with PP=2 it is ranks 1, 3.
 REPLICA1 = {"tp2": {0: 2, 1: 3}, "pp2": {0: 1, 1: 3}}
-SCENARIOS = [(0, "during-reduce"), (1, "during-consensus"), (1, "optimizer-step")]
+# (0, "backward") on PP=2 is the first stage, which computes no loss: its point follows its
+# first forward there.
+SCENARIOS = [(0, "during-reduce"), (1, "during-consensus"), (1, "optimizer-step"),
+             (0, "backward")]
 # `make test` runs one TP scenario (a PP=2 replica leaving as a unit is in
-# tests/test_interleaved.py); `make test-long` the other five.
+# tests/test_interleaved.py); `make test-long` the other seven.
 IN_MAKE_TEST = {("tp2", 0, "during-reduce")}
 CASES = [pytest.param(layout, local_rank, location, id=f"{layout}-{local_rank}-{location}",
                       marks=[] if (layout, local_rank, location) in IN_MAKE_TEST

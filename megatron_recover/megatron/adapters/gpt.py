@@ -336,7 +336,9 @@ class MicrobatchPass:
     its own iteration and id; the wrapper registers that batch (with a checksum of what it
     trains on) in the gradient ledger of the model chunk it runs through, so the ledger records
     what the schedule consumed, not what it was asked to run. `faults.at("backward", t)` fires
-    after the first forward of the first pass of an iteration, before its backward.
+    after the first forward of the first pass of an iteration, before its backward, on every
+    pipeline stage: in the loss function on the last one, after the forward step on the others
+    (where its `nan` action poisons the gradient flowing back into the stage's output).
 
     With virtual pipeline stages (`chunks` holds several DDP model chunks) a pass of any length
     runs through megatron's interleaved schedule as `interleaving.shape` says: padding
@@ -399,6 +401,10 @@ class MicrobatchPass:
                 self._fired_backward_for = iteration
                 return self.faults.at("backward", iteration)
             return False
+
+        # A stage before the last computes no loss: its point is here, after its first forward.
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True) and on_first_loss():
+            output = _NaNGradient.apply(output)
 
         # Padding is no microbatch of the schedule's: no fault of the failure schedule hits it.
         return output, partial(
