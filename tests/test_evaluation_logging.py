@@ -94,8 +94,13 @@ def test_logged_training_loss_is_the_loss_sum_over_the_loss_tokens(tmp_path):
     iteration 1's parameters for the reference, and no dropout keeps its forward plain. The
     stock run's line comes from Megatron-LM's first-iteration line (--log-interval 5 would
     print none in a one-iteration run)."""
+    # megatron's mock documents count up modulo the vocabulary, so end-of-document (the last id
+    # since megatron-core 0.19) comes every --vocab-size tokens: with 13, a sample of 32 tokens
+    # masks 2 or 3 (with 128, one of the 256 here was masked). A wide initialisation makes the
+    # tokens' losses differ: near the uniform prediction every token's loss is log(V).
     args = [*MODEL, "--train-iters", "1", "--eval-iters", "0", "--eod-mask-loss", "--lr", "0",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5"]
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5",
+            "--vocab-size", "13", "--init-method-std", "1.0"]
     run = run_training(tmp_path / "recover", 2, args, timeout_s=TIMEOUT_S)
     stock = launch(LaunchConfig(2, [*ENTRY, *args], tmp_path / "stock" / "status", TIMEOUT_S))
     assert not stock.timed_out and stock.succeeded, stock.output[-4000:]

@@ -37,7 +37,7 @@ Locations, in the order an iteration reaches them:
                     clip_grad_norm/get_grad_norm, run with --clip-grad > 0, on the replica's
                     model-parallel group: its peers wait inside it); needs --clip-grad > 0
   param-gather      in the distributed optimizer's step, entering the parameter all-gather of
-                    the replica's shards (start_param_sync; its peers wait inside it); needs
+                    the replica's shards (its first bucket group's; its peers wait inside it); needs
                     --use-distributed-optimizer
   evaluation        in the evaluation that follows the iteration (every --eval-interval, and at
                     the end), before the victim's first forward-only pass; needs an evaluation

@@ -371,10 +371,16 @@ def _optimizer_fault_points(faults, optimizer, chunks) -> None:
     """Failure-schedule points inside megatron's optimizer step: wrap, on this rank's objects
     only, the call that enters the gradient-norm all-reduce (`clip_grad_norm`, or
     `get_grad_norm` of a chained optimizer) and the distributed optimizer's parameter
-    all-gather (`start_param_sync` of the first DDP model chunk)."""
-    def before(location, method):
+    all-gather (the first DDP model chunk's `_start_bucket_group_param_sync`: megatron-core
+    0.19's distributed optimizer dispatches its bucket groups one by one through it, and so does
+    DDP's `start_param_sync` with --overlap-param-gather; the point is the step's first)."""
+    def before(location, method, once_per_iteration=False):
+        fired = set()
+
         def call(*args, **kwargs):
-            faults.at_current(location)
+            if not once_per_iteration or faults.iteration not in fired:
+                fired.add(faults.iteration)
+                faults.at_current(location)
             return method(*args, **kwargs)
         return call
 
@@ -383,7 +389,8 @@ def _optimizer_fault_points(faults, optimizer, chunks) -> None:
             for name in ("clip_grad_norm", "get_grad_norm"):
                 setattr(target, name, before("grad-norm", getattr(target, name)))
     if faults.wants("param-gather"):
-        chunks[0].start_param_sync = before("param-gather", chunks[0].start_param_sync)
+        chunks[0]._start_bucket_group_param_sync = before(
+            "param-gather", chunks[0]._start_bucket_group_param_sync, once_per_iteration=True)
 
 
 def _faults(cfg, ctx, setup: RankSetup, schedule: FailureSchedule | None):

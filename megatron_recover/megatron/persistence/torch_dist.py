@@ -440,7 +440,8 @@ def _unreadable(error: Exception) -> str | None:
 
 def load(plan, chunks, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
     """Load what `plan` (loading.LoadPlan) names into the model and, as it says, the
-    optimizer, scheduler and RNGs; every rank calls. Returns the iteration the run continues
+    optimizer, scheduler and RNGs; every rank calls, inside run._agreed_start (a rank that
+    cannot read its files raises alone). Returns the iteration the run continues
     after (the checkpoint's, or 0 for a fine-tune) and the checkpoint's --recover state (None
     when a stock run wrote it)."""
     from megatron.core import dist_checkpointing
@@ -491,7 +492,9 @@ def load(plan, chunks, optimizer, scheduler, cfg) -> tuple[int, dict | None]:
                          f"{plan.iteration}")
     if plan.resumes and "args" in state:
         checkpoint_common.check_data_position(state["args"], plan.iteration, cfg)
-    dist.barrier()  # every rank resumed
+    # No collective here: megatron-core 0.19 reads with torch's checkpoint reader per rank
+    # (no_dist), so a torn file fails only the ranks that read it, which raise; the caller's
+    # agreement (run._agreed_start), which every rank reaches either way, stops them all.
     _report(f"successfully loaded checkpoint from {plan.directory} at iteration "
             f"{plan.iteration:7d}" + ("" if plan.resumes else " (fine-tuning from iteration 1)"),
             start, time.time())
