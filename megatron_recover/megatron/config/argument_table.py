@@ -66,8 +66,10 @@ _NO_EFFECT_GROUPS = (
     ("rendezvous, ranks and timeouts come from MPI (mpirun); a hung peer is bounded by "
      "--recover-hang-timeout", "--distributed-timeout-minutes:1 "
      "--distributed-timeout-seconds-after-init:1 --local-rank:1"),
-    ("the fusion it switches off is never enabled here (its kernels come from Apex or "
-     "Megatron's compiled extensions)", "--no-masked-softmax-fusion --no-bias-dropout-fusion "
+    ("the fusion it switches off is never enabled here: the bias-GeLU, bias-SwiGLU and "
+     "bias-dropout fusions (megatron-core's torch.compile functions) and the Apex or compiled-"
+     "extension kernels of the others are off in every run, where Megatron-LM enables them by "
+     "default on a GPU", "--no-masked-softmax-fusion --no-bias-dropout-fusion "
      "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm "
      "--disable-jit-fuser --no-gradient-reduce-div-fusion"),
     ("the overlap it switches off is never enabled here (tensor-parallel communication overlap "
