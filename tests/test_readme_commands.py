@@ -156,6 +156,10 @@ COMMANDS = {
                                                        "megatron-core 0.19 (about 23 minutes); "
                                                        "make fault-campaign N=30 SEED=1 runs one "
                                                        "case of it"),
+    "make fault-campaign N=30 SEED=20261209": ("skip", "the recorded 30-case run of the "
+                                                       "final 0.19 port (about 16 minutes); "
+                                                       "make fault-campaign N=30 SEED=1 runs one "
+                                                       "case of it"),
     "mpirun --with-ft ulfm --oversubscribe -np N": ("skip", "a fragment: how the measured "
                                                             "facts were launched"),
     "mpirun --dvm": ("skip", "names an mpirun mode the facts page rules out"),
