@@ -132,3 +132,66 @@ def test_torch_distributed_call_fails_stop(tmp_path):
         assert (hit["epoch"], hit["size"]) == (1, 3), (rank, hit)
         assert res["consensus"]["failed_ranks"] == [2] and res["epoch"] == 1, res["consensus"]
         assert res["verify"]["exact"] and res["verify"]["expected"] == 1 + 2 + 4, res["verify"]
+
+
+# The torch data plane (`collective/torch_plane.py`): the same worker with --torch-plane, gloo
+# carrying the data operations and the ulfm group the control plane. id -> (scenario, specs).
+TORCH_PLANE_CASES = {
+    "before": ("allreduce", ["3:before"]),
+    "inside": ("allreduce", ["2:reduce", "1:delay-reduce@0.3"]),
+    "lowest-rank": ("allreduce", ["0:reduce", "1:delay-reduce@0.3"]),  # the rebuild's host
+    "two-at-once": ("allreduce", ["1:reduce", "3:reduce", "0:delay-reduce@0.3"]),
+    # The reduction completed everywhere; the victim dies entering the consensus after it.
+    "after": ("allreduce", ["2:consensus"]),
+    # A second victim dies inside the rebuild, after the handles were exchanged.
+    "during-reconfigure": ("allreduce", ["3:before", "2:reconfigure"]),
+    "64mib": ("allreduce64m", ["2:reduce", "1:delay-reduce@0.3"]),
+    "broadcast": ("broadcast-chunks", ["2:broadcast"]),
+    "broadcast-root": ("broadcast-chunks", ["0:broadcast"]),
+    "allgather": ("allgather-chunks", ["1:allgather"]),
+}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("case", list(TORCH_PLANE_CASES))
+def test_torch_plane_fault_case(tmp_path, case):
+    """A member killed before, inside or after a data operation of the torch plane, or during
+    its rebuild: the fault fired; an all-reduce hit failed on every survivor (killed after it,
+    on none; a transfer the victim had received or sent in full before it died may complete),
+    every survivor left the consensus with the same record naming exactly the
+    victims, the data epoch advanced past the warm-up's, and the next operation over the
+    survivors is exact."""
+    scenario, specs = TORCH_PLANE_CASES[case]
+    run = run_worker(tmp_path, "collective_worker.py", 4, [scenario, *specs, "--torch-plane"],
+                     TIMEOUT_S)
+    assert not run.timed_out, f"{case}: hung (killed after {TIMEOUT_S}s)\n{run.output[-3000:]}"
+    victims = victims_of(specs)
+    kill_points = {f.rank: f.point for f in map(Fault.parse, specs) if f.action == "kill"}
+    assert {m["rank"]: m["point"] for m in run.markers} == kill_points, run.markers
+    survivors = [r for r in range(4) if r not in victims]
+    assert sorted(run.results) == survivors, run.output[-3000:]
+    records = []
+    for rank in survivors:
+        res = run.results[rank]
+        warmup, hit = res["ops"]
+        assert not warmup["failed"], (rank, warmup)
+        assert hit["failed"] == hit["broken"] and not hit["failed_ranks"], (rank, hit)
+        consensus = res["consensus"]
+        assert sorted(consensus["failed_ranks"]) == sorted(victims), (rank, consensus)
+        assert consensus["census"] == [len(survivors), sum(survivors)], (rank, consensus)
+        assert res["epoch"] == consensus["epoch"] > warmup["epoch"], (rank, res["epoch"])
+        verify = res["verify"]
+        assert not verify["record"]["failed"] and verify["exact"], (rank, verify)
+        assert verify["expected"] == sum(r + 1 for r in survivors)
+        for again in ("verify_transfer", "verify64m"):
+            if again in res:
+                assert not res[again]["record"]["failed"] and res[again]["exact"], (rank, res)
+        records.append({k: consensus[k] for k in ("failed_ranks", "epoch", "size", "census")})
+    assert all(record == records[0] for record in records), records
+    hit_failed = [run.results[r]["ops"][1]["failed"] for r in survivors]
+    if case == "after":
+        assert not any(hit_failed), hit_failed
+    elif scenario.startswith("allreduce"):  # the victim's part never arrived: it cannot succeed
+        assert all(hit_failed), hit_failed
+    print(f"torch plane {case}: victims {sorted(victims)}, hit failed on "
+          f"{sum(hit_failed)} of {len(survivors)} survivors, {run.elapsed_s:.1f}s")

@@ -1,4 +1,5 @@
-"""Layer 1: fault-tolerant collectives on the `ulfm` torch.distributed backend."""
+"""Layer 1: fault-tolerant collectives: the `ulfm` torch.distributed backend (the control plane,
+and the mpi data plane) and the torch data plane reconfigured over survivors."""
 
 from megatron_recover.collective.backend import (
     DEFAULT_TIMEOUT_S,
@@ -9,6 +10,11 @@ from megatron_recover.collective.backend import (
     require_fault_tolerance,
     set_world_rank_offset,
     world_ranks,
+)
+from megatron_recover.collective.torch_plane import (
+    PlaneOptions,
+    TorchPlaneGroup,
+    reconfigure_supported,
 )
 from megatron_recover.collective.records import (
     BackendUnavailable,
@@ -21,4 +27,5 @@ __all__ = [
     "BackendUnavailable", "CollectiveTimeout", "FailureRecord",
     "ULFMGroup", "ULFMWork", "new_group", "register", "require_fault_tolerance",
     "set_world_rank_offset", "world_ranks",
+    "PlaneOptions", "TorchPlaneGroup", "reconfigure_supported",
 ]

@@ -25,6 +25,8 @@ class FailureRecord:
     epoch: the group epoch after the operation; bumped once per repair.
     repaired: this operation revoked and shrank the communicator.
     census: consensus only, the element-wise sum of every survivor's census.
+    broken: a data operation of the torch data plane failed (`torch_plane.py`); the next
+        consensus repairs the plane and names the dead.
     started_s, finished_s: when this rank's worker thread began and ended the operation (wall
         clock, time.time()'s); not part of what survivors compare.
     """
@@ -35,12 +37,13 @@ class FailureRecord:
     epoch: int
     repaired: bool
     census: tuple[int, ...] = ()
+    broken: bool = False
     started_s: float = field(default=0.0, compare=False)
     finished_s: float = field(default=0.0, compare=False)
 
     @property
     def has_failure(self) -> bool:
-        return self.repaired or bool(self.failed_ranks)
+        return self.repaired or self.broken or bool(self.failed_ranks)
 
     @classmethod
     def from_native(cls, native) -> "FailureRecord":

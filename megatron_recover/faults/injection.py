@@ -20,8 +20,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-POINTS = ("before", "reduce", "consensus", "shrink", "broadcast-chunk", "allgather-chunk")
-NATIVE_POINTS = ("reduce", "consensus", "shrink", "broadcast-chunk", "allgather-chunk")
+POINTS = ("before", "reduce", "consensus", "shrink", "broadcast-chunk", "allgather-chunk",
+          "broadcast", "allgather", "reconfigure")
+# The group's own points (`arm_fault`); `reconfigure` exists on the torch data plane only.
+NATIVE_POINTS = ("reduce", "consensus", "shrink", "broadcast-chunk", "allgather-chunk",
+                 "broadcast", "allgather", "reconfigure")
 
 
 @dataclass(frozen=True)

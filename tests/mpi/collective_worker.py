@@ -22,7 +22,7 @@ MIB = 1 << 20
 def record_dict(op: str, record) -> dict:
     return {"op": op, "failed": record.has_failure, "failed_ranks": list(record.failed_ranks),
             "epoch": record.epoch, "size": record.size, "repaired": record.repaired,
-            "census": list(record.census)}
+            "census": list(record.census), "broken": record.broken}
 
 
 def verify(group, rank) -> dict:
@@ -78,8 +78,10 @@ def transfer(group, kind: str, rank: int, numel: int) -> tuple[object, bool]:
 
 def main() -> None:
     scenario, out_dir, marker = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    faults = [Fault.parse(spec) for spec in sys.argv[4:] if spec != "--fast"]
-    uniform = "--fast" not in sys.argv[4:]
+    options = [spec for spec in sys.argv[4:] if spec.startswith("--")]
+    faults = [Fault.parse(spec) for spec in sys.argv[4:] if spec not in options]
+    uniform = "--fast" not in options
+    torch_plane = "--torch-plane" in options
     ctx = runtime.init_distributed(status_dir=out_dir / "status")
     rank, world = ctx.rank, ctx.world_size
     if scenario == "disjoint":
@@ -91,6 +93,10 @@ def main() -> None:
     else:
         members = list(range(world))
         group = collective.new_group(members)
+    if torch_plane:  # the control plane is the ulfm group; data operations run on gloo
+        group = collective.TorchPlaneGroup(group, collective.PlaneOptions(
+            device="cpu", address="127.0.0.1", stable_rank=rank, stable_size=world,
+            timeout_s=60.0, reconfigure_timeout_s=30.0))
     group.set_agree_each_op(uniform)
     if scenario.startswith("staged-"):
         group.set_stage_host(True)  # the path of CUDA tensors, with host tensors
