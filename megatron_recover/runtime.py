@@ -27,7 +27,7 @@ from pathlib import Path
 from megatron_recover.mpi import failed_ranks, mpi
 
 _state = {"status_path": None, "groups": [], "installed": False, "rank": "?",
-          "torch_world_comm": None}
+          "torch_world_comm": None, "address": "127.0.0.1"}
 FINAL_CONSENSUS_TIMEOUT_S = 60.0
 
 
@@ -469,7 +469,15 @@ def _rendezvous_host(world, network: str | None) -> str:
     hosts = world.allgather((hostname, mine[1] if mine else None))
     if all(h == hosts[0][0] for h, _ in hosts):
         return "127.0.0.1"
+    _state["address"] = mine[1] if mine else hostname
     return hosts[0][1] or hosts[0][0]
+
+
+def own_address() -> str:
+    """Where the other ranks reach a store this rank hosts: loopback when the job is on one
+    host, else this host's address in --if-include's network, or its hostname
+    (`init_torch_distributed` decides)."""
+    return _state["address"]
 
 
 def init_distributed(status_dir: Path | None = None, backend: str = "gloo") -> DistributedContext:

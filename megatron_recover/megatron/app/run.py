@@ -139,6 +139,22 @@ def _cross_replica_groups(replica_group_ranks: list[int],
     return mine, replica_of_rank
 
 
+def _torch_plane(control: collective.ULFMGroup, ctx: runtime.DistributedContext, cuda: bool,
+                 timeout_s: float, hang_s: float) -> collective.TorchPlaneGroup:
+    """The cross-replica group's data operations on a reconfigurable torch group (NCCL on CUDA,
+    gloo on the CPU), `control` its control plane. A rebuild's rendezvous is bounded by the hang
+    timeout: a member that does not show up within it is dead or frozen."""
+    options = collective.PlaneOptions(
+        device="cuda" if cuda else "cpu", address=runtime.own_address(),
+        stable_rank=ctx.rank, stable_size=ctx.world_size, timeout_s=timeout_s,
+        reconfigure_timeout_s=hang_s or collective.DEFAULT_TIMEOUT_S)
+    group = collective.TorchPlaneGroup(control, options)
+    if ctx.rank == 0:
+        print(f"megatron-recover: cross-replica data plane: torch ({group.backend}, "
+              "reconfigured over the survivors); control plane: ulfm", flush=True)
+    return group
+
+
 def _check_experts_inside(replica_group) -> None:
     """Every expert-parallel group megatron made lies inside this rank's replica (arguments.py
     chose the layout so; a failure must take a layer's experts down together)."""
@@ -298,8 +314,10 @@ def build(cfg, ctx: runtime.DistributedContext, vocab_size: int, model_provider)
                                                 duplicate=runtime.torch_world_comm())
         # Frozen peers are declared failed by the detector within hang_s; waiting on a slow but
         # live peer is legitimate, so a cross-replica wait leaves only as a last resort.
-        group, replica_of_rank = _cross_replica_groups(
-            dp_group_ranks, LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S)
+        timeout_s = LAST_RESORT_FACTOR * hang_s if hang_s else collective.DEFAULT_TIMEOUT_S
+        group, replica_of_rank = _cross_replica_groups(dp_group_ranks, timeout_s)
+        if cfg.recover.data_plane == "torch":
+            group = _torch_plane(group, ctx, torch.cuda.is_available(), timeout_s, hang_s)
         runtime.track_group(group)
         if cfg.recover.cuda_aware_mpi:
             group.set_direct_device(True)  # a ValueError unless the MPI is CUDA-aware

@@ -484,6 +484,9 @@ IMPLEMENTED_NOTES = {
     "gloo on CPU; control collectives always on gloo mirrors (docs/devices.md)",
     "--recover-ranks-per-device": "N consecutive node-local ranks bind one GPU (default 1, one "
     "rank per GPU); refused on CUDA when a replica has more than one rank (NCCL)",
+    "--recover-data-plane": "torch (default with torch 2.14+: gloo on CPU, NCCL on CUDA, "
+    "reconfigured over survivors) or mpi (the ulfm group); torch refused with "
+    "--recover-ranks-per-device > 1 on CUDA (docs/data-planes.md)",
     "--recover-cuda-aware-mpi": "hands the cross-replica buffers on the GPU to MPI; refused on "
     "CPU, and at start-up unless MPIX_Query_cuda_support() says the MPI has CUDA "
     "(docs/devices.md)",

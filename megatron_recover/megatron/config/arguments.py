@@ -277,6 +277,12 @@ def _add_recover_args(parser: argparse.ArgumentParser) -> None:
                    help="hand the cross-replica reductions' CUDA buffers to MPI directly (needs "
                         "an MPI built with CUDA; 16-bit sums are staged all the same); default: "
                         "staged through pinned host memory on side streams")
+    g.add_argument("--recover-data-plane", choices=["torch", "mpi"],
+                   help="what carries the cross-replica bytes (gradient buckets, state "
+                        "transfers): torch (default where torch can reconfigure a process "
+                        "group: gloo on CPU, NCCL on CUDA, reconfigured over the survivors) or "
+                        "mpi (the ulfm group itself); consensus and membership always run on "
+                        "ulfm (docs/data-planes.md)")
     g.add_argument("--cross-replica-backend", choices=["gloo", "ulfm"],
                    help="backend of the data-parallel group: gloo (default) or ulfm (stock "
                         "Megatron data parallelism over the fault-tolerant collective, no "
@@ -422,6 +428,21 @@ def _device_refusals(ns, world_size: int, cuda_available: bool, te_available: bo
                         "fused_weight_gradient_mlp_cuda kernel, which does not import here: "
                         "add --no-gradient-accumulation-fusion, or install Apex with its CUDA "
                         "extensions")
+    plane = data_plane(ns, cuda_available)
+    if ns.recover_data_plane == "torch" and not _reconfigure_supported():
+        import torch
+
+        problems.append("--recover-data-plane torch needs torch's reconfigurable process groups "
+                        f"(torch 2.14 or later; this is {torch.__version__}): use "
+                        "--recover-data-plane mpi")
+    if (ns.recover_data_plane == "torch" and cuda_available and ns.recover_ranks_per_device > 1):
+        problems.append(f"--recover-data-plane torch with --recover-ranks-per-device "
+                        f"{ns.recover_ranks_per_device}: the cross-replica NCCL group would put "
+                        "two ranks on one GPU, which NCCL refuses: use --recover-data-plane mpi")
+    if ns.recover_cuda_aware_mpi and plane == "torch":
+        problems.append("--recover-cuda-aware-mpi hands CUDA buffers to MPI on the mpi data "
+                        "plane; the torch plane moves them with NCCL: add --recover-data-plane "
+                        "mpi or drop it")
     if ns.recover_cuda_aware_mpi and not cuda_available:
         problems.append("--recover-cuda-aware-mpi passes CUDA buffers to MPI, and this machine "
                         "trains on the CPU: drop it")
@@ -449,6 +470,25 @@ def _device_refusals(ns, world_size: int, cuda_available: bool, te_available: bo
         problems.append("--use-flash-attn selects Transformer Engine's flash attention: drop "
                         "--transformer-impl local or drop --use-flash-attn")
     return problems
+
+
+def _reconfigure_supported() -> bool:
+    from megatron_recover.collective.torch_plane import reconfigure_supported
+
+    return reconfigure_supported()
+
+
+def data_plane(ns, cuda_available: bool) -> str:
+    """--recover-data-plane, or its default: torch where torch reconfigures process groups and
+    the cross-replica group can be an NCCL one (one rank per GPU, no CUDA-aware MPI asked for),
+    else mpi."""
+    if ns.recover_data_plane:
+        return ns.recover_data_plane
+    if not _reconfigure_supported():
+        return "mpi"
+    if cuda_available and (ns.recover_ranks_per_device > 1 or ns.recover_cuda_aware_mpi):
+        return "mpi"
+    return "torch"
 
 
 def _transformer_impl(ns, te_available: bool) -> str:
@@ -1006,7 +1046,8 @@ def _recover(ns) -> list[str]:
                                "--recover-snapshot-dir", "--recover-program-errors",
                                "--recover-sdc-check-rate", "--recover-sdc-tolerance",
                                "--recover-nonfinite-rerun", "--recover-straggler-threshold",
-                               "--recover-straggler-window", "--recover-evict-slower-than")
+                               "--recover-straggler-window", "--recover-evict-slower-than",
+                               "--recover-data-plane")
              if getattr(ns, flag[2:].replace("-", "_")) is not None]
     given += [flag for flag in ("--recover-no-restore", "--recover-cuda-aware-mpi")
               if getattr(ns, flag[2:].replace("-", "_"))]
@@ -1411,6 +1452,7 @@ def parse_args(argv: list[str], *, world_size: int, cuda_available: bool,
                             else ns.recover_hang_timeout),
             restore=not ns.recover_no_restore,
             cuda_aware_mpi=ns.recover_cuda_aware_mpi,
+            data_plane=data_plane(ns, cuda_available) if ns.recover else "mpi",
             program_errors=ns.recover_program_errors or "abort",
             cross_replica_backend="ulfm" if ns.recover else (ns.cross_replica_backend or "gloo"),
             standby_replicas=ns.recover_standby_replicas or 0,

@@ -482,6 +482,9 @@ class RecoverConfig:
     cuda_aware_mpi: bool
     """--recover-cuda-aware-mpi: the cross-replica group hands CUDA buffers to MPI directly
     (refused at start-up unless the MPI reports CUDA support) instead of staging them."""
+    data_plane: str
+    """--recover-data-plane: "torch" (a reconfigurable gloo or NCCL group carries the
+    cross-replica bytes) or "mpi" (the ulfm group does); `collective/torch_plane.py`."""
     program_errors: str
     """--recover-program-errors: "abort" (default; a program error ends the job) or "survive"
     (it takes only its rank down); see megatron_recover/errors.py."""
