@@ -104,8 +104,10 @@ goodput: setup
 N ?= 30
 SEED ?= 1
 OUT ?= runs/fault-campaign
+# PLANE=torch or PLANE=mpi: every run's --recover-data-plane (default: the default plane).
+PLANE ?=
 fault-campaign: build
-	$(PY) scripts/fault_campaign.py --cases $(N) --seed $(SEED) --out $(OUT)
+	$(PY) scripts/fault_campaign.py --cases $(N) --seed $(SEED) --out $(OUT) $(if $(PLANE),--plane $(PLANE))
 
 # Break layer 2 or the data path on purpose; the ledger invariant must catch each (also in CI).
 mutations: build

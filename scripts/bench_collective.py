@@ -9,7 +9,10 @@ tensor's bytes over the median time (the rate at which the gradient buffer is re
 again staged through the group's host buffers (`set_stage_host`: the copy in and the copy back
 that a CUDA tensor's reduction makes, here host to host). Repair time: one rank SIGKILLs itself after a
 barrier; the survivors' all-reduce returns a failure record once the group is repaired; we report
-the largest survivor time from the victim's marker to that return.
+the largest survivor time from the victim's marker to that return. The data planes
+(docs/data-planes.md): the mpi plane's all-reduce against the torch plane's at PLANE_SIZES_MIB,
+fp32 and bf16, alternating in the same processes; and each plane's time from a kill to the failed
+all-reduce and to the consensus after it, which repairs the torch plane.
 """
 
 import argparse
@@ -27,6 +30,10 @@ BANDWIDTH_RANKS = (2, 4)
 REPAIR_RANKS = (2, 4, 8, 16)
 DTYPE_SIZES_MIB = (16, 256)
 DTYPE_RANKS = 2
+PLANE_SIZES_MIB = (1, 16, 256)
+PLANE_REPS = {1: 30, 16: 8, 256: 3}
+PLANE_RANKS = 2
+PLANE_REPAIR_RANKS = (2, 4, 8)
 
 
 def reps_for(size_mib: int, scale: float) -> int:
@@ -118,7 +125,56 @@ def worker_dtypes(out: Path, scale: float) -> None:
     runtime.finish()
 
 
-def worker_repair(out: Path) -> None:
+def torch_plane(control, ctx):
+    """A torch data plane (gloo) over the ulfm group `control`, as --recover builds it."""
+    from megatron_recover import collective
+
+    return collective.TorchPlaneGroup(control, collective.PlaneOptions(
+        device="cpu", address="127.0.0.1", stable_rank=ctx.rank, stable_size=ctx.world_size,
+        timeout_s=600.0, reconfigure_timeout_s=60.0))
+
+
+def worker_planes(out: Path, scale: float) -> None:
+    """The mpi data plane (a ulfm group) against the torch data plane (gloo reconfigurable,
+    over a second ulfm group as its control plane), fp32 and bf16, alternating."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_recover import collective, runtime
+
+    ctx, mpi_plane, gloo = groups()
+    control = collective.new_group(list(range(ctx.world_size)))
+    planes = {"mpi": mpi_plane, "torch": torch_plane(control, ctx)}
+    rows = []
+    for size_mib in PLANE_SIZES_MIB:
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            numel = size_mib * MIB // torch.tensor([], dtype=dtype).element_size()
+            t = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank)).to(dtype)
+            times = {name: [] for name in planes}
+            for rep in range(max(3, int(PLANE_REPS[size_mib] * scale)) + 1):  # +1: warm-up
+                for name, plane in planes.items():
+                    dist.barrier(group=gloo)
+                    start = time.perf_counter()
+                    assert not plane.allreduce(t).wait().has_failure
+                    if rep:
+                        times[name].append(time.perf_counter() - start)
+                    t.mul_(0.5)  # keep the values' scale: the sum of 2 ranks, halved
+            med = torch.tensor([statistics.median(times[name]) for name in planes],
+                               dtype=torch.float64)
+            dist.all_reduce(med, op=dist.ReduceOp.MAX, group=gloo)
+            gbps = {name: size_mib * MIB / med[i].item() / 1e9 for i, name in enumerate(planes)}
+            rows.append({"ranks": ctx.world_size, "size_mib": size_mib, "dtype": dtype_name,
+                         "mpi_ms": med[0].item() * 1e3, "torch_ms": med[1].item() * 1e3,
+                         "mpi_gbps": gbps["mpi"], "torch_gbps": gbps["torch"],
+                         "torch_over_mpi_gbps": gbps["torch"] / gbps["mpi"]})
+    if ctx.rank == 0:
+        out.write_text(json.dumps(rows))
+    runtime.finish()
+
+
+def worker_repair(out: Path, plane: str = "mpi") -> None:
+    """One rank SIGKILLs itself after a barrier; each survivor's all-reduce, then a consensus
+    (which rebuilds the torch plane): the times each returned."""
     import torch
 
     from megatron_recover import collective, runtime
@@ -127,6 +183,8 @@ def worker_repair(out: Path) -> None:
     ctx = runtime.init_distributed()
     group = collective.new_group(list(range(ctx.world_size)))
     group.set_agree_each_op(True)
+    if plane == "torch":
+        group = torch_plane(group, ctx)
     runtime.track_group(group)
     t = torch.ones(256)
     for _ in range(3):
@@ -137,9 +195,15 @@ def worker_repair(out: Path) -> None:
         write_marker(out.with_suffix(".marker"), "before", ctx.rank)
         os.kill(os.getpid(), 9)
     record = group.allreduce(t).wait()
+    failed_at = time.time()
+    agreed = group.consensus([1]).wait()
     done = time.time()
-    (out.parent / f"{out.name}.{ctx.rank}").write_text(
-        json.dumps({"done": done, "failed": list(record.failed_ranks), "size": record.size}))
+    again = torch.ones(256)
+    exact = (not group.allreduce(again).wait().has_failure
+             and bool(torch.all(again == ctx.world_size - 1)))
+    (out.parent / f"{out.name}.{ctx.rank}").write_text(json.dumps({
+        "failed_at": failed_at, "done": done, "failed": record.has_failure,
+        "agreed_failed": list(agreed.failed_ranks), "size": agreed.size, "exact": exact}))
     runtime.finish()
 
 
@@ -155,32 +219,39 @@ def launch_worker(mode: str, num_ranks: int, out: Path, scale: float, timeout_s:
     return result
 
 
-def repair_row(num_ranks: int, tmp: Path) -> dict:
-    out = tmp / f"repair-{num_ranks}"
-    launch_worker("repair", num_ranks, out, 1.0, 300)
+def repair_row(num_ranks: int, tmp: Path, plane: str = "mpi") -> dict:
+    """Kill to repaired, worst survivor: to its failed all-reduce's return (on the mpi plane
+    the group is repaired inside it), and to the consensus after it (on the torch plane the
+    data group is rebuilt there); the next all-reduce over the survivors is exact."""
+    out = tmp / f"repair-{plane}-{num_ranks}"
+    launch_worker(f"repair-{plane}", num_ranks, out, 1.0, 300)
     marker = json.loads(out.with_suffix(".marker").read_text().splitlines()[0])
-    survivors = [json.loads(p.read_text()) for p in tmp.glob(f"repair-{num_ranks}.*")
+    survivors = [json.loads(p.read_text()) for p in tmp.glob(f"{out.name}.*")
                  if not p.name.endswith(".marker")]
     assert len(survivors) == num_ranks - 1, f"{num_ranks} ranks: {len(survivors)} survivors wrote"
-    assert all(s["failed"] == [num_ranks - 1] for s in survivors), survivors
-    worst = max(s["done"] for s in survivors) - marker["time"]
-    return {"ranks": num_ranks, "kill_to_repaired_ms": worst * 1e3}
+    assert all(s["failed"] and s["agreed_failed"] in ([num_ranks - 1], []) and s["exact"]
+               for s in survivors), survivors
+    return {"ranks": num_ranks, "plane": plane,
+            "kill_to_failed_op_ms": (max(s["failed_at"] for s in survivors) - marker["time"]) * 1e3,
+            "kill_to_repaired_ms": (max(s["done"] for s in survivors) - marker["time"]) * 1e3}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--reps-scale", type=float, default=1.0, help="scale repetition counts")
-    parser.add_argument("--worker", choices=["bandwidth", "dtypes", "repair"],
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["bandwidth", "dtypes", "planes", "repair-mpi",
+                                             "repair-torch"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "bandwidth":
         return worker_bandwidth(args.out, args.reps_scale)
     if args.worker == "dtypes":
         return worker_dtypes(args.out, args.reps_scale)
-    if args.worker == "repair":
-        return worker_repair(args.out)
+    if args.worker == "planes":
+        return worker_planes(args.out, args.reps_scale)
+    if args.worker in ("repair-mpi", "repair-torch"):
+        return worker_repair(args.out, args.worker.split("-")[1])
 
     with tempfile.TemporaryDirectory(prefix="bench-collective-") as tmp:
         tmp = Path(tmp)
@@ -195,8 +266,14 @@ def main() -> int:
         launch_worker("dtypes", DTYPE_RANKS, out, args.reps_scale, 900)
         dtype_rows = json.loads(out.read_text())
         repair_rows = [repair_row(n, tmp) for n in REPAIR_RANKS]
+        out = tmp / "planes.json"
+        launch_worker("planes", PLANE_RANKS, out, args.reps_scale, 900)
+        plane_rows = json.loads(out.read_text())
+        plane_repair_rows = [repair_row(n, tmp, plane) for n in PLANE_REPAIR_RANKS
+                             for plane in ("mpi", "torch")]
     report = {"machine_cores": os.cpu_count(), "allreduce": allreduce_rows,
-              "allreduce_dtypes": dtype_rows, "repair": repair_rows}
+              "allreduce_dtypes": dtype_rows, "repair": repair_rows,
+              "data_planes": plane_rows, "data_plane_repair": plane_repair_rows}
     if args.json:
         print(json.dumps(report))
         return 0
@@ -213,6 +290,14 @@ def main() -> int:
     print("kill -> repaired group (worst survivor):")
     for r in repair_rows:
         print(f"{r['ranks']:>5} ranks {r['kill_to_repaired_ms']:>10.1f} ms")
+    print(f"data planes, {PLANE_RANKS} ranks: the mpi plane (ulfm) against the torch plane (gloo):")
+    for r in plane_rows:
+        print(f"{r['size_mib']:>5} MiB {r['dtype']}  mpi {r['mpi_gbps']:.2f} GB/s  torch "
+              f"{r['torch_gbps']:.2f} GB/s  (torch/mpi {r['torch_over_mpi_gbps']:.2f})")
+    print("kill -> failed operation -> repaired by the consensus after it (worst survivor):")
+    for r in plane_repair_rows:
+        print(f"{r['ranks']:>5} ranks {r['plane']:>5}  {r['kill_to_failed_op_ms']:>8.1f} ms  "
+              f"{r['kill_to_repaired_ms']:>8.1f} ms")
     return 0
 
 

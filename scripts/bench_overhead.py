@@ -12,7 +12,9 @@ modes, alternately, `--rounds` times each, in one sitting (this machine is noisy
   stock           Megatron as a stock user runs it: gloo, --overlap-grad-reduce
   stock-ulfm      the same over the ulfm backend, no recovery (--cross-replica-backend ulfm)
   deferred        --recover without --overlap-grad-reduce: every bucket after the schedule
-  overlapped      --recover --overlap-grad-reduce: buckets posted during backward
+  overlapped      --recover --overlap-grad-reduce: buckets posted during backward, on the
+                  default data plane (torch: gloo here; docs/data-planes.md)
+  overlapped-mpi  the same on the mpi data plane (--recover-data-plane mpi)
 each in fp32 and in bf16, plus `watchdog` (overlapped, fp32, --recover-hang-timeout T: Open
 MPI's failure detector heartbeating every T/2 s and the replica gate; the other --recover modes
 run with the watchdog off). Reports the median per-iteration time of each, skipping warm-up
@@ -47,6 +49,9 @@ MODES = {
     "stock-ulfm": ["--overlap-grad-reduce", "--cross-replica-backend", "ulfm"],
     "deferred": ["--recover", "--recover-hang-timeout", "0"],
     "overlapped": ["--overlap-grad-reduce", "--recover", "--recover-hang-timeout", "0"],
+    # The same on the mpi data plane (`overlapped` runs on the default plane: torch, gloo here).
+    "overlapped-mpi": ["--overlap-grad-reduce", "--recover", "--recover-hang-timeout", "0",
+                       "--recover-data-plane", "mpi"],
 }
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
 
@@ -145,11 +150,14 @@ def main() -> int:
         "ratio_overlap_vs_deferred_bf16": ratio("overlapped-bf16", "deferred-bf16"),
         "ratio_overlap_vs_stock_ulfm": ratio("overlapped-fp32", "stock-ulfm-fp32"),
         "ratio_stock_ulfm_vs_stock": ratio("stock-ulfm-fp32", "stock-fp32"),
+        "ratio_overlap_mpi_plane_vs_stock": ratio("overlapped-mpi-fp32", "stock-fp32"),
+        "ratio_overlap_torch_vs_mpi_plane": ratio("overlapped-fp32", "overlapped-mpi-fp32"),
         "hang_timeout_s": args.hang_timeout,
         "watchdog_ratio": ratio("watchdog-fp32", "overlapped-fp32"),
     }
     for name, key in (("overlapped", ""), ("deferred", "deferred_")):
-        runs_of = [run for mode, run in runs.items() if mode.startswith(name)]
+        runs_of = [run for mode, run in runs.items()
+                   if mode.startswith(name) and not mode.startswith("overlapped-mpi")]
         if runs_of:
             records = runs.get(f"{name}-fp32", runs_of[0])["records"]
             report[f"{key}reduce_share"], report[f"{key}hidden_share"] = shares(records)

@@ -4,10 +4,11 @@ what it must hold).
 
 Usage: .venv/bin/python scripts/fault_campaign.py [--cases 30] [--seed 1] [--case K]
                                                    [--first K] [--out runs/fault-campaign]
+                                                   [--plane torch|mpi]
 
 Prints one line per case (its seed, configuration, schedule and verdict; `--case K` reruns it),
 then one JSON line: cases, failures_injected, failures_survived, max_rel_loss_diff,
-max_rel_param_diff, ledger_violations, seed, wall_s (and the negative control, the scenarios
+max_rel_param_diff, ledger_violations, seed, data_plane, wall_s (and the negative control, the scenarios
 reached, the failed cases). Exit status 1 when a case failed or the negative control stayed
 within the tolerance. Each run's directory under --out is replaced; nothing else is removed.
 """
@@ -33,11 +34,14 @@ def main() -> int:
                         help="start at this case (a long campaign in parts: cases --first to "
                              "--cases - 1)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/fault-campaign")
+    parser.add_argument("--plane", choices=["torch", "mpi"], default=None,
+                        help="every run's --recover-data-plane (default: the default plane)")
     args = parser.parse_args()
     if not 0 <= args.first < args.cases:
         parser.error("need 0 <= --first < --cases")
     summary = run_campaign(args.cases, args.seed, args.out.resolve(), only=args.case,
-                           log=lambda line: print(line, flush=True), first=args.first)
+                           log=lambda line: print(line, flush=True), first=args.first,
+                           plane=args.plane)
     print(json.dumps(summary))
     control_caught = summary["negative_control_rel_loss_diff"] > 100 * EXACT_RTOL
     return 0 if not summary["failed_cases"] and control_caught else 1

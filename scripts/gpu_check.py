@@ -24,6 +24,7 @@ its nominal share (SHARES_S).
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -128,6 +129,12 @@ E_FAILURES = [(3, [1])]
 E_LIVE = C_LIVE
 E_SURVIVORS = [0, 1]
 E_LEFT = [2]
+
+
+# Parts (c) to (e) run one rank per GPU: their cross-replica groups are NCCL groups reconfigured
+# over the survivors (the torch data plane, --recover-data-plane's default there); part (b)'s
+# ranks share a GPU, which NCCL refuses, so it runs on the mpi data plane.
+NCCL_PLANE = "torch (nccl)"
 
 
 class Interrupted(Exception):
@@ -275,6 +282,10 @@ def judge_allreduce(run, out: Path, size_mib: int, victim: int, emulate: bool,
         # are reduced in place, with no such promise).
         if not emulate and not res["hit"]["untouched"]:
             problems.append(f"rank {rank}: the failed all-reduce changed the CUDA tensor")
+        plane = res.get("nccl_plane")
+        if plane is not None and (plane["record"]["failed"] or not plane["exact"]):
+            problems.append(f"rank {rank}: the NCCL data plane's sum failed or is inexact "
+                            f"({plane['mismatched_elements']} elements differ)")
     devices = sorted({res["tensor_device"] for res in results.values()})
     if not emulate and any(not d.startswith("cuda") for d in devices):
         problems.append(f"tensors on {devices}, not CUDA")
@@ -305,6 +316,11 @@ def judge_allreduce(run, out: Path, size_mib: int, victim: int, emulate: bool,
         # Reported, not judged: one survivor's GB/s of fp32 and bf16 all-reduces and of
         # a device-host round trip of the same bytes (the staging ceiling).
         "bandwidth": first.get("bandwidth") if first else None,
+        # Where each survivor has a GPU of its own: the torch data plane's (NCCL) sum, judged
+        # exact above, and its GB/s beside the staged ones.
+        "nccl_plane": ({"exact": all(r["nccl_plane"]["exact"] for r in results.values()),
+                        "bandwidth": first["nccl_plane"]["bandwidth"]}
+                       if first and "nccl_plane" in first else None),
         **({"problems": problems} if problems else {}),
         **({"reason": f"timed out after {run.elapsed_s:.0f} s"} if run.timed_out else {}),
     }
@@ -496,8 +512,9 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
                   fired: list, failures: list, live: list, survivors: list[int],
                   left: list[int] = (), part: dict | None = None, joins=(),
                   same_as: dict[int, int] | None = None, save_interval: int | None = None,
-                  positions: list[list[int]] | None = None) -> dict:
+                  positions: list[list[int]] | None = None, plane: str | None = None) -> dict:
     """A failure-free reference and the same job under `schedule`; judged as the e2e tests do.
+    `plane`: the cross-replica data plane each run must announce ("torch (nccl)" or "mpi").
     With `save_interval`, the job with failures also saves torch_dist checkpoints with
     --async-save (the lowest live replica copies them from device memory, a forked process
     writes them), judged by `checkpoint_problems`. Fills `part`
@@ -517,6 +534,10 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
         runs[name] = run
         part[f"{name}_s"] = round(run["result"].elapsed_s, 2)
         found = run_problems(run, name)
+        part["data_plane"] = data_plane_of(run["result"].output)
+        if plane is not None and part["data_plane"] != plane:
+            found.append(f"{name}: its cross-replica data plane is {part['data_plane']}, "
+                         f"expected {plane}")
         log(f"{out.name}, {name} run: {'ok' if not found else found[0]} in "
             f"{run['result'].elapsed_s:.1f} s")
         if found:
@@ -542,6 +563,16 @@ def training_part(out: Path, deadline: float, num_ranks: int, args: list[str], s
     return part
 
 
+PLANE_LINE = re.compile(r"cross-replica data plane: torch \((\w+)")
+
+
+def data_plane_of(output: str) -> str:
+    """The data plane a job's rank 0 announced at start-up: "torch (nccl)", "torch (gloo)", or
+    "mpi" (no announcement: the ulfm group carries the bytes)."""
+    found = PLANE_LINE.search(output)
+    return f"torch ({found.group(1)})" if found else "mpi"
+
+
 def checkpoint_problems(directory: Path, save_interval: int) -> list[str]:
     """The saves of a run of ITERATIONS iterations: every --save-interval iteration's and the
     last one's torch_dist checkpoint is complete (metadata.json, and the recovery state beside
@@ -564,14 +595,14 @@ def part_b(out: Path, deadline: float, part: dict) -> dict:
                       "device, bf16, distributed optimizer, overlapped grad reduce")
     return training_part(out, deadline, B_RANKS, B_ARGS, B_SCHEDULE, B_FIRED, B_FAILURES,
                          B_LIVE, B_SURVIVORS, part=part, joins=B_JOINS, same_as=B_SAME_AS,
-                         save_interval=4)
+                         save_interval=4, plane="mpi")
 
 
 def part_c(out: Path, deadline: float, part: dict) -> dict:
     part["layout"] = "2 replicas x TP 2 (NCCL), one rank per GPU, bf16, overlapped grad reduce"
     return training_part(out, deadline, C_RANKS, C_ARGS, C_SCHEDULE, C_FIRED, C_FAILURES,
                          C_LIVE, C_SURVIVORS, C_LEFT, part=part,
-                         positions=[[rank] for rank in C_SURVIVORS])
+                         positions=[[rank] for rank in C_SURVIVORS], plane=NCCL_PLANE)
 
 
 def part_d(out: Path, deadline: float, part: dict) -> dict:
@@ -579,7 +610,7 @@ def part_d(out: Path, deadline: float, part: dict) -> dict:
                       "schedule), one rank per GPU, bf16, overlapped grad reduce")
     return training_part(out, deadline, D_RANKS, D_ARGS, D_SCHEDULE, D_FIRED, D_FAILURES,
                          D_LIVE, D_SURVIVORS, D_LEFT, part=part,
-                         positions=[[rank] for rank in D_SURVIVORS])
+                         positions=[[rank] for rank in D_SURVIVORS], plane=NCCL_PLANE)
 
 
 def part_e(out: Path, deadline: float, part: dict) -> dict:
@@ -588,7 +619,7 @@ def part_e(out: Path, deadline: float, part: dict) -> dict:
                       "overlapped grad reduce")
     return training_part(out, deadline, E_RANKS, E_ARGS, E_SCHEDULE, E_FIRED, E_FAILURES,
                          E_LIVE, E_SURVIVORS, E_LEFT, part=part,
-                         positions=[[rank] for rank in E_SURVIVORS])
+                         positions=[[rank] for rank in E_SURVIVORS], plane=NCCL_PLANE)
 
 
 def part_skip(name: str, gpus: int, emulate: bool) -> str | None:

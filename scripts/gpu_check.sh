@@ -33,7 +33,9 @@
 #      the all-reduce's time, the time from the kill to the survivors' failure records, and
 #      the survivors' GB/s ("bandwidth") of float32 and bfloat16 all-reduces of the same bytes
 #      against a device-to-host plus host-to-device copy through page-locked memory (the
-#      ceiling of the backend's host staging).
+#      ceiling of the backend's host staging). Where every rank has a GPU of its own (4 GPUs),
+#      the same sum over the survivors on the torch data plane (an NCCL group reconfigured over
+#      them, docs/data-planes.md) must be exact too, and its GB/s are reported beside.
 #  (b) 4 one-rank replicas and one standby sharing one GPU (--recover-ranks-per-device 5,
 #      --recover-standby-replicas 1, TP = PP = 1): pretrain_gpt_recover.py --recover, a 2-layer
 #      hidden-64 GPT on mock data (megatron-core's own layers: --transformer-impl local
@@ -58,7 +60,10 @@
 #      device memory): each must be complete and the tracker name the last.
 #  (c) With 4 or more GPUs: 2 replicas x TP 2, one rank per GPU, NCCL inside the replicas, the
 #      same model, bf16, --overlap-grad-reduce; replica 1's second rank killed inside a bucket
-#      all-reduce of iteration 3 (its TP peer must leave with it). Judged as (b). With 1-3 GPUs it
+#      all-reduce of iteration 3 (its TP peer must leave with it). The cross-replica groups are
+#      on the torch data plane: NCCL groups the survivors reconfigure (part (b), whose ranks share
+#      a GPU, runs on the mpi plane); each part reports "data_plane" and fails unless (b) ran on
+#      "mpi" and (c) to (e) on "torch (nccl)". Judged as (b). With 1-3 GPUs it
 #      is "skipped" with the reason: a TP=2 job that survives a kill needs 2 replicas x 2 ranks,
 #      and NCCL refuses two ranks of one group on a device. With one surviving replica each
 #      survivor is a position of its own: "survivors_agree" is null (nothing to compare).

@@ -47,6 +47,13 @@ def train(tmp_path, ranks, extra, schedule=None):
     return result, [json.loads(line) for line in log.read_text().splitlines()], log
 
 
+def freeze_to_commit(records, log) -> list[float]:
+    """Seconds from each victim's freeze (its marker) to the commit of its iteration."""
+    freezes = {m["iteration"]: m["time"] for m in read_markers(log.with_suffix(".markers.jsonl"))}
+    return [record["committed_s"] - freezes[record["iteration"]] for record in records
+            if record["iteration"] in freezes]
+
+
 def detection_delays(records, log) -> list[float]:
     """Seconds from each victim's freeze (its marker) to the survivors' detection."""
     freezes = {m["iteration"]: m["time"] for m in read_markers(log.with_suffix(".markers.jsonl"))}
@@ -58,6 +65,10 @@ def report(capsys, line: str) -> None:
     """Into the test log as it runs (CI's log shows detection times)."""
     with capsys.disabled():
         print(f"\n  {line}", flush=True)
+
+
+def data_plane(output: str) -> str:
+    return "torch" if "cross-replica data plane: torch" in output else "mpi"
 
 
 def since_last_progress(records) -> list[float]:
@@ -92,7 +103,9 @@ def test_frozen_ranks_are_declared_failed(tmp_path, capsys):
     report(capsys, f"frozen rank -> failure declared after "
                    f"{', '.join(f'{d:.2f}' for d in delays)} s (hang timeout {HANG_S:g} s); "
                    f"since last progress: "
-                   f"{', '.join(f'{s:.2f}' for s in since_last_progress(records))} s")
+                   f"{', '.join(f'{s:.2f}' for s in since_last_progress(records))} s; "
+                   f"to the commit: {', '.join(f'{c:.2f}' for c in freeze_to_commit(records, log))}"
+                   f" s ({data_plane(result.output)} data plane)")
     assert len(delays) == 2 and all(d <= HANG_S + 3 for d in delays), delays
     # Open MPI declares a rank failed (T - period, T] after its last heartbeat: a hang, while a
     # crash is detected within an iteration (tens of ms).

@@ -63,9 +63,15 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-def test_exact_mode_keeps_the_loss_curve(tmp_path, reference):
-    run = train(tmp_path, "exact", [], SCHEDULE)
+@pytest.mark.parametrize("plane", ["torch", "mpi"])
+def test_exact_mode_keeps_the_loss_curve(tmp_path, reference, plane):
+    """On either data plane (docs/data-planes.md), against the same failure-free reference (on
+    the default plane, torch)."""
+    run = train(tmp_path, "exact", ["--recover-data-plane", plane], SCHEDULE)
     result, records = run.result, run.records
+    announced = "cross-replica data plane: torch (gloo" in result.output
+    assert announced == (plane == "torch"), result.output[-3000:]
+    assert "cross-replica data plane: torch (gloo" in reference.result.output
     assert sorted((m["rank"], m["iteration"], m["location"]) for m in run.markers) == [
         (1, 3, "during-reduce"), (2, 3, "during-extension"), (4, 6, "backward")]
     assert [r["iteration"] for r in records] == list(range(1, ITERATIONS + 1))

@@ -172,7 +172,7 @@ class TorchPlaneGroup:
         self._broken = True  # no data group yet: the first consensus builds it
         self._abandoned = []  # groups with abandoned operations: kept until those end
         self._store = None  # this rebuild's rendezvous store (kept until the next one)
-        self._data_epoch = 0
+        self._data_epoch = -1  # the first build makes it 0: it counts repairs, as a ulfm epoch
         self._data_members: list[int] = []
         self._arms: list[dict] = []
         self._hits: dict[str, int] = {}
@@ -188,8 +188,9 @@ class TorchPlaneGroup:
 
     @property
     def epoch(self) -> int:
-        """The data epoch: advanced once per rebuild of the data plane, equal on all survivors
-        after a consensus."""
+        """The data epoch: 0 after the first build, advanced once per rebuild after it (a
+        repair, as a ulfm group's epoch counts them), equal on all survivors after a
+        consensus."""
         return self._data_epoch
 
     @property
@@ -401,7 +402,7 @@ class TorchPlaneGroup:
             self._pg_store.inner = store
             self._store = store
             options = ReconfigureOptions()
-            options.uuid = self._data_epoch
+            options.uuid = self._data_epoch + 1  # fresh per rebuild, positive
             options.handles = [row[2] for row in rows]
             options.timeout = self._reconfigure_timeout
         except RuntimeError:

@@ -37,6 +37,8 @@ from megatron_recover.testing.compare import EXACT_RTOL, STABLE_LR, loss_rdiff, 
 ITERATIONS = 6
 MICROBATCHES_PER_REPLICA = 2
 RUN_TIMEOUT_S = 300
+# What rank 0 prints at start-up when the torch data plane carries the cross-replica bytes.
+PLANE_LINE = "cross-replica data plane: torch"
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--eval-iters", "0",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
@@ -165,12 +167,14 @@ class Run:
 
 
 def run_job(run_dir: Path, config: Config, extra: list[str] = (),
-            entries: list[ScheduleEntry] | None = None) -> Run:
-    """pretrain_gpt_recover.py of `config` (and a schedule), bounded, in a fresh `run_dir`."""
+            entries: list[ScheduleEntry] | None = None, plane: str | None = None) -> Run:
+    """pretrain_gpt_recover.py of `config` (and a schedule), bounded, in a fresh `run_dir`;
+    `plane`: its --recover-data-plane (None: the default)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     log = run_dir / "log.jsonl"
-    args = [*config.args(), *extra, "--recover-log", str(log)]
+    planes = ["--recover-data-plane", plane] if plane else []
+    args = [*config.args(), *planes, *extra, "--recover-log", str(log)]
     if entries:
         write_schedule(entries, run_dir / "schedule.yaml")
         args += ["--recover-failure-schedule", str(run_dir / "schedule.yaml")]
@@ -251,21 +255,21 @@ def judge(case: Case, run: Run, reference: Run) -> Outcome:
     return outcome
 
 
-def negative_control(out: Path, references: dict) -> float:
+def negative_control(out: Path, references: dict, plane: str | None = None) -> float:
     """One lost microbatch gradient (--recover-no-restore after a kill inside a reduce): the
     relative loss difference the exactness check must see."""
     config = CATALOGUE[0]
-    reference = _reference(out, config, references)
+    reference = _reference(out, config, references, plane)
     entries = [ScheduleEntry(2, 1, 0, "during-reduce")]
-    run = run_job(out / "negative-control", config, ["--recover-no-restore"], entries)
+    run = run_job(out / "negative-control", config, ["--recover-no-restore"], entries, plane)
     if not run.ok or len(run.records) != ITERATIONS:
         return float("nan")
     return loss_rdiff(run.records, reference.records)
 
 
-def _reference(out: Path, config: Config, references: dict) -> Run:
+def _reference(out: Path, config: Config, references: dict, plane: str | None = None) -> Run:
     if config.name not in references:
-        run = run_job(out / "references" / config.name, config)
+        run = run_job(out / "references" / config.name, config, plane=plane)
         if not run.ok:
             raise RuntimeError(f"the failure-free reference {config.name} failed:\n"
                                f"{run.output[-3000:]}")
@@ -274,25 +278,31 @@ def _reference(out: Path, config: Config, references: dict) -> Run:
 
 
 def run_campaign(cases: int, seed: int, out: Path, only: int | None = None,
-                 catalogue=CATALOGUE, log=print, first: int = 0) -> dict:
-    """Run cases `first`..`cases`-1 of `seed` (or only case `only`) under `out`; returns the
-    summary. Case k is the same whatever else runs, so a long campaign may run in parts."""
+                 catalogue=CATALOGUE, log=print, first: int = 0, plane: str | None = None,
+                 control: bool = True) -> dict:
+    """Run cases `first`..`cases`-1 of `seed` (or only case `only`) under `out`, every run on
+    data plane `plane` (None: the default), then the negative control unless `control` is
+    False; returns the summary. Case k is the same whatever else runs and on either plane, so a
+    long campaign may run in parts."""
     start = time.monotonic()
     references: dict[str, Run] = {}
     outcomes = []
     for index in ([only] if only is not None else range(first, cases)):
         case = draw_case(seed, index, catalogue)
-        reference = _reference(out, case.config, references)
-        outcome = judge(case, run_job(out / f"case-{index:03d}", case.config,
-                                      entries=case.entries), reference)
+        reference = _reference(out, case.config, references, plane)
+        run = run_job(out / f"case-{index:03d}", case.config, entries=case.entries, plane=plane)
+        outcome = judge(case, run, reference)
+        if (plane == "torch") != (PLANE_LINE in run.output):  # the plane asked for ran
+            outcome.problems.append(f"its data plane is not {plane}")
         outcomes.append(outcome)
         diffs = ("" if outcome.loss_rdiff is None else
                  f" loss {outcome.loss_rdiff:.1e}, parameters {outcome.param_rdiff:.1e};")
         verdict = "ok" if not outcome.problems else "FAILED: " + "; ".join(outcome.problems)
         log(f"{outcome.case} -> {outcome.injected}/{outcome.drawn} injected;{diffs} "
             f"{', '.join(outcome.scenarios) or '-'}; {verdict}")
-    control = negative_control(out, references)
-    log(f"negative control (--recover-no-restore, one lost microbatch): loss {control:.2e}")
+    control = negative_control(out, references, plane) if control else None
+    if control is not None:
+        log(f"negative control (--recover-no-restore, one lost microbatch): loss {control:.2e}")
     exact = [o for o in outcomes if o.loss_rdiff is not None]
     scenarios = {}
     for outcome in outcomes:
@@ -311,6 +321,7 @@ def run_campaign(cases: int, seed: int, out: Path, only: int | None = None,
         "scenarios": scenarios,
         "failed_cases": [o.case for o in outcomes if o.problems],
         "seed": seed,
+        "data_plane": plane or "default",
         "wall_s": round(time.monotonic() - start, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -28,6 +28,7 @@ class StepReport:
     own_contributions: int = 0  # microbatch gradients this rank's buckets sent to the commit
     g_cur: int = 0  # the layout's microbatches per major replica when the iteration began
     exit_requested: bool = False  # some rank asked to stop after this iteration
+    committed_s: float = 0.0  # when the round committed (time.time(), this rank's clock)
     # The first round's cross-replica reductions, from the ulfm worker's timestamps: how long
     # some reduction was running, how much of that before the pass returned (hidden under
     # backward), and this rank's snapshot and gradient-buffer bytes.

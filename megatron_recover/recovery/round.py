@@ -173,6 +173,7 @@ class Round:
 
         report = self._commit(iteration, totals, verdict, agreed, start, events)
         report.reduction = reduction
+        report.committed_s = self.last_progress
         report.g_cur = state.layout.g_cur
         report.quotas = {r: len(w.first_pass) for r, w in state.work.items()
                          if w.contributes_first_pass}

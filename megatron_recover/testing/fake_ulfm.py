@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_recover.collective import FailureRecord
+from megatron_recover.collective import FailureRecord, TorchPlaneGroup
 
 
 class RankKilled(BaseException):
@@ -318,3 +318,34 @@ class FakeGroup:
 
     def consensus(self, census=()) -> FakeWork:
         return FakeWork(self.world.consensus(self.world_rank, [int(c) for c in census]))
+
+
+class FakeTorchPlane(TorchPlaneGroup):
+    """A member's handle on the torch data plane (`collective/torch_plane.py`) over a fake
+    ulfm group: the plane's own protocol (a failed data operation only says `broken`, the
+    consensus names the dead and rebuilds, the data epoch advances there) with the fake world's
+    matching semantics standing in for gloo. Every rebuild succeeds, as no fake member dies
+    inside one."""
+
+    def __init__(self, control: FakeGroup):  # noqa: super().__init__ builds real groups
+        self.control = control
+        self._broken = True
+        self._stuck = False
+        self._data_epoch = -1
+        self._data_members = []
+        self.rebuilds = []
+        self._repair([])
+
+    def allreduce(self, tensor: torch.Tensor) -> FakeWork:
+        if self._broken:
+            return FakeWork(self._record(broken=True))
+        if self.control.allreduce(tensor).wait().has_failure:
+            self._broken = True
+            return FakeWork(self._record(broken=True))
+        return FakeWork(self._record())
+
+    def _rebuild(self) -> None:
+        self._data_epoch += 1  # every survivor rebuilds after the same consensus
+        self._data_members = self.control.members
+        self._broken = False
+        self.rebuilds.append(0.0)

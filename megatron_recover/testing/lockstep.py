@@ -43,7 +43,7 @@ from megatron_recover.policy import ADAPTIVE, PolicyConfig, WorkloadPolicy
 from megatron_recover.policy.speed import StragglerConfig
 from megatron_recover.recovery import ResilientTrainer, StepReport, TrainerParts
 from megatron_recover.recovery.verification import Verification
-from megatron_recover.testing.fake_ulfm import FakeWorld, RankKilled
+from megatron_recover.testing.fake_ulfm import FakeTorchPlane, FakeWorld, RankKilled
 
 SEQ_LENGTH = 8
 BUCKETS = (40, 24, 8)  # elements per gradient bucket
@@ -275,6 +275,7 @@ class Setup:
     # (replica, first iteration, last iteration, seconds per microbatch): a slowed replica
     slow: tuple[tuple[int, int, int, float], ...] = ()
     side: bool = False  # side values summed like the loss (`side_values`)
+    plane: str = "mpi"  # the cross-replica data plane: the fake ulfm group, or "torch" over it
 
 
 def side_values(iteration: int, counts: dict[int, int]) -> list[float]:
@@ -303,7 +304,9 @@ class Replica:
                         if setup.sdc_check_rate > 0 else None)
         self.trainer = ResilientTrainer(TrainerParts(
             buffers=self.buffers, run_pass=self.run_pass, optimizer=self.optimizer,
-            group=world.group(rank), policy=WorkloadPolicy(config), replica=rank,
+            group=(world.group(rank) if setup.plane == "mpi"
+                   else FakeTorchPlane(world.group(rank))),
+            policy=WorkloadPolicy(config), replica=rank,
             replica_of_rank={r: r for r in range(setup.w_init)},
             faults=self.faults, audit=self.audit, overlap_grad_reduce=setup.overlap,
             restore=setup.restore, verification=verification, check_finite=True,

@@ -15,7 +15,10 @@ MPI, not NCCL: ranks may share a GPU), then:
    the survivors (what the recovery layer does after a failed reduction);
 4. reported, not judged: the survivors' all-reduce of the same number of bytes in float32 and
    in bfloat16, and a device-to-host plus host-to-device copy of those bytes through page-locked
-   memory (the ceiling of the backend's host staging), each the best of 3, in GB/s.
+   memory (the ceiling of the backend's host staging), each the best of 3, in GB/s;
+5. where every rank has a GPU of its own: the same sum on the torch data plane (an NCCL group,
+   `ProcessGroupNCCL2`, reconfigured over the survivors; docs/data-planes.md), judged exact, and
+   its float32 and bfloat16 GB/s, reported beside step 4's.
 
 Rank r's input is element i = (r + 1) + 16 * (i mod 1024), so the sum over any set S of ranks is
 sum_{r in S} (r + 1) + 16 |S| (i mod 1024): integers below 2^24, exact in float32 in any order,
@@ -108,6 +111,22 @@ def bandwidth(group, inputs: torch.Tensor, wait_s: float) -> dict:
     return figures
 
 
+def nccl_plane(group, ctx, base: torch.Tensor, inputs: torch.Tensor, survivors: list[int],
+               wait_s: float) -> dict:
+    """Step 5 (see main): a second ulfm group over the survivors as the control plane."""
+    from megatron_recover import collective
+
+    control = collective.new_group(survivors, parent=group)
+    plane = collective.TorchPlaneGroup(control, collective.PlaneOptions(
+        device="cuda", address="127.0.0.1", stable_rank=ctx.rank, stable_size=ctx.world_size,
+        timeout_s=wait_s, reconfigure_timeout_s=wait_s))
+    t = inputs.clone()
+    record, seconds, _ = timed_allreduce(plane, t, wait_s)
+    return {"record": record, "seconds": seconds, "backend": plane.backend,
+            **compare(t, expected_sum(base, survivors)),
+            "bandwidth": bandwidth(plane, inputs, wait_s)}
+
+
 def compare(t: torch.Tensor, expected: torch.Tensor) -> dict:
     mismatched = int((t != expected).sum().item())
     return {"exact": mismatched == 0, "mismatched_elements": mismatched, "digest": digest(t)}
@@ -179,6 +198,12 @@ def main() -> None:
     # 4. Bandwidth over the survivors (every survivor runs the same operations).
     result["bandwidth"] = bandwidth(group, inputs, wait_s)
     result["epoch"] = group.epoch
+
+    # 5. The torch data plane: an NCCL group reconfigured over the survivors, where each has a
+    # GPU of its own (NCCL refuses two ranks of one group on a device); its sum, and its GB/s
+    # beside step 4's host-staged figures.
+    if not emulate and torch.cuda.device_count() >= world:
+        result["nccl_plane"] = nccl_plane(group, ctx, base, inputs, survivors, wait_s)
 
     tmp = out_dir / f"result-{rank}.tmp"
     tmp.write_text(json.dumps(result))

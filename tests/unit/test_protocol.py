@@ -25,6 +25,9 @@ from megatron_recover.testing.lockstep import (
 )
 
 pytestmark = pytest.mark.unit
+# The data planes (docs/data-planes.md): the fake ulfm group itself, or the torch plane's
+# protocol over it (`fake_ulfm.FakeTorchPlane`).
+PLANES = ("mpi", "torch")
 
 
 def run_and_check(setup: Setup, events: bool = False) -> list[int]:
@@ -57,7 +60,8 @@ def setups(draw, policy=None, mode=None):
                                 location=location,
                                 occurrence=draw(st.integers(1, len(BUCKETS))), lucky=lucky))
     return Setup(w_init=w_init, g_init=g_init, iterations=iterations, policy=policy, mode=mode,
-                 overlap=draw(st.booleans()), failures=tuple(failures))
+                 overlap=draw(st.booleans()), failures=tuple(failures),
+                 plane=draw(st.sampled_from(PLANES)))
 
 
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True,
@@ -76,7 +80,8 @@ def test_every_policy_and_mode_keeps_its_invariant(setup):
     run_and_check(setup, events=True)
 
 
-def test_a_promotion_then_two_failures_in_one_iteration():
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_promotion_then_two_failures_in_one_iteration(plane):
     """W=8, G=2. Iteration 1: replica 1 dies inside a reduce after contributing (replica 0 sees
     that reduce complete, the others repair): a boundary, after which replica 7 is the spare
     shadowing replica 0. Iteration 2: replica 0 dies inside its second bucket's reduce: the
@@ -85,7 +90,7 @@ def test_a_promotion_then_two_failures_in_one_iteration():
     setup = Setup(w_init=8, g_init=2, iterations=4, failures=(
         Failure(1, 1, "reduce-contributed", 2, lucky=(0,)),
         Failure(0, 2, "during-reduce", 2),
-        Failure(5, 3, "in-consensus"), Failure(6, 3, "after-post")))
+        Failure(5, 3, "in-consensus"), Failure(6, 3, "after-post")), plane=plane)
     runs, world = run_lockstep(setup, timeout_s=30)
     assert check_run(setup, runs, world) == [2, 3, 4, 7]
     failures = {r.iteration: [e for e in r.events if e["event"] == "failure"]
@@ -108,8 +113,9 @@ def test_exact_survivors_can_be_compared_with_a_control_that_fails():
         check_run(setup, runs, world)
 
 
-def test_a_failure_free_run_has_one_epoch_and_b_contributions():
-    setup = Setup(w_init=4, g_init=2, iterations=3)
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_failure_free_run_has_one_epoch_and_b_contributions(plane):
+    setup = Setup(w_init=4, g_init=2, iterations=3, plane=plane)
     runs, world = run_lockstep(setup, timeout_s=30)
     assert check_run(setup, runs, world) == [0, 1, 2, 3]
     assert {r.epoch for run in runs.values() for r in run.reports} == {0}
