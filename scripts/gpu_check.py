@@ -133,8 +133,16 @@ E_LEFT = [2]
 
 # Parts (c) to (e) run one rank per GPU: their cross-replica groups are NCCL groups reconfigured
 # over the survivors (the torch data plane, --recover-data-plane's default there); part (b)'s
-# ranks share a GPU, which NCCL refuses, so it runs on the mpi data plane.
+# ranks share a GPU, which NCCL refuses, so it runs on the mpi data plane (b_plane).
 NCCL_PLANE = "torch (nccl)"
+
+
+def b_plane() -> str:
+    """Part (b)'s data plane: mpi on GPUs; under --emulate the ranks train on the CPU, where
+    the default plane is gloo's."""
+    import torch
+
+    return "mpi" if torch.cuda.is_available() else "torch (gloo)"
 
 
 class Interrupted(Exception):
@@ -595,7 +603,7 @@ def part_b(out: Path, deadline: float, part: dict) -> dict:
                       "device, bf16, distributed optimizer, overlapped grad reduce")
     return training_part(out, deadline, B_RANKS, B_ARGS, B_SCHEDULE, B_FIRED, B_FAILURES,
                          B_LIVE, B_SURVIVORS, part=part, joins=B_JOINS, same_as=B_SAME_AS,
-                         save_interval=4, plane="mpi")
+                         save_interval=4, plane=b_plane())
 
 
 def part_c(out: Path, deadline: float, part: dict) -> dict:

@@ -1112,3 +1112,23 @@ def test_standby_replicas_refusals():
     # -np 4 with 4 standbys: nothing left to train.
     assert "no training ranks" in refused("--recover", "--recover-standby-replicas", "4",
                                           world_size=0)
+
+
+def test_the_data_plane_default_and_its_refusals():
+    """--recover-data-plane (docs/data-planes.md): torch where torch reconfigures groups (the
+    pinned 2.14.1 does) and NCCL can form the group; mpi where it cannot, or when asked."""
+    assert small("--recover").recover.data_plane == "torch"
+    assert small("--recover", cuda_available=True).recover.data_plane == "torch"
+    assert small("--recover", "--recover-data-plane", "mpi").recover.data_plane == "mpi"
+    assert small("--recover", "--recover-ranks-per-device", "2",
+                 cuda_available=True).recover.data_plane == "mpi"
+    assert small("--recover", "--recover-cuda-aware-mpi",
+                 cuda_available=True).recover.data_plane == "mpi"
+    assert "two ranks on one GPU, which NCCL refuses" in refused(
+        "--recover", "--recover-data-plane", "torch", "--recover-ranks-per-device", "2",
+        cuda_available=True)
+    assert "the torch plane moves them with NCCL" in refused(
+        "--recover", "--recover-data-plane", "torch", "--recover-cuda-aware-mpi",
+        cuda_available=True)
+    assert "--recover-data-plane given without --recover" in refused("--recover-data-plane",
+                                                                     "mpi")

@@ -1,7 +1,8 @@
 """The fault campaign (megatron_recover/faults/campaign.py): its draws, and a bounded slice of it.
 
 Run: `make test` (the draws) and `make test-long` (the slice: 10 cases of a fixed seed over five
-configurations, 6-10 minutes, CPU only, every run under a hard timeout); the full campaign is
+configurations on the default data plane, 6-10 minutes, and 5 of them on the mpi plane; CPU only,
+every run under a hard timeout); the full campaign is
 `make fault-campaign N=30 SEED=1`, and `make test` runs one case of it through the README's command.
 """
 
@@ -58,3 +59,21 @@ def test_campaign_slice(tmp_path, figures):
     for scenario in ("two in one iteration", "extension pass", "blocking restore", "grad-norm",
                      "param-gather"):
         assert summary["scenarios"].get(scenario), (scenario, summary["scenarios"])
+
+
+@pytest.mark.mpi
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+def test_campaign_slice_on_the_mpi_data_plane(tmp_path, figures):
+    """The slice above runs on the default data plane (torch); five of its cases again with
+    --recover-data-plane mpi (docs/data-planes.md), the negative control left to it."""
+    lines = []
+    summary = run_campaign(5, SLICE_SEED, tmp_path, catalogue=SLICE_CATALOGUE,
+                           log=lambda line: (print(line), lines.append(line)), plane="mpi",
+                           control=False)
+    figures.append(f"fault campaign slice, mpi data plane: {json.dumps(summary)}")
+    assert summary["cases"] == 5 and summary["failed_cases"] == [], "\n".join(lines)
+    assert summary["data_plane"] == "mpi" and summary["ledger_violations"] == 0
+    assert summary["failures_injected"] >= 10
+    assert summary["max_rel_loss_diff"] <= EXACT_RTOL
+    assert summary["max_rel_param_diff"] <= EXACT_RTOL

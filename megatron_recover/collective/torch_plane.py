@@ -254,11 +254,12 @@ class TorchPlaneGroup:
         """Grow back (`ULFMGroup.adopt`), then rebuild the data plane over the grown group with
         the joiners' handles. The record's census is [1] when it took."""
         record = self.control.adopt(grown).wait()
+        failed = record.failed_ranks
         if record.census and record.census[0] == 1:
             self._broken = True
-            self._repair([])
-        return _Done(FailureRecord(failed_ranks=record.failed_ranks, size=self.size,
-                                   rank=self.rank, epoch=self.epoch, repaired=record.repaired,
+            failed += self._repair([]).failed_ranks  # a member lost during the rebuild
+        return _Done(FailureRecord(failed_ranks=failed, size=self.size, rank=self.rank,
+                                   epoch=self.epoch, repaired=record.repaired or bool(failed),
                                    census=record.census))
 
     def set_agree_each_op(self, on: bool) -> None:
