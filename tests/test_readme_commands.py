@@ -98,6 +98,10 @@ COMMANDS = {
                                                     "scripts/bench_overhead.py --json --size "
                                                     "compute --ranks 2 --modes stock,overlapped "
                                                     "--precisions fp32 --iterations 6 --rounds 1"),
+    "scripts/bench_overhead.py --json --size compute --ranks 2 --modes stock,overlapped,"
+    "overlapped-mpi --precisions fp32 --iterations 12 --rounds 2": (
+        "long", ".venv/bin/python scripts/bench_overhead.py --json --size compute --ranks 2 "
+                "--modes overlapped,overlapped-mpi --precisions fp32 --iterations 6 --rounds 1"),
     "scripts/bench_overhead.py --json --size mid --ranks 2 --modes stock,deferred,overlapped "
     "--precisions bf16 --iterations 12 --rounds 2": ("long", ".venv/bin/python "
                                                     "scripts/bench_overhead.py --json --size mid "
@@ -160,6 +164,11 @@ COMMANDS = {
                                                        "final 0.19 port (about 16 minutes); "
                                                        "make fault-campaign N=30 SEED=1 runs one "
                                                        "case of it"),
+    "make fault-campaign N=30 SEED=20261210 PLANE=torch": ("skip", "the recorded 30-case run "
+                                                                   "on the torch data plane "
+                                                                   "(about 25 minutes); the "
+                                                                   "test-long slice runs it on "
+                                                                   "both planes"),
     "mpirun --with-ft ulfm --oversubscribe -np N": ("skip", "a fragment: how the measured "
                                                             "facts were launched"),
     "mpirun --dvm": ("skip", "names an mpirun mode the facts page rules out"),
