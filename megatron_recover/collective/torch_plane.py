@@ -183,7 +183,6 @@ class TorchPlaneGroup:
         self._data_members: list[int] = []
         self._arms: list[dict] = []
         self._hits: dict[str, int] = {}
-        self.rebuilds: list[float] = []  # seconds each successful rebuild took
         self._repair([])
 
     # -- membership, as ULFMGroup ---------------------------------------------------------
@@ -386,7 +385,6 @@ class TorchPlaneGroup:
     def _rebuild(self) -> None:
         """Reconfigure the data group over the control plane's members (every survivor calls
         it after the same consensus). Leaves `_broken` set when it did not complete here."""
-        started = time.monotonic()
         self._broken = True
         if self._pg is None or self._stuck:
             if self._pg is not None:
@@ -421,7 +419,6 @@ class TorchPlaneGroup:
             return
         self._data_members = members
         self._broken = False
-        self.rebuilds.append(time.monotonic() - started)
 
     def _run_reconfigure(self, options, members: list[int]) -> bool:
         """`reconfigure` on a helper thread, given up on when a member is known dead (it would

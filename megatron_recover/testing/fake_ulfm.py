@@ -333,7 +333,6 @@ class FakeTorchPlane(TorchPlaneGroup):
         self._stuck = False
         self._data_epoch = -1
         self._data_members = []
-        self.rebuilds = []
         self._repair([])
 
     def allreduce(self, tensor: torch.Tensor) -> FakeWork:
@@ -348,4 +347,3 @@ class FakeTorchPlane(TorchPlaneGroup):
         self._data_epoch += 1  # every survivor rebuilds after the same consensus
         self._data_members = self.control.members
         self._broken = False
-        self.rebuilds.append(0.0)
