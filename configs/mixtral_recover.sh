@@ -6,9 +6,9 @@
 # with a failure schedule. What differs, and why:
 #   NP 6 ranks, --global-batch-size 12   the example's 2 ranks are one replica (its
 #                  expert-parallel group of 2 must lie inside a replica), which no failure
-#                  leaves alive: 3 replicas of 2 ranks, and a batch they split evenly;
-#   --num-distributed-optimizer-instances 3   a replica is a distributed-optimizer instance
-#                  of 2 data-parallel ranks holding the 2 expert-parallel ranks;
+#                  leaves alive: 3 replicas of 2 ranks, and a batch they split evenly
+#                  (start-up makes each replica a distributed-optimizer instance of the 2
+#                  data-parallel ranks of one expert-parallel group: 3 instances, and says so);
 #   --train-iters 8 and an evaluation every 4  so that the failures land in a reduction, an
 #                  extension pass and an evaluation;
 #   --save, --save-interval 4   the example's commented-out checkpoint, saved after the
@@ -90,7 +90,6 @@ MODEL_PARALLEL_ARGS=(
     --pipeline-model-parallel-size 1
     --expert-model-parallel-size 2
     --use-distributed-optimizer
-    --num-distributed-optimizer-instances 3
     --sequence-parallel
 )
 

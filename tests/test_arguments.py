@@ -695,6 +695,42 @@ def test_distributed_optimizer_under_recover_is_one_instance_per_replica():
     assert single.num_replicas == 1 and not any("instance" in n for n in single.notices)
 
 
+def test_expert_parallelism_under_recover_chooses_the_replica_layout():
+    """--expert-model-parallel-size E with --use-distributed-optimizer under --recover and no
+    instance count: DP / E instances of E data-parallel ranks, the smallest replica that holds
+    an expert-parallel group, said at start-up; an explicit K keeps its meaning."""
+    moe = ("--recover", "--num-experts", "4", "--expert-model-parallel-size", "2",
+           "--use-distributed-optimizer")
+    cfg = small(*moe, world_size=8)
+    assert cfg.parallel.num_distributed_optimizer_instances == 4
+    assert cfg.num_replicas == 4 and cfg.dp_ranks_per_replica == 2
+    (line,) = [n for n in cfg.notices if "--use-distributed-optimizer under" in n]
+    assert "--expert-model-parallel-size 2: 4 optimizer instances" in line
+    assert "each a replica of 2 data-parallel ranks" in line
+    (layout,) = [n for n in cfg.notices if "mixture of experts" in n]
+    assert "a distributed-optimizer instance of 2 data-parallel ranks" in layout
+    assert "4 replicas reduce" in layout
+    explicit = small(*moe, "--num-distributed-optimizer-instances", "2", world_size=8)
+    assert explicit.num_replicas == 2 and explicit.dp_ranks_per_replica == 4
+    assert not any("--use-distributed-optimizer under" in n for n in explicit.notices)
+    # Megatron-LM's example (2 ranks, E 2) under --recover: one replica, nothing survives.
+    message = refused(*moe, world_size=2)
+    assert "they make 1 replica, which no failure leaves alive" in message
+    assert "launch a multiple of 4 ranks" in message
+    # Without the distributed optimizer a replica of several data-parallel ranks has no name.
+    message = refused(*moe[:-1], world_size=8)
+    assert "add --use-distributed-optimizer" in message
+    # Standbys are replicas of the same shape: E x TP x PP ranks each.
+    from megatron_recover.megatron.config.arguments import training_world_size
+
+    argv = _small_argv([*moe, "--recover-standby-replicas", "1"])
+    assert training_world_size(argv, 10) == 8
+    cfg = parse_args(argv, world_size=8, cuda_available=False)
+    assert cfg.num_replicas == 4 and cfg.dp_ranks_per_replica == 2
+    with pytest.raises(ValueError, match="a multiple of 2 ranks"):
+        training_world_size(argv, 9)
+
+
 def test_distributed_optimizer_instances_must_fit():
     assert "use a divisor of 4" in refused("--use-distributed-optimizer",
                                            "--num-distributed-optimizer-instances", "3")

@@ -198,8 +198,10 @@ def test_the_mixtral_example_list_trains_under_recover_with_failures(tmp_path):
     output = run.result.output
     print("\n".join(line for line in output.splitlines()
                     if line.startswith("megatron-recover: mixture") or "iteration " in line
-                    or "validation" in line))
+                    or "validation" in line or "optimizer instances" in line))
     assert "2 experts in 2 of 2 layers, top-2 routing, alltoall dispatch" in output
+    # The script gives no instance count: start-up chose the replicas of one expert group each.
+    assert "--expert-model-parallel-size 2: 3 optimizer instances" in output
     assert sorted((m["location"], m["rank"]) for m in run.markers) == [
         ("during-extension", 2), ("during-reduce", 5)]
     assert run.completed() == [0, 1]

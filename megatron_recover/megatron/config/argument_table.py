@@ -493,7 +493,8 @@ IMPLEMENTED_NOTES = {
     "--no-gradient-accumulation-fusion": "",
     "--expert-model-parallel-size": "under --recover each expert-parallel group lies inside one "
     "replica: a distributed-optimizer instance whose data-parallel ranks are a multiple of it "
-    "(refused otherwise, with the layout to use; docs/training.md)",
+    "(without --num-distributed-optimizer-instances, DP / E instances of E ranks; other "
+    "layouts refused with the layout to use; docs/training.md)",
     "--expert-tensor-parallel-size": "only the default, --tensor-model-parallel-size",
     "--moe-router-load-balancing-type": "one of aux_loss (default), seq_aux_loss, none; "
     "global_aux_loss, sinkhorn, quantile_balancing and several types at once are refused",

@@ -686,11 +686,15 @@ def _virtual_pipeline(ns, world_size: int) -> list[str]:
 
 def _optimizer_instances(ns, dp: int) -> int:
     """--num-distributed-optimizer-instances, or, when it is not given, Megatron's 1 — except
-    that --recover with --use-distributed-optimizer makes every data-parallel rank its own
-    instance (a replica), since state sharded across replicas would die with one of them."""
+    that --recover with --use-distributed-optimizer makes each replica an instance, since state
+    sharded across replicas would die with one of them: the smallest replica that holds an
+    expert-parallel group, so DP / E instances of E data-parallel ranks (every data-parallel
+    rank its own instance without expert parallelism)."""
     if ns.num_distributed_optimizer_instances is not None:
         return ns.num_distributed_optimizer_instances
-    return dp if ns.recover and ns.use_distributed_optimizer else 1
+    if not (ns.recover and ns.use_distributed_optimizer):
+        return 1
+    return dp // ns.expert_model_parallel_size
 
 
 _SAMPLE_FLAGS = ("--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples")
@@ -1160,6 +1164,7 @@ def training_world_size(argv: list[str], world_size: int) -> int:
     replicas (the last ranks). A standby replica has a training replica's shape: TP x PP ranks
     or, with distributed-optimizer instances, one instance of TP x PP x S ranks (S = the
     data-parallel ranks per instance), so the launch holds (instances + K) x TP x PP x S.
+    Without an instance count, expert parallelism E makes S = E (`_optimizer_instances`).
     Read before the full parse, which validates the same values; a malformed value leaves the
     world as it is for the full parse to report. Raises ValueError for a launch that cannot be
     cut into instances and standby instances of the same size."""
@@ -1169,6 +1174,7 @@ def training_world_size(argv: list[str], world_size: int) -> int:
     pre.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     pre.add_argument("--use-distributed-optimizer", action="store_true")
     pre.add_argument("--num-distributed-optimizer-instances", type=int)
+    pre.add_argument("--expert-model-parallel-size", type=int, default=1)
     try:
         ns, _ = pre.parse_known_args(argv)
     except SystemExit:
@@ -1178,6 +1184,14 @@ def training_world_size(argv: list[str], world_size: int) -> int:
     instances = ns.num_distributed_optimizer_instances
     if m < 1:
         return world_size
+    ep = ns.expert_model_parallel_size
+    if k and ns.use_distributed_optimizer and instances is None and ep > 1:
+        if world_size % (ep * m):
+            raise ValueError(
+                f"{world_size} ranks cannot be cut into replicas of one expert-parallel group "
+                f"(--expert-model-parallel-size {ep} x TP x PP = {ep * m} ranks) with "
+                f"--recover-standby-replicas {k}: launch a multiple of {ep * m} ranks")
+        return world_size - k * ep * m
     if not (k and ns.use_distributed_optimizer and instances and instances > 0):
         # One data-parallel rank per replica (without instances, --recover makes every
         # data-parallel rank its own instance).
@@ -1275,7 +1289,18 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
         lines.append("megatron-recover: --cross-entropy-loss-fusion: the fused kernel is "
                      "CUDA-only; the unfused vocab-parallel cross entropy computes the same loss")
     dp = _sizes(ns, world_size)[0]
+    ep = ns.expert_model_parallel_size
     if (ns.recover and ns.use_distributed_optimizer
+            and ns.num_distributed_optimizer_instances is None and ep > 1):
+        k = _optimizer_instances(ns, dp)
+        lines.append(f"megatron-recover: --use-distributed-optimizer under --recover with "
+                     f"--expert-model-parallel-size {ep}: {k} optimizer instances "
+                     f"(--num-distributed-optimizer-instances {k}), each a replica of {ep} "
+                     "data-parallel ranks, the smallest that holds an expert-parallel group (a "
+                     "failure then takes a layer's experts down together and the survivors "
+                     "hold complete copies); to shard the optimizer state over more ranks, pass "
+                     f"--num-distributed-optimizer-instances K, K dividing {k}")
+    elif (ns.recover and ns.use_distributed_optimizer
             and ns.num_distributed_optimizer_instances is None and dp > 1):
         lines.append(f"megatron-recover: --use-distributed-optimizer under --recover: one "
                      f"optimizer instance per replica (--num-distributed-optimizer-instances "

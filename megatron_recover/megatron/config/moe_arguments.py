@@ -161,16 +161,24 @@ def _recover_layout(ns, dp: int) -> list[str]:
     found = []
     if ep > 1:
         k = ns.num_distributed_optimizer_instances
-        if not ns.use_distributed_optimizer or k is None:
+        tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+        if not ns.use_distributed_optimizer:
             found.append(
                 f"--expert-model-parallel-size {ep} under --recover: an expert-parallel group "
                 "must lie inside one replica, so that a failure takes all of a layer's experts "
                 "down together and the survivors hold complete copies; a replica then holds "
                 "several data-parallel ranks, which is a distributed-optimizer instance: add "
-                f"--use-distributed-optimizer --num-distributed-optimizer-instances K with K "
-                f"dividing {dp // ep} (each replica {dp}/K data-parallel ranks, a multiple of "
-                f"{ep})")
-        elif dp % k == 0 and (dp // k) % ep:
+                f"--use-distributed-optimizer (start-up then makes each replica {ep} "
+                "data-parallel ranks, one expert-parallel group), or with it "
+                f"--num-distributed-optimizer-instances K, K dividing {dp // ep} (each replica "
+                f"{dp}/K data-parallel ranks, a multiple of {ep})")
+        elif k is None and dp // ep < 2:
+            found.append(
+                f"--expert-model-parallel-size {ep} under --recover with {dp} data-parallel "
+                f"ranks: a replica holds a whole expert-parallel group ({ep} data-parallel "
+                f"ranks), so they make {dp // ep} replica, which no failure leaves alive: "
+                f"launch a multiple of {2 * ep * tp * pp} ranks (2 replicas or more)")
+        elif k is not None and dp % k == 0 and (dp // k) % ep:
             found.append(
                 f"--expert-model-parallel-size {ep} does not divide the {dp // k} data-parallel "
                 f"ranks of a replica (--num-distributed-optimizer-instances {k}): an "
@@ -206,12 +214,12 @@ def layout_line(ns, world_size: int, instances: int) -> str:
         return f"{head}, expert data-parallel size {dp // ep}"
     if not ns.use_distributed_optimizer:
         return (f"{head}; a replica (TP {tp} x PP {pp}) holds every expert; {dp} replicas reduce "
-                "dense and expert gradients across them on ulfm")
+                "dense and expert gradients across them")
     shards = dp // instances
     return (f"{head}; a replica is a distributed-optimizer instance of {shards} data-parallel "
             f"ranks (TP {tp} x PP {pp} x {shards}), each expert-parallel group inside one, so "
             f"a replica holds every expert; its ranks run passes of one length; {instances} "
-            "replicas reduce dense and expert gradients across them on ulfm")
+            "replicas reduce dense and expert gradients across them")
 
 
 def device_problems(ns, cuda_available: bool, te_available: bool,
