@@ -1,9 +1,10 @@
 """The fault campaign (megatron_recover/faults/campaign.py): its draws, and a bounded slice of it.
 
-Run: `make test` (the draws) and `make test-long` (the slice: 10 cases of a fixed seed over five
-configurations on the default data plane, 6-10 minutes, and 5 of them on the mpi plane; CPU only,
-every run under a hard timeout); the full campaign is
-`make fault-campaign N=30 SEED=1`, and `make test` runs one case of it through the README's command.
+Run: `make test` (the draws, and one case on each data plane against one failure-free reference)
+and `make test-long` (the slice: 10 cases of a fixed seed over five configurations on the default
+data plane, 6-10 minutes, and 5 of them on the mpi plane; CPU only, every run under a hard
+timeout); the full campaign is `make fault-campaign N=30 SEED=1`, and `make test-long` runs one
+case of it through the README's command.
 """
 
 import json
@@ -39,6 +40,29 @@ def test_draws_are_reproducible_and_leave_a_survivor():
     assert draw_case(3, 0) != draw_case(4, 0)
     drawn = {draw_case(1, k).config for k in range(100)}
     assert drawn == set(CATALOGUE)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_one_campaign_case_on_each_data_plane(tmp_path, figures):
+    """Seed 2's first 4x1 case kills replica 0 (the rank that hosts the torch plane's rebuild
+    store) inside a bucket's reduction and replica 3 inside the consensus that follows, in one
+    iteration. It runs on the torch plane and then on the mpi plane, both judged against the
+    torch plane's failure-free run: each plane recovers exactly, and the two agree."""
+    references = {}
+    for plane in ("torch", "mpi"):
+        lines = []
+        summary = run_campaign(1, 2, tmp_path / plane, catalogue=(Config(4, "dp"),),
+                               log=lines.append, plane=plane, control=False,
+                               references=references)
+        figures.append(f"fault campaign case, {plane} data plane: {json.dumps(summary)}")
+        assert summary["failed_cases"] == [] and summary["data_plane"] == plane, "\n".join(lines)
+        assert summary["failures_injected"] == 2 and summary["ledger_violations"] == 0
+        assert summary["max_rel_loss_diff"] <= EXACT_RTOL
+        assert summary["max_rel_param_diff"] <= EXACT_RTOL
+        for scenario in ("replica 0", "two in one iteration", "extension pass"):
+            assert summary["scenarios"].get(scenario), (scenario, summary["scenarios"])
+    assert list(references) == [Config(4, "dp").name]  # one reference judged both planes
 
 
 @pytest.mark.mpi

@@ -279,13 +279,15 @@ def _reference(out: Path, config: Config, references: dict, plane: str | None = 
 
 def run_campaign(cases: int, seed: int, out: Path, only: int | None = None,
                  catalogue=CATALOGUE, log=print, first: int = 0, plane: str | None = None,
-                 control: bool = True) -> dict:
+                 control: bool = True, references: dict | None = None) -> dict:
     """Run cases `first`..`cases`-1 of `seed` (or only case `only`) under `out`, every run on
     data plane `plane` (None: the default), then the negative control unless `control` is
     False; returns the summary. Case k is the same whatever else runs and on either plane, so a
-    long campaign may run in parts."""
+    long campaign may run in parts. `references` (configuration name -> failure-free run) is
+    filled as references run; passing one campaign's to another judges the second against the
+    first's failure-free runs (on another plane: the planes agree)."""
     start = time.monotonic()
-    references: dict[str, Run] = {}
+    references = {} if references is None else references
     outcomes = []
     for index in ([only] if only is not None else range(first, cases)):
         case = draw_case(seed, index, catalogue)
