@@ -707,6 +707,10 @@ def test_expert_parallelism_under_recover_chooses_the_replica_layout():
     (line,) = [n for n in cfg.notices if "--use-distributed-optimizer under" in n]
     assert "--expert-model-parallel-size 2: 4 optimizer instances" in line
     assert "each a replica of 2 data-parallel ranks" in line
+    assert line.endswith("pass --num-distributed-optimizer-instances 2")  # 1 spans replicas
+    (line,) = [n for n in small(*moe, "--global-batch-size", "12", world_size=6).notices
+               if "--use-distributed-optimizer" in n]
+    assert line.endswith("hold complete copies)")  # 3 instances: no fewer that are 2 or more
     (layout,) = [n for n in cfg.notices if "mixture of experts" in n]
     assert "a distributed-optimizer instance of 2 data-parallel ranks" in layout
     assert "4 replicas reduce" in layout

@@ -1293,13 +1293,16 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
     if (ns.recover and ns.use_distributed_optimizer
             and ns.num_distributed_optimizer_instances is None and ep > 1):
         k = _optimizer_instances(ns, dp)
+        fewer = [str(d) for d in range(2, k) if k % d == 0]  # K = 1 spans every replica
         lines.append(f"megatron-recover: --use-distributed-optimizer under --recover with "
                      f"--expert-model-parallel-size {ep}: {k} optimizer instances "
                      f"(--num-distributed-optimizer-instances {k}), each a replica of {ep} "
                      "data-parallel ranks, the smallest that holds an expert-parallel group (a "
                      "failure then takes a layer's experts down together and the survivors "
-                     "hold complete copies); to shard the optimizer state over more ranks, pass "
-                     f"--num-distributed-optimizer-instances K, K dividing {k}")
+                     "hold complete copies)" + (
+                         "; to shard the optimizer state over more ranks, pass "
+                         f"--num-distributed-optimizer-instances {' or '.join(fewer)}"
+                         if fewer else ""))
     elif (ns.recover and ns.use_distributed_optimizer
             and ns.num_distributed_optimizer_instances is None and dp > 1):
         lines.append(f"megatron-recover: --use-distributed-optimizer under --recover: one "
