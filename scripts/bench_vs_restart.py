@@ -12,9 +12,10 @@ The systems:
             (location during-reduce) and the survivors go on
   adaptive  --recover --recover-policy adaptive (drop-and-go), same failures
   restart   stock Megatron with megatron-core distributed checkpoints every N iterations, its
-            data parallelism over the ulfm backend like recover's (a death stops it: the
-            backend fails stop), killed and relaunched by scripts/run_restart_baseline.py (the
-            kill lands as the iteration begins, see there)
+            data parallelism over the ulfm backend (MPI; recover's default data plane is torch,
+            gloo here, which is slower on one host: the difference favours restart; a death
+            stops it: the backend fails stop), killed and relaunched by
+            scripts/run_restart_baseline.py (the kill lands as the iteration begins, see there)
 
 1. The fair protocol (the headline). 4 failures at iterations drawn once from a seeded
    exponential spacing of mean --mtbf-iters, the same for every system and every N. Restart
@@ -889,9 +890,11 @@ BIAS = [
     "Kills: recover's victims die inside a gradient all-reduce; restart's are killed by the "
     "driver as the iteration begins, before its gradient synchronization, so the baseline "
     "loses up to one iteration less per failure.",
-    "Both sides reduce gradients over the ulfm backend (restart with --cross-replica-backend "
-    "ulfm, whose torch.distributed calls fail stop, so a death ends the stock job as over "
-    "gloo).",
+    "Data planes: recover reduces gradients on its default plane, torch (gloo over loopback "
+    "TCP on this machine); restart's stock data parallelism runs over the ulfm backend "
+    "(--cross-replica-backend ulfm: MPI over shared memory on one host, faster here, "
+    "docs/data-planes.md), whose torch.distributed calls fail stop, so a death ends the stock "
+    "job as over gloo. The difference favours restart.",
 ]
 
 
