@@ -164,9 +164,14 @@ COMMANDS = {
                                                        "final 0.19 port (about 16 minutes); "
                                                        "make fault-campaign N=30 SEED=1 runs one "
                                                        "case of it"),
-    "make fault-campaign N=30 SEED=20261210 PLANE=torch": ("skip", "the recorded 30-case run "
+    "make fault-campaign N=30 SEED=20261210 PLANE=torch": ("skip", "the earlier recorded run "
                                                                    "on the torch data plane "
                                                                    "(about 25 minutes); the "
+                                                                   "test-long slice runs it on "
+                                                                   "both planes"),
+    "make fault-campaign N=30 SEED=20261211 PLANE=torch": ("skip", "the recorded 30-case run "
+                                                                   "on the torch data plane "
+                                                                   "(about 17 minutes); the "
                                                                    "test-long slice runs it on "
                                                                    "both planes"),
     "mpirun --with-ft ulfm --oversubscribe -np N": ("skip", "a fragment: how the measured "
