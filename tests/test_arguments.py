@@ -721,6 +721,10 @@ def test_expert_parallelism_under_recover_chooses_the_replica_layout():
     message = refused(*moe, world_size=2)
     assert "they make 1 replica, which no failure leaves alive" in message
     assert "launch a multiple of 4 ranks" in message
+    # 3 data-parallel ranks do not split into groups of 2: that one reason, not a replica count.
+    message = refused(*moe, "--global-batch-size", "12", world_size=3)
+    assert "not divisible by --expert-model-parallel-size 2" in message
+    assert "replica, which no failure leaves alive" not in message
     # Without the distributed optimizer a replica of several data-parallel ranks has no name.
     message = refused(*moe[:-1], world_size=8)
     assert "add --use-distributed-optimizer" in message

@@ -172,7 +172,7 @@ def _recover_layout(ns, dp: int) -> list[str]:
                 "data-parallel ranks, one expert-parallel group), or with it "
                 f"--num-distributed-optimizer-instances K, K dividing {dp // ep} (each replica "
                 f"{dp}/K data-parallel ranks, a multiple of {ep})")
-        elif k is None and dp // ep < 2:
+        elif k is None and dp % ep == 0 and dp // ep < 2:
             found.append(
                 f"--expert-model-parallel-size {ep} under --recover with {dp} data-parallel "
                 f"ranks: a replica holds a whole expert-parallel group ({ep} data-parallel "
