@@ -70,7 +70,7 @@ bench: build
 	$(PY) scripts/bench_collective.py
 
 # The CPU benchmarks (about 45 and 6 minutes here: bench-restart's recorded run,
-# docs/results/bench_vs_restart.json, took 2625 s); not part of CI.
+# docs/results/bench_vs_restart.json, took 2184 s); not part of CI.
 bench-restart: build
 	$(PY) scripts/bench_vs_restart.py
 
