@@ -1290,8 +1290,9 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
                      "CUDA-only; the unfused vocab-parallel cross entropy computes the same loss")
     dp = _sizes(ns, world_size)[0]
     ep = ns.expert_model_parallel_size
-    if (ns.recover and ns.use_distributed_optimizer
-            and ns.num_distributed_optimizer_instances is None and ep > 1):
+    instances_chosen = (ns.recover and ns.use_distributed_optimizer
+                        and ns.num_distributed_optimizer_instances is None)
+    if instances_chosen and ep > 1:
         k = _optimizer_instances(ns, dp)
         fewer = [str(d) for d in range(2, k) if k % d == 0]  # K = 1 spans every replica
         lines.append(f"megatron-recover: --use-distributed-optimizer under --recover with "
@@ -1303,8 +1304,7 @@ def _notices(ns, argv: list[str], world_size: int, cuda_available: bool,
                          "; to shard the optimizer state over more ranks, pass "
                          f"--num-distributed-optimizer-instances {' or '.join(fewer)}"
                          if fewer else ""))
-    elif (ns.recover and ns.use_distributed_optimizer
-            and ns.num_distributed_optimizer_instances is None and dp > 1):
+    elif instances_chosen and dp > 1:
         lines.append(f"megatron-recover: --use-distributed-optimizer under --recover: one "
                      f"optimizer instance per replica (--num-distributed-optimizer-instances "
                      f"{dp}), since optimizer state sharded across replicas would die with one "
