@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"as hung (default: {relaunch.STALL_FACTOR} x the command's "
                             "--recover-hang-timeout)")
     parser.add_argument("--status-dir", type=Path, default=None,
-                        help="where ranks write their status files (default: a temporary dir)")
+                        help="where ranks write their status files (default: a temporary "
+                        "directory; with --hostfile, in the working directory, which every "
+                        "host must see, where each host's /tmp is its own)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="hard limit, seconds")
     parser.add_argument("--mpirun", default=None, help="mpirun to use (default: the venv's)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- program and its arguments")
@@ -96,7 +98,8 @@ def _run_on_hosts(args: argparse.Namespace, command: list[str]) -> int:
         print(f"megatron-recover launch: --num-ranks {args.num_ranks} differs from the "
               f"hostfile's {per_host * len(hosts)} slots: drop --num-ranks", file=sys.stderr)
         return 2
-    status_root = args.status_dir or Path(tempfile.mkdtemp(prefix="megatron-recover-"))
+    status_root = args.status_dir or Path(tempfile.mkdtemp(prefix="megatron-recover-status-",
+                                                           dir=Path.cwd()))
     cfg = relaunch.JobConfig(
         command=command, hosts=[h for h, _ in hosts], ranks_per_host=per_host,
         status_root=status_root, spare_hosts=[h for h in args.spare_hosts.split(",") if h],

@@ -11,8 +11,8 @@ job" and "A silent node loss hangs"). The launcher therefore:
    EXIT_GRACE_S after a rank completed training (a node that vanished silently) is stopped and
    judged by its ranks' statuses;
 2. when the job ends without a rank completing, finds the lost hosts: the ones PRRTE reports it
-   lost a daemon on, the ones its remote launcher (ssh, or the --ssh-agent stand-in) cannot reach,
-   and the ones where no rank of the job ever started;
+   lost a daemon on, the ones its remote launcher (ssh, srun inside a Slurm allocation, or the
+   --ssh-agent stand-in) cannot reach, and the ones where no rank of the job ever started;
 3. relaunches on the remaining hosts plus spares (as many as were lost), at most
    --max-relaunches times, with the same run id: the ranks resume from the newest in-memory
    snapshot the surviving nodes hold in full (megatron_recover.megatron.persistence.snapshots), or from
@@ -159,14 +159,25 @@ class Attempt:
                 f"{errors}")
 
 
+def remote_argv(host: str, command: str, ssh_agent: str | None, env: dict) -> list[str]:
+    """The command line that runs shell `command` on `host`: through the --ssh-agent
+    stand-in; inside a Slurm allocation, as a job step on that node (`srun --overlap`: beside
+    the job's other steps; a site's compute nodes often refuse ssh); else through ssh."""
+    if ssh_agent:
+        return [ssh_agent, host, command]
+    if env.get("SLURM_JOB_ID"):
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
+                "--quiet", "--job-name=megatron-recover-probe", "/bin/sh", "-c", command]
+    return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={PROBE_TIMEOUT_S:g}", host,
+            command]
+
+
 def remote(host: str, command: str, ssh_agent: str | None, env: dict) -> bool:
-    """Run `command` on `host` through its remote launcher (ssh, or the --ssh-agent stand-in);
-    whether it answered and succeeded within PROBE_TIMEOUT_S."""
-    agent = [ssh_agent] if ssh_agent else ["ssh", "-o", "BatchMode=yes", "-o",
-                                           f"ConnectTimeout={PROBE_TIMEOUT_S:g}"]
+    """Run `command` on `host` through its remote launcher (`remote_argv`); whether it
+    answered and succeeded within PROBE_TIMEOUT_S."""
     try:
-        done = subprocess.run([*agent, host, command], env=env, capture_output=True,
-                              timeout=PROBE_TIMEOUT_S)
+        done = subprocess.run(remote_argv(host, command, ssh_agent, env), env=env,
+                              capture_output=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return False
     return done.returncode == 0

@@ -1,6 +1,7 @@
 """In-memory snapshots and the relaunching launcher, without MPI: the writer's two buffers and
 completion marker, the relaunch's choice of iteration, the hostfile, the stall bound, lost hosts,
-what the launcher reports of ranks that died without a status.
+the remote launcher (agent, Slurm step, ssh), what the launcher reports of ranks that died
+without a status.
 
 Run: `make test`. CPU only, one process; tests/test_node_loss.py runs the same code on 3 nodes.
 """
@@ -117,3 +118,16 @@ def test_a_rank_that_died_without_a_status_is_reported_by_its_signal():
     quiet = relaunch.Attempt(1, ["vm"], "id", 0.0, timed_out=True, statuses={0: {}},
                              lines=[(0.0, line) for line in after])
     assert "..." not in quiet.summary() and "later line 34" in quiet.summary()
+
+
+def test_remote_commands_go_through_the_agent_slurm_or_ssh():
+    """The launcher's remote launcher: the --ssh-agent stand-in when given; inside a Slurm
+    allocation (SLURM_JOB_ID in the environment) a one-task step on that node beside the job's
+    others; ssh otherwise. tests/test_slurm.py runs the Slurm form on a cluster."""
+    assert relaunch.remote_argv("n2", "true", "/a/agent", {"SLURM_JOB_ID": "7"}) == [
+        "/a/agent", "n2", "true"]
+    step = relaunch.remote_argv("n2", "kill -KILL 5", None, {"SLURM_JOB_ID": "7"})
+    assert step[0] == "srun" and "--nodelist=n2" in step and "--overlap" in step
+    assert step[-3:] == ["/bin/sh", "-c", "kill -KILL 5"]
+    ssh = relaunch.remote_argv("n2", "true", None, {})
+    assert ssh[0] == "ssh" and ssh[-2:] == ["n2", "true"] and "BatchMode=yes" in ssh
