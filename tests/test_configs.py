@@ -77,12 +77,14 @@ def test_slurm_script_launches_on_the_allocation_with_its_last_node_spare(tmp_pa
     an allocation too small for a spare stops with the reason."""
     script = str(ROOT / "configs/slurm_recover.sbatch")
     env = dict(os.environ, DRY_RUN="1", NODES="gpu01,gpu02,gpu03",
-               HOSTFILE=str(tmp_path / "hosts"), PATH="/usr/bin:/bin")
+               HOSTFILE=str(tmp_path / "hosts"), RUN_DIR=str(tmp_path / "run"),
+               PATH="/usr/bin:/bin")
     out = subprocess.run(["bash", script, "8", "--recover", "--train-iters", "5"], env=env,
                          check=True, capture_output=True, text=True, timeout=60).stdout.split()
     assert (tmp_path / "hosts").read_text() == "gpu01 slots=8\ngpu02 slots=8\n"
-    assert out[1:8] == ["launch", "--hostfile", str(tmp_path / "hosts"), "--spare-hosts",
-                        "gpu03", "--max-relaunches", "2"], out
+    assert out[1:10] == ["launch", "--hostfile", str(tmp_path / "hosts"), "--spare-hosts",
+                         "gpu03", "--max-relaunches", "2", "--status-dir",
+                         str(tmp_path / "run" / "status")], out
     assert out[-4:] == [str(ROOT / "pretrain_gpt_recover.py"), "--recover", "--train-iters",
                         "5"], out
     small = subprocess.run(["bash", script, "8"], env=dict(env, NODES="gpu01"),
@@ -91,19 +93,21 @@ def test_slurm_script_launches_on_the_allocation_with_its_last_node_spare(tmp_pa
 
 
 def test_slurm_script_starts_one_rank_per_gpu_of_each_node(tmp_path):
-    """The GPU recipe: the #SBATCH lines ask for 8 GPUs and one task (mpirun's daemon) per node;
-    RANKS_PER_NODE defaults to the node's GPU count (SLURM_GPUS_ON_NODE, else
-    SLURM_GPUS_PER_NODE, else nvidia-smi -L), which RANKS_PER_NODE in the environment and, before
-    it, a first argument override; the printed command is the relaunching launcher's (it runs
-    mpirun --with-ft ulfm) around pretrain_gpt_recover.py and the job's arguments."""
+    """The GPU recipe: the #SBATCH lines ask for 8 GPUs and 8 tasks (the ranks' slots) per node
+    and keep the allocation when a node fails; RANKS_PER_NODE defaults to Slurm's tasks per node,
+    else the node's GPU count (SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE, else nvidia-smi -L),
+    which RANKS_PER_NODE in the environment and, before it, a first argument override, up to the
+    tasks per node; the printed command is the relaunching launcher's (it runs mpirun --with-ft
+    ulfm) around pretrain_gpt_recover.py and the job's arguments."""
     script = ROOT / "configs/slurm_recover.sbatch"
     sbatch = [line.split()[1] for line in script.read_text().splitlines()
               if line.startswith("#SBATCH")]
-    assert "--gpus-per-node=8" in sbatch and "--ntasks-per-node=1" in sbatch
+    assert {"--gpus-per-node=8", "--ntasks-per-node=8", "--no-kill"} <= set(sbatch), sbatch
     hosts, fake_bin = tmp_path / "hosts", tmp_path / "bin"
     base = {k: v for k, v in os.environ.items()
             if not k.startswith("SLURM_") and k not in ("RANKS_PER_NODE", "NODES")}
-    base.update(DRY_RUN="1", NODES="a,b,c", HOSTFILE=str(hosts), PATH="/usr/bin:/bin")
+    base.update(DRY_RUN="1", NODES="a,b,c", HOSTFILE=str(hosts), RUN_DIR=str(tmp_path / "run"),
+                PATH="/usr/bin:/bin")
 
     def launch(*args: str, **env: str) -> list[str]:
         return subprocess.run(["bash", str(script), *args], env=dict(base, **env), check=True,
@@ -112,10 +116,11 @@ def test_slurm_script_starts_one_rank_per_gpu_of_each_node(tmp_path):
     out = launch("--recover", "--train-iters", "5", SLURM_GPUS_ON_NODE="8")
     assert hosts.read_text() == "a slots=8\nb slots=8\n"
     assert out[0] == str(ROOT / ".venv/bin/megatron-recover")
-    assert out[1:11] == ["launch", "--hostfile", str(hosts), "--spare-hosts", "c",
-                         "--max-relaunches", "2", "--", str(ROOT / ".venv/bin/python"),
+    assert out[1:13] == ["launch", "--hostfile", str(hosts), "--spare-hosts", "c",
+                         "--max-relaunches", "2", "--status-dir", str(tmp_path / "run/status"),
+                         "--", str(ROOT / ".venv/bin/python"),
                          str(ROOT / "pretrain_gpt_recover.py")], out
-    assert out[11:] == ["--recover", "--train-iters", "5"], out
+    assert out[13:] == ["--recover", "--train-iters", "5"], out
 
     def slots(*args: str, **env: str) -> str:
         launch(*args, "--recover", **env)
@@ -125,6 +130,10 @@ def test_slurm_script_starts_one_rank_per_gpu_of_each_node(tmp_path):
     assert slots(SLURM_GPUS_ON_NODE="8", RANKS_PER_NODE="2") == "a slots=2\nb slots=2\n"
     assert slots("4", SLURM_GPUS_ON_NODE="8", RANKS_PER_NODE="2") == "a slots=4\nb slots=4\n"
     assert slots(SLURM_GPUS_PER_NODE="gpu:h100:4") == "a slots=4\nb slots=4\n"
+    assert slots(SLURM_NTASKS_PER_NODE="2", SLURM_GPUS_ON_NODE="8") == "a slots=2\nb slots=2\n"
+    more = subprocess.run(["bash", str(script), "4", "--recover"], capture_output=True,
+                          text=True, env=dict(base, SLURM_NTASKS_PER_NODE="2"), timeout=60)
+    assert more.returncode == 2 and "sbatch --ntasks-per-node=4" in more.stderr, more.stderr
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text(
         "#!/bin/sh\n[ \"$1\" = -L ] || exit 1\n"
