@@ -19,7 +19,7 @@ MPICC  := $(if $(MPI_HOME),$(MPI_HOME)/bin/mpicc,$(abspath $(VENV))/bin/mpicc)
 BACKEND := megatron_recover/collective/_ulfm_backend.so
 PYTEST := $(PY) -m pytest -v -p no:cacheprovider --durations=15
 
-.PHONY: setup build gpu-check test test-unit test-long bench bench-restart bench-scale bench-grow-back bench-interleaved bench-node-loss bench-sdc goodput demo demo-bf16 demo-collective mutations fault-campaign clean
+.PHONY: setup build gpu-check test test-unit test-long test-slurm bench bench-restart bench-scale bench-grow-back bench-interleaved bench-node-loss bench-sdc goodput demo demo-bf16 demo-collective mutations fault-campaign clean
 
 setup: $(VENV)/.package-stamp
 
@@ -56,7 +56,7 @@ gpu-check: build
 # commands"); the checks marked `long` run in `make test-long`, and the two together are the
 # whole suite.
 test: build
-	$(PYTEST) -m "not long" tests
+	$(PYTEST) -m "not long and not slurm" tests
 
 # The unit tier alone (tests/unit: the protocol core in one process, codecs, mutations, the
 # import rules): under a minute, no MPI job.
@@ -65,6 +65,13 @@ test-unit: setup
 
 test-long: build
 	$(PYTEST) -m long tests
+
+# A Slurm cluster on fake nodes of this machine (root): scripts/install_slurm.sh installs
+# Debian's Slurm and munge with apt-get when missing, then the recipe configs/slurm_recover.sbatch
+# runs under it, with a rank killed, a node lost and the job cancelled (docs/testing.md).
+test-slurm: build
+	scripts/install_slurm.sh
+	$(PYTEST) -m slurm tests
 
 bench: build
 	$(PY) scripts/bench_collective.py
