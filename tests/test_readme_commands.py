@@ -49,6 +49,10 @@ COMMANDS = {
                                     "--steps 4 --kill-step 2"),
     "make test": ("skip", "this suite itself"),
     "make test-long": ("skip", "this suite's checks marked long"),
+    "make test-slurm": ("skip", "this suite's checks marked slurm (root, apt-get)"),
+    "sbatch --nodes 3 --ntasks-per-node 2 configs/slurm_recover.sbatch --recover "
+    "--recover-snapshot-interval 2 ARGS": ("skip", "the command tests/test_slurm.py submits "
+                                                   "(make test-slurm)"),
     "make test-unit": ("skip", "the unit tier, which this suite runs itself"),
     "make setup": ("run", "make setup"),
     "make build": ("run", "make build"),
@@ -142,8 +146,11 @@ COMMANDS = {
     "configs/gpt3_recover.sh": ("skip", "8 ranks for about 2 minutes; tests/test_configs.py runs "
                                         "its command line through the start-up checks, and "
                                         "tests/test_evaluation_logging.py the same failures"),
-    "sbatch --nodes 5 configs/slurm_recover.sbatch 8 --recover --recover-snapshot-interval 10 "
-    "ARGS": ("skip", "needs Slurm; tests/test_configs.py runs the script's dry run"),
+    "sbatch --nodes 5 --ntasks-per-node 8 configs/slurm_recover.sbatch --recover "
+    "--recover-snapshot-interval 10 ARGS": ("skip", "needs a Slurm cluster: make test-slurm "
+                                                    "runs the script under one (tests/"
+                                                    "test_slurm.py), tests/test_configs.py its "
+                                                    "dry run"),
     "mpirun --with-ft ulfm -np 6 --host $(hostname):2,nodeB:2,nodeC:2 --map-by ppr:2:node "
     "--prtemca plm_ssh_agent /abs/fake_ssh.sh --prtemca oob_tcp_if_include 10.77.0.0/24 --mca "
     "btl_tcp_if_include 10.77.0.0/24 --mca mpi_yield_when_idle 1 /abs/.venv/bin/python "
