@@ -124,6 +124,7 @@ class Attempt:
     statuses: dict[int, dict] = field(default_factory=dict)
     lost: dict[str, str] = field(default_factory=dict)  # host -> why it counts as lost
     lines: list[tuple[float, str]] = field(default_factory=list)
+    unreachable: set[str] = field(default_factory=set)  # did not answer the ranks' clean-up
 
     @property
     def succeeded(self) -> bool:
@@ -198,7 +199,9 @@ def lost_hosts(attempt: Attempt, ranks_per_host: int, ssh_agent: str | None,
             evidence[host].append("PRRTE lost its daemon")
     for index, host in enumerate(attempt.hosts):
         ranks = range(index * ranks_per_host, (index + 1) * ranks_per_host)
-        if not probe(host, ssh_agent, env):
+        # A host that did not answer the clean-up is not asked again: a lost one costs the
+        # remote launcher's whole timeout each time.
+        if host in attempt.unreachable or not probe(host, ssh_agent, env):
             evidence[host].append("unreachable")
         # Where no rank started at all, the job never started: that says nothing of a host.
         if attempt.statuses and not any(r in attempt.statuses for r in ranks):
@@ -251,8 +254,8 @@ def run_attempt(cfg: JobConfig, number: int, hosts: list[str], run_id: str, on_l
     finally:
         attempt.ended = time.time()
         job.stop()
-        end_ranks(read_statuses(status_dir), run_id, cfg.ssh_agent,
-                  {**os.environ, **dict(cfg.env)})
+        attempt.unreachable = end_ranks(read_statuses(status_dir), run_id, cfg.ssh_agent,
+                                        {**os.environ, **dict(cfg.env)})
     attempt.timed_out = not (exited or attempt.stalled or attempt.stopped_after_training)
     attempt.returncode = job.proc.returncode if exited else None
     attempt.statuses = read_statuses(status_dir)
@@ -261,14 +264,16 @@ def run_attempt(cfg: JobConfig, number: int, hosts: list[str], run_id: str, on_l
 
 
 def end_ranks(statuses: dict[int, dict], run_id: str, ssh_agent: str | None,
-              env: dict) -> None:
+              env: dict) -> set[str]:
     """SIGKILL the ranks of a stopped attempt that may still run, by the PIDs in their status
     files, each only if it is still a process of this job (its environment holds the run id: a
     PID may have been reused): here directly, on the other hosts through their remote launcher.
     mpirun ends without signalling the ranks on its own host when it loses a node, and a rank
     hung in a repair on another host may outlive a stopped mpirun; neither may compete with the
-    relaunch. An unreachable host is a lost one, left out of the relaunch."""
+    relaunch. An unreachable host is a lost one, left out of the relaunch: returns the hosts
+    that did not answer."""
     mark = f"{RUN_ID_ENV}={run_id}"
+    unreachable = set()
     by_host: dict[str, list[int]] = {}
     for status in statuses.values():
         if status.get("state") == "running" and status.get("pid") and status.get("host"):
@@ -283,10 +288,11 @@ def end_ranks(statuses: dict[int, dict], run_id: str, ssh_agent: str | None,
             kill_ranks({pid: {"pid": pid, "state": "running"} for pid in pids})
             for path in segments:
                 Path(path).unlink(missing_ok=True)
-        else:
-            remote(host, f"for p in {' '.join(map(str, pids))}; do grep -qzx '{mark}' "
-                         f"/proc/$p/environ 2>/dev/null && kill -KILL $p; done; true",
-                   ssh_agent, env)
+        elif not remote(host, f"for p in {' '.join(map(str, pids))}; do grep -qzx '{mark}' "
+                              f"/proc/$p/environ 2>/dev/null && kill -KILL $p; done; true",
+                        ssh_agent, env):
+            unreachable.add(host)
+    return unreachable
 
 
 def _maps(pid: int) -> list[str]:
@@ -335,7 +341,11 @@ def run_job(cfg: JobConfig, on_line=None, echo: bool = False, on_start=None,
                                       {**os.environ, **dict(cfg.env)})
         log(f"megatron-recover launch: {attempt.summary()}")
         if attempt.succeeded:
-            remove_snapshots(run_id, hosts + [h for a in attempts for h in a.hosts], cfg)
+            # A host found unreachable would only make each remote command wait its timeout.
+            gone = {h for a in attempts for h, why in a.lost.items() if "unreachable" in why}
+            gone |= {h for a in attempts for h in a.unreachable}
+            remove_snapshots(run_id, [h for a in attempts for h in a.hosts if h not in gone],
+                             cfg)
             return attempts
         if program_error(attempt.statuses) is not None:
             # It ended the job itself (stopping its daemon, which looks like a lost host), and

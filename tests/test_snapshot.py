@@ -101,6 +101,11 @@ def test_lost_hosts_from_either_prterun_message():
     # No rank of nodeX started, and nothing else is known: that is the evidence.
     attempt = relaunch.Attempt(1, [here, "nodeX"], "id", 0.0, statuses={0: {}, 1: {}})
     assert relaunch.lost_hosts(attempt, 2, "true", {}) == {"nodeX": "no rank started"}
+    # nodeX did not answer the clean-up of the ranks: it is not asked again (`true` would
+    # answer for it).
+    attempt = relaunch.Attempt(1, [here, "nodeX"], "id", 0.0, statuses=statuses,
+                               unreachable={"nodeX"})
+    assert relaunch.lost_hosts(attempt, 2, "true", {}) == {"nodeX": "unreachable"}
 
 
 def test_a_rank_that_died_without_a_status_is_reported_by_its_signal():
