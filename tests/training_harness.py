@@ -51,6 +51,22 @@ def printed_values(output: str, field: str) -> list[float]:
             if f"{field}:" in line]
 
 
+def megatron_lm_lines(losses: dict[int, float], log_interval: int = 1) -> dict[int, float]:
+    """What Megatron-LM's iteration lines print for one launch's per-iteration `losses`
+    ({iteration: loss}, consecutive, the launch's first iteration first): a line on the first
+    iteration and on each multiple of `log_interval`, each the mean of the losses since the last
+    line that started a new interval, where the first iteration's line starts none
+    (core_v0.19.0 training_log: `should_reset = not is_first_iteration`)."""
+    lines, pending = {}, []
+    for n, iteration in enumerate(sorted(losses)):
+        pending.append(losses[iteration])
+        if n == 0 or iteration % log_interval == 0:
+            lines[iteration] = sum(pending) / len(pending)
+            if n > 0:
+                pending = []
+    return lines
+
+
 def run_training(run_dir: Path, num_ranks: int, args: list[str], schedule: str | None = None,
                  timeout_s: float = 300, entry: list[str] = ENTRY) -> TrainingRun:
     """`pretrain_gpt_recover.py ARGS --recover --recover-log ...` on `num_ranks` ranks, with an

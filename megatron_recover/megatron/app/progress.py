@@ -114,8 +114,9 @@ class Progress:
                         events=(), first: bool = False, aux_losses: dict | None = None) -> None:
         """The iteration line, the failure lines and the TensorBoard values. `first`: this
         launch's first iteration, whose line Megatron-LM prints whatever --log-interval says
-        (to show the start-up overhead), without starting a new interval unless that
-        iteration ends one: the next line covers it again. `aux_losses`: the MoE router's
+        (to show the start-up overhead), without starting a new interval even when that
+        iteration ends one (its training_log: `should_reset = not is_first_iteration`): the
+        next line covers it again. `aux_losses`: the MoE router's
         auxiliary losses (moe_losses.py), on the line and, as Megatron-LM writes them, on
         TensorBoard at every iteration."""
         cfg, log = self.cfg, self.cfg.logging
@@ -147,14 +148,14 @@ class Progress:
             if "slow replicas" in recover:
                 recover["evicted as stragglers"] = self.stats.evicted_slow
         ends_interval = iteration % log.log_interval == 0
-        due = first or ends_interval
-        if writer and due:
+        restart = ends_interval and not first
+        if writer and (first or ends_interval):
             print(self.stats.line(iteration=iteration, train_iters=cfg.train_iters,
                                   consumed_samples=consumed, lr=lr,
                                   global_batch_size=global_batch_size, loss_scale=loss_scale,
                                   grad_norm=grad_norm, flops=flops, ranks=self.live_ranks(),
-                                  recover=recover, restart=ends_interval), flush=True)
-        elif ends_interval:
+                                  recover=recover, restart=restart), flush=True)
+        elif restart:
             self.stats.restart()  # the interval restarts on every rank: a new writer goes on
         if self.writers.enabled and aux_losses:
             self.writers.add(moe_scalars(cfg, iteration, aux_losses))

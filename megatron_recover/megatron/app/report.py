@@ -16,7 +16,13 @@ import json
 import math
 import time
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
+
+
+def timestamp() -> str:
+    """A line's time, as Megatron-LM's training_log writes it (to the microsecond)."""
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 class IntervalStats:
@@ -65,8 +71,7 @@ class IntervalStats:
         iteration's model FLOPs with --log-throughput; `ranks`: the ranks that ran it;
         `recover`: our fields."""
         ms = self.elapsed_ms / max(self.iterations, 1)
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        line = (f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} |"
+        line = (f" [{timestamp()}] iteration {iteration:8d}/{train_iters:8d} |"
                 f" consumed samples: {consumed_samples:12d} |"
                 f" elapsed time per iteration (ms): {ms:.1f} |")
         if flops is not None:
@@ -109,31 +114,31 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
     lines = []
     for event in events:
         if event["event"] == "join":
-            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+            lines.append(f" [{timestamp()}] iteration {iteration:8d}:"
                          f" replica(s) {event['replicas']} rejoined on standby ranks "
                          f"{event['ranks']}, epoch {event['epoch']}, state received "
                          f"{event['state_received'] - event['called']:.2f} s after the call")
         if event["event"] == "mismatch":
-            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+            lines.append(f" [{timestamp()}] iteration {iteration:8d}:"
                          f" gradient fingerprints differ for the first pass of replica(s) "
                          f"{event['owners']} against checker(s) {event['checkers']}: arbitrated "
                          f"by replica(s) {event['arbiters']}")
         if event["event"] == "corruption":
-            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+            lines.append(f" [{timestamp()}] iteration {iteration:8d}:"
                          f" replica(s) {event['evicted']} computed gradients two other replicas "
                          "contradict: evicted before the commit (silent data corruption)")
         if event["event"] == "nonfinite":
-            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+            lines.append(f" [{timestamp()}] iteration {iteration:8d}:"
                          f" replica(s) {event['replicas']} held out a non-finite gradient: "
                          f"rerun in place and by replica(s) {event['checkers']}")
         if event["event"] == "straggler":
-            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+            lines.append(f" [{timestamp()}] iteration {iteration:8d}:"
                          f" replica(s) {event['evicted']} evicted as stragglers: "
                          + ", ".join(f"replica {r} {x:.2f}x" for r, x in event["ratios"].items())
                          + f" the other replicas' median time per microbatch for "
                          f"{event['window']} iterations; they leave after this step")
         if event["event"] == "rerun":
-            lines.append(f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+            lines.append(f" [{timestamp()}] iteration {iteration:8d}:"
                          " non-finite gradient classified "
                          + ", ".join(f"replica {r}: {o}" for r, o in event["outcomes"].items())
                          + f"; evicted {event['evicted']}, kept {event['kept']}")
@@ -142,7 +147,7 @@ def failure_lines(iteration: int, events: list[dict]) -> list[str]:
         # The ranks this position's group saw fail; another position of the replica may have
         # seen the failure first (the replica verdict then names only the replicas).
         ranks = f" (ranks {event['ranks']})" if event["ranks"] else ""
-        line = (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}:"
+        line = (f" [{timestamp()}] iteration {iteration:8d}:"
                 f" replica(s) {event['replicas']} lost{ranks}, epoch {event['epoch']}, ")
         if event.get("during") == "evaluation":
             line += "during the evaluation after it: evaluated again by the survivors"

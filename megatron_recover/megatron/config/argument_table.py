@@ -692,10 +692,10 @@ IMPLEMENTED_NOTES = {
                         "refused at start-up); the data's ids are megatron-core's, as Megatron-LM "
                         "builds them (docs/training.md)",
     "--log-interval": "--recover: the iteration line adds live replicas, contributions/B and "
-                      "failures (docs/observability.md); the first iteration's line, which "
-                      "Megatron-LM prints whatever the interval, starts a new interval when "
-                      "that iteration ends one (Megatron-LM core_v0.19.0 averages it into the "
-                      "next line too); the elapsed time per iteration is the mean of the steps' "
+                      "failures (docs/observability.md); as in Megatron-LM, each launch's "
+                      "first iteration gets a line whatever the interval and the next line "
+                      "averages that iteration in again; the elapsed time per iteration is the "
+                      "mean of the steps' "
                       "own times (Megatron-LM: the interval's wall clock, evaluations and saves "
                       "left out)",
 }
