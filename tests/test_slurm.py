@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_recover import relaunch
 from megatron_recover.faults import read_markers
 from megatron_recover.testing.nodes import FakeNodes
 from megatron_recover.testing.slurm import SlurmCluster, unavailable_reason
@@ -134,6 +135,11 @@ def submit(cluster: SlurmCluster, work: Path, schedule: str | None = None, on_po
                     events)
 
 
+def committed(run_dir: Path) -> int:
+    """The newest iteration the first attempt's ranks committed (0 before the first)."""
+    return relaunch.read_progress(run_dir / "status" / "attempt-1").get("iteration", 0)
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -227,11 +233,7 @@ def test_a_lost_node_comes_back_on_the_spare(cluster, work, reference, figures):
                     "down") and cluster.job(job_id).get("JobState") == "RUNNING":
                 events["down_at"] = time.time()
             return
-        progress = run_dir / "status" / "attempt-1" / "progress.json"
-        try:
-            done = json.loads(progress.read_text()).get("iteration", 0)
-        except (OSError, ValueError):
-            return
+        done = committed(run_dir)
         if done >= KILL_AFTER and read_markers(work / "log.markers.jsonl"):
             events["lost_after"] = done
             events["lost_at"] = time.time()
@@ -278,12 +280,7 @@ def test_scancel_ends_every_process_of_the_job(cluster, work, figures):
     def cancel(job_id, run_dir, events):
         if "cancelled_at" in events:
             return
-        progress = run_dir / "status" / "attempt-1" / "progress.json"
-        try:
-            done = json.loads(progress.read_text()).get("iteration", 0)
-        except (OSError, ValueError):
-            return
-        if done >= 2:
+        if committed(run_dir) >= 2:
             events["running"] = {n: len(p) for n, p in cluster.job_processes().items()}
             events["cancelled_at"] = time.time()
             cluster.run("scancel", str(job_id))
