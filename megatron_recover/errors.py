@@ -3,7 +3,9 @@
 
   lost peer   `CollectiveTimeout` (a ulfm wait outlived the hang bound), torch.distributed's own
               error types (`DistError`: DistBackendError, DistNetworkError, DistStoreError),
-              or any error raised while MPI's failure detector reports a peer of this rank's
+              an MPI error whose class says a process failed or the communicator was revoked
+              (ULFM's MPI_ERR_PROC_FAILED, _PENDING, MPI_ERR_REVOKED: raised at start-up, before
+              any repair is in place, by a call that met a dead rank), or any error raised while MPI's failure detector reports a peer of this rank's
               replica failed (the runtime asks MPI; gloo says so only in its message text, which
               is never read), or EIO/EPIPE on a write (mpirun is gone: the job is being torn
               down). The replica is gone anyway: the rank leaves (SIGKILL, status `left`) and
@@ -29,6 +31,7 @@ job that knows its errors are not deterministic).
 from __future__ import annotations
 
 import errno
+import sys
 
 from megatron_recover.collective.records import CollectiveTimeout
 
@@ -97,6 +100,10 @@ def _kind_of(exc: BaseException) -> str | None:
     import torch.distributed as dist
 
     if isinstance(exc, CollectiveTimeout) or isinstance(exc, dist.DistError):
+        return PEER_LOST
+    mpi = sys.modules.get("mpi4py.MPI")  # only a rank that started MPI can have raised one
+    if mpi is not None and isinstance(exc, mpi.Exception) and exc.Get_error_class() in (
+            mpi.ERR_PROC_FAILED, mpi.ERR_PROC_FAILED_PENDING, mpi.ERR_REVOKED):
         return PEER_LOST
     if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EPIPE):
         # The rank's terminal is gone: mpirun died (a lost node tears the job down, and the

@@ -68,7 +68,12 @@ class SlurmJob:
     markers: list[dict]
     run_dir: Path
     left_after_s: float  # from the job's end until no process of it was left
+    wall_s: float  # from sbatch to the job's end
     events: dict = field(default_factory=dict)
+
+    def times(self) -> str:
+        return (f"{self.wall_s:.1f} s from sbatch to its end, no process of it left on any "
+                f"node {self.left_after_s:.1f} s after")
 
     def params(self, attempt: int, rank: int) -> dict:
         return torch.load(self.run_dir / "status" / f"attempt-{attempt}" /
@@ -108,6 +113,7 @@ def submit(cluster: SlurmCluster, work: Path, schedule: str | None = None, on_po
     if schedule is not None:
         (work / "schedule.yaml").write_text(schedule)
         job += ["--recover-failure-schedule", str(work / "schedule.yaml")]
+    start = time.monotonic()
     job_id = cluster.sbatch(*SBATCH, f"--output={work}/slurm-%j.out", str(SCRIPT), *job,
                             cwd=ROOT, env={"RUN_DIR": str(run_dir)})
     steps, events = [], {}
@@ -123,6 +129,7 @@ def submit(cluster: SlurmCluster, work: Path, schedule: str | None = None, on_po
         record = cluster.wait_job(job_id, TIMEOUT_S, poll)
     except TimeoutError as e:
         raise AssertionError(f"{e}\n{_tail(work / f'slurm-{job_id}.out')}\n{cluster.logs()}")
+    wall_s = time.monotonic() - start
     left_after_s = cluster.wait_no_job_processes(CLEAN_S)
     records = {}
     if log.exists():
@@ -132,7 +139,7 @@ def submit(cluster: SlurmCluster, work: Path, schedule: str | None = None, on_po
     return SlurmJob(job_id, record, steps, cluster.completion(job_id),
                     (work / f"slurm-{job_id}.out").read_text(errors="replace"), records,
                     read_markers(log.with_suffix(".markers.jsonl")), run_dir, left_after_s,
-                    events)
+                    wall_s, events)
 
 
 def committed(run_dir: Path) -> int:
@@ -159,10 +166,12 @@ def reference():
     """The failure-free job under Slurm: its records and rank 0's final parameters."""
     work = Path(tempfile.mkdtemp(prefix="megatron-recover-slurm-ref-", dir="/var/tmp"))
     try:
+        up = time.monotonic()
         with FakeNodes(NODES) as nodes, SlurmCluster(nodes) as slurm:
+            sinfo = f"up in {time.monotonic() - up:.1f} s:\n{slurm.run('sinfo').rstrip()}"
             job = submit(slurm, work)
             states = slurm.node_states()
-        yield job, job.params(1, 0), states
+        yield job, job.params(1, 0), (sinfo, states)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -188,8 +197,9 @@ def assert_equals_reference(job: SlurmJob, reference, attempt: int, label: str, 
 @pytest.mark.timeout(TIMEOUT_S + 120)
 def test_the_recipe_trains_under_slurm_and_mpirun_starts_its_daemons_through_it(reference,
                                                                                figures):
-    job, _, states = reference
+    job, _, (sinfo, states) = reference
     assert sorted(states) == NODES and all(s.rstrip("*") == "idle" for s in states.values())
+    figures.append(f"slurm, the cluster {sinfo}")
     assert_completed(job)
     names = job.step_names()
     # The batch script on the allocation's first node; mpirun's daemon on the other training
@@ -201,8 +211,8 @@ def test_the_recipe_trains_under_slurm_and_mpirun_starts_its_daemons_through_it(
     assert all(r["live_replicas"] == 4 for r in job.records.values())
     assert job.launcher_lines()[-1].startswith("megatron-recover launch: run succeeded after "
                                                "1 attempt(s)"), job.launcher_lines()
-    figures.append(f"slurm, failure-free: steps {names}; completion {job.completion!r}; no "
-                   f"process left {job.left_after_s:.1f} s after the end")
+    figures.append(f"slurm, failure-free: steps {names}; completion {job.completion!r}; "
+                   f"{job.times()}")
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
@@ -218,6 +228,7 @@ def test_a_rank_killed_is_survived_in_the_job_step(cluster, work, reference, fig
     assert job.records[3]["live_replicas"] == 3 and job.records[ITERATIONS]["live_replicas"] == 3
     assert len([line for line in job.launcher_lines() if " attempt " in line]) == 1
     assert_equals_reference(job, reference, 1, "a rank on node2, in-step", figures)
+    figures.append(f"slurm, a rank on node2, in-step: steps {job.step_names()}; {job.times()}")
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S + 120)
@@ -270,6 +281,7 @@ def test_a_lost_node_comes_back_on_the_spare(cluster, work, reference, figures):
                    f"{resumed[0] + 1} committed) {again:.1f} s after the loss; Slurm marked "
                    f"node2 down {down:.1f} s after it")
     assert_equals_reference(job, reference, 2, "node loss, relaunch on the spare", figures)
+    figures.append(f"slurm, node loss: completion {job.completion!r}; {job.times()}")
 
 
 @pytest.mark.timeout(TIMEOUT_S + 120)
@@ -294,4 +306,4 @@ def test_scancel_ends_every_process_of_the_job(cluster, work, figures):
     assert not any(cluster.job_processes().values())
     figures.append(f"slurm, scancel: cancelled after iteration {max(job.records)} with "
                    f"{job.events['running']} processes running; none left on any node "
-                   f"{ended:.1f} s later")
+                   f"{ended:.1f} s later; completion {job.completion!r}")

@@ -7,9 +7,15 @@ Run: .venv/bin/python -m pytest tests/unit/test_failures.py   (no MPI; seconds)
 import errno
 import os
 
+import mpi4py
 import pytest
 import torch
 import torch.distributed as dist
+
+mpi4py.rc.initialize = False  # error classes need no MPI_Init, and this process starts no MPI
+from mpi4py import MPI  # noqa: E402
+
+mpi4py.rc.initialize = True
 
 from megatron_recover import errors
 from megatron_recover.collective import CollectiveTimeout
@@ -37,6 +43,12 @@ pytestmark = pytest.mark.unit
     (OSError(errno.EIO, "Input/output error"), errors.PEER_LOST),
     (BrokenPipeError(errno.EPIPE, "Broken pipe"), errors.PEER_LOST),
     (FileNotFoundError(errno.ENOENT, "no such file"), errors.PROGRAM),
+    # ULFM's classes for a dead peer or a revoked communicator (a start-up call that met a dead
+    # rank raises one); any other MPI error is the program's unless MPI reports a failed peer.
+    (MPI.Exception(MPI.ERR_PROC_FAILED), errors.PEER_LOST),
+    (MPI.Exception(MPI.ERR_PROC_FAILED_PENDING), errors.PEER_LOST),
+    (MPI.Exception(MPI.ERR_REVOKED), errors.PEER_LOST),
+    (MPI.Exception(MPI.ERR_OTHER), errors.PROGRAM),
 ])
 def test_typed_errors_are_classified(error, kind):
     assert errors.classify(error) == kind
