@@ -324,7 +324,8 @@ def loss_check(runs: dict, reference: dict, restart: dict) -> dict:
     computed = {}  # restart: every computation of an iteration, first runs and redos
     for attempt in restart["attempts"]:
         for c in attempt["iterations"]:
-            computed.setdefault(c["iteration"], []).append(c["loss"])
+            if c["loss"] is not None:  # None: no line shows that iteration's loss alone
+                computed.setdefault(c["iteration"], []).append(c["loss"])
     redone = {i: losses for i, losses in computed.items() if len(losses) > 1}
     def absolute(records):
         return max(abs(r["loss"] - ref[r["iteration"]]) for r in records)
@@ -706,8 +707,10 @@ def plot_trajectory(out: Path, n: int, runs: dict, reference: dict, restart: dic
                     [r["tokens"] / (r["iteration_ms"] / 1e3 * (r["live_replicas"] or RANKS))
                      for r in records], color=COLORS[name], label=name)
     kept = last_completions(restart_timeline(restart))
-    losses = {c["iteration"]: c["loss"] for a in restart["attempts"] for c in a["iterations"]}
-    top.plot([i for _, i, _ in kept], [losses[i] for _, i, _ in kept], color=COLORS["restart"],
+    losses = {c["iteration"]: c["loss"] for a in restart["attempts"] for c in a["iterations"]
+              if c["loss"] is not None}
+    shown = [i for _, i, _ in kept if i in losses]
+    top.plot(shown, [losses[i] for i in shown], color=COLORS["restart"],
              linestyle=":", label="restart (stock dropout stream)")
     for f in failure_iterations(n):
         for ax in (top, bottom):

@@ -64,13 +64,17 @@ class StampedOutput:
     lines: list[tuple[float, str]] = field(default_factory=list)
 
     def iterations(self) -> list[tuple[float, int, float | None]]:
-        """(arrival time, iteration, loss or None) of every iteration line, in order."""
+        """(arrival time, iteration, loss or None) of every iteration line of one launch, in
+        order. The loss is None where no line shows that iteration's alone: a skipped step's,
+        and the launch's second line, which averages its first iteration in again (Megatron-LM's
+        first line starts no interval; the job logs every iteration)."""
         found = []
         for t, line in self.lines:
             match = ITERATION.search(line)
             if match:
                 loss = LOSS.search(line)
-                found.append((t, int(match.group(1)), float(loss.group(1)) if loss else None))
+                alone = loss is not None and len(found) != 1
+                found.append((t, int(match.group(1)), float(loss.group(1)) if alone else None))
         return found
 
     def text(self) -> str:

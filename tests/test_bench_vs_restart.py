@@ -176,3 +176,22 @@ def test_young_daly_interval_in_iterations():
     # Daly's correction shortens Young's sqrt(2 C M) by about C when C << M.
     assert interval_s == pytest.approx((2 * 0.5 * 6.4) ** 0.5 - 0.5, rel=0.1)
     assert n == round(interval_s / 0.4)
+
+
+def test_a_launch_second_line_gives_no_loss_of_its_own():
+    """A restarted stock launch logs every iteration; its second line averages its first
+    iteration in (Megatron-LM's first line starts no interval), so it stands for no single
+    iteration's loss, and a redo is compared with the first run only where both lines do."""
+    line = (" [2026-12-08 01:02:03.456789] iteration {:8d}/      10 | consumed samples: 1 |"
+            " lm loss: {} | loss scale: 1.0 |\n")
+    out = baseline.StampedOutput([(1.0, line.format(5, "4.000000E+00")),
+                                  (2.0, line.format(6, "3.500000E+00")),
+                                  (3.0, line.format(7, "2.000000E+00"))])
+    assert out.iterations() == [(1.0, 5, 4.0), (2.0, 6, None), (3.0, 7, 2.0)]
+    first = {"iterations": [{"iteration": 6, "loss": 3.0}, {"iteration": 7, "loss": 2.0}]}
+    redo = {"iterations": [{"iteration": i, "loss": v} for _, i, v in out.iterations()]}
+    reference = {"records": [{"iteration": i, "loss": 1.0} for i in (5, 6, 7)]}
+    runs = {s: reference for s in ("recover", "adaptive")}
+    check = bench.loss_check(runs, reference, {"attempts": [first, redo]})
+    assert check["restart_redone_iterations"] == 1  # iteration 7; 6's redo shows no loss
+    assert check["restart_redos_differing_from_first_run"] == 0
