@@ -266,6 +266,8 @@ def test_a_lost_node_comes_back_on_the_spare(cluster, work, reference, figures):
     assert "megatron-recover launch: relaunch 1/2 on node1,node3 (4 ranks)" in lines, lines
     after = [line for t, line in job.steps if t > job.events["lost_at"]]
     assert any(line.endswith(" prted node3") for line in after), job.steps
+    # The launcher asked Slurm, not ssh, whether node2 was still there.
+    assert any(line.endswith(" megatron-recover-probe node2") for line in after), job.steps
     resumed = [int(line.split("resumed iteration")[1].split()[0])
                for line in job.output.splitlines() if "resumed iteration" in line]
     assert len(resumed) == 1 and KILL_AFTER - INTERVAL <= resumed[0] <= KILL_AFTER, resumed
