@@ -5,10 +5,11 @@
               error types (`DistError`: DistBackendError, DistNetworkError, DistStoreError),
               an MPI error whose class says a process failed or the communicator was revoked
               (ULFM's MPI_ERR_PROC_FAILED, _PENDING, MPI_ERR_REVOKED: raised at start-up, before
-              any repair is in place, by a call that met a dead rank), or any error raised while MPI's failure detector reports a peer of this rank's
-              replica failed (the runtime asks MPI; gloo says so only in its message text, which
-              is never read), or EIO/EPIPE on a write (mpirun is gone: the job is being torn
-              down). The replica is gone anyway: the rank leaves (SIGKILL, status `left`) and
+              any repair is in place, by a call that met a dead rank), or any error raised
+              while MPI's failure detector reports a peer of this rank's replica failed (the
+              runtime asks MPI; gloo says so only in its message text, which is never read),
+              or EIO/EPIPE on a write (mpirun is gone: the job is being torn down). The
+              replica is gone anyway: the rank leaves (SIGKILL, status `left`) and
               the survivors absorb the replica in-step.
   device      a fault of this rank's device raised into Python: `torch.AcceleratorError` (how
               CUDA errors such as an illegal address, an ECC or an Xid error reach Python) or

@@ -159,20 +159,15 @@ class SlurmCluster:
                            capture_output=True, timeout=30)
 
     def _start(self, name: str, cmd: list[str]) -> None:
-        log = (self.state / f"{name.replace(' ', '-')}.out").open("wb")
-        self.daemons[name] = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=dict(os.environ, **self.env))
+        with (self.state / f"{name.replace(' ', '-')}.out").open("wb") as log:
+            self.daemons[name] = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=dict(os.environ, **self.env))
 
     # Commands.
-    def run(self, *cmd: str, timeout_s: float = 30.0, check: bool = True,
-            on: str | None = None) -> str:
-        """A Slurm command on this machine, or on node `on` (inside its namespaces)."""
-        argv = list(cmd)
-        if on is not None:
-            argv = ["nsenter", "-t", str(self.nodes.holders[on].pid), "-u", "-n", "-m", "--",
-                    *argv]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+    def run(self, *cmd: str, timeout_s: float = 30.0, check: bool = True) -> str:
+        """A Slurm command, run on this machine; its output."""
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               env=dict(os.environ, **self.env))
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}: rc {done.returncode}: "
@@ -284,8 +279,9 @@ class SlurmCluster:
 
     def down(self) -> None:
         if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
-            self.run("scancel", "--full", "--quiet", "--user=root", check=False, timeout_s=10)
-        for name, daemon in self.daemons.items():  # slurmd: by PID here; the nodes' down, too
+            self.run("scancel", "--full", "--quiet", f"--user={os.geteuid()}", check=False,
+                     timeout_s=10)
+        for daemon in self.daemons.values():  # slurmd: by PID here; the nodes' down, too
             _kill(daemon.pid)
         for daemon in self.daemons.values():
             try:
