@@ -10,7 +10,7 @@ checks that no process of the job is left on any node, and each builds its own c
 
 Run: `make test-slurm` as root (it installs the Debian packages when missing); skipped, with
 the reason, without root or Slurm. Not in `make test`: it installs system packages with
-apt-get, and its four jobs take about four minutes (docs/testing.md).
+apt-get, and its four jobs take about three minutes (docs/testing.md).
 """
 
 import json
@@ -48,7 +48,7 @@ CLEAN_S = 30.0  # after the job's end, until no process of it is left on any nod
 KILL_AFTER = 5
 # node2's first rank (replica 2) computes this long without communicating in iteration
 # KILL_AFTER + 1, and node2 is lost once it has begun: the loss lands inside an iteration. The
-# relaunch runs without it (the schedule is emptied at the loss; the relaunch reads it anew).
+# relaunch reads the schedule anew: at the loss it becomes STALL_AFTER_LOSS.
 STALL = (f"entries:\n  - {{iteration: {KILL_AFTER + 1}, replica: 2, local_rank: 0, "
          "location: pre-forward, action: stall, seconds: 30}\n")
 # The relaunch computes this long in iteration ITERATIONS - 1, so that the job still runs when
